@@ -1,0 +1,53 @@
+"""The storage layer: every byte the project writes goes through a `Store`.
+
+Get a store with `open_store(url)`; see `base.Store` for the operations and
+`base.Capabilities` for what each backend promises.
+"""
+
+from .base import Capabilities, FileInfo, Staging, Store
+from .errors import (
+    InvalidKey,
+    LeaseLost,
+    LockTimeout,
+    MissingDependency,
+    StoreError,
+    StoreUnavailable,
+    UnknownScheme,
+)
+from .eventlog import EventLog
+from .keys import join, validate_hex, validate_key
+from .locks import KernelLock, LeaseLock, Lock
+from .records import Decoded, Record, RecordCodec, encode, encode_line, register_upcaster
+from .router import open_store
+from .transfer import CopyResult, copy_file, copy_tree
+
+__all__ = [
+    "Capabilities",
+    "CopyResult",
+    "Decoded",
+    "EventLog",
+    "FileInfo",
+    "InvalidKey",
+    "KernelLock",
+    "LeaseLock",
+    "LeaseLost",
+    "Lock",
+    "LockTimeout",
+    "MissingDependency",
+    "Record",
+    "RecordCodec",
+    "Staging",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "UnknownScheme",
+    "copy_file",
+    "copy_tree",
+    "encode",
+    "encode_line",
+    "join",
+    "open_store",
+    "register_upcaster",
+    "validate_hex",
+    "validate_key",
+]

@@ -1,0 +1,182 @@
+"""S3 store through s3fs.
+
+S3 has no directory rename and no append, so publication is the commit-record protocol
+(upload under ``<final>/.v/<uuid>/``, then create ``<final>/.commit`` with
+``If-None-Match: *``), log segments are rewritten whole by their single writer, and locks
+are leases. Exclusive creates always go through `pipe_file(mode="create")`: s3fs's
+``open(p, "xb")`` silently overwrites when it writes zero bytes (FACTS.md).
+
+Every call is bounded (short connect timeout, few retries) and a transport failure becomes
+`StoreUnavailable` naming the URL, so an unreachable endpoint is a clear error, not a hang.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+from collections.abc import Callable, Mapping
+from datetime import datetime
+from typing import IO, Any, TypeVar
+
+from .base import Appender, Capabilities, FileInfo, SegmentAppender, Store
+from .errors import MissingDependency, StoreUnavailable
+from .keys import validate_key
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+_PASSTHROUGH = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError)
+
+
+def _translated(method: F) -> F:
+    """Turn transport errors into `StoreUnavailable`; keep the errors callers branch on."""
+
+    @functools.wraps(method)
+    def wrapper(self: S3Store, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except _PASSTHROUGH:
+            raise
+        except StoreUnavailable:
+            raise
+        except Exception as exc:
+            if _is_transport_error(exc) or isinstance(exc, (OSError, PermissionError)):
+                raise StoreUnavailable(
+                    f"S3 store {self.url} is unavailable ({type(exc).__name__}: {exc})"
+                ) from exc
+            raise
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _is_transport_error(exc: BaseException) -> bool:
+    names = {c.__name__ for c in type(exc).__mro__}
+    return bool(
+        names
+        & {
+            "EndpointConnectionError",
+            "ConnectTimeoutError",
+            "ReadTimeoutError",
+            "ClientError",
+            "NoCredentialsError",
+            "BotoCoreError",
+            "ClientOSError",
+            "ServerDisconnectedError",
+        }
+    )
+
+
+class S3Store(Store):
+    """A store under ``s3://bucket/prefix``."""
+
+    def __init__(self, url: str, bucket_and_prefix: str, options: Mapping[str, Any]) -> None:
+        try:
+            import s3fs
+        except ImportError as exc:  # pragma: no cover - exercised without the extra
+            raise MissingDependency(
+                "the 's3' scheme needs s3fs: pip install 'vllm-neuron[s3]'"
+            ) from exc
+        opts = dict(options)
+        endpoint = opts.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or (
+            os.environ.get("AWS_ENDPOINT_URL")
+        )
+        connect_timeout = float(opts.pop("connect_timeout", 5))
+        read_timeout = float(opts.pop("read_timeout", 60))
+        retries = int(opts.pop("retries", 2))
+        client_kwargs = dict(opts.pop("client_kwargs", {}))
+        if endpoint:
+            client_kwargs.setdefault("endpoint_url", endpoint)
+        config_kwargs = dict(opts.pop("config_kwargs", {}))
+        config_kwargs.setdefault("connect_timeout", connect_timeout)
+        config_kwargs.setdefault("read_timeout", read_timeout)
+        config_kwargs.setdefault("retries", {"max_attempts": retries, "mode": "standard"})
+        fs = s3fs.S3FileSystem(
+            skip_instance_cache=True,
+            use_listings_cache=False,
+            client_kwargs=client_kwargs,
+            config_kwargs=config_kwargs,
+            **opts,
+        )
+        fs.retries = max(1, retries)
+        super().__init__(url, fs, bucket_and_prefix.strip("/"))
+        self.capabilities = Capabilities(
+            profile="s3",
+            atomic_rename=False,
+            kernel_locks=False,
+            native_append=False,
+            local_paths=False,
+        )
+
+    @_translated
+    def read(self, key: str) -> bytes | None:
+        try:
+            return bytes(self.fs.cat_file(self._path(validate_key(key))))
+        except (FileNotFoundError, IsADirectoryError):
+            return None
+
+    @_translated
+    def write(self, key: str, data: bytes) -> None:
+        self.fs.pipe_file(self._path(validate_key(key)), bytes(data))
+
+    @_translated
+    def create(self, key: str, data: bytes) -> bool:
+        path = self._path(validate_key(key))
+        for attempt in range(5):
+            try:
+                self.fs.pipe_file(path, bytes(data), mode="create")
+                return True
+            except FileExistsError:
+                return False
+            except OSError as exc:
+                # AWS answers a create racing another create with 409
+                # ConditionalRequestConflict, which s3fs does not map: retry.
+                if "ConditionalRequestConflict" not in str(exc) or attempt == 4:
+                    raise
+                time.sleep(0.05 * (attempt + 1))
+        return False  # pragma: no cover
+
+    @_translated
+    def info(self, key: str) -> FileInfo | None:
+        try:
+            details = self.fs.info(self._path(validate_key(key)))
+        except FileNotFoundError:
+            return None
+        if details.get("type") != "file":
+            return None
+        modified = details.get("LastModified")
+        mtime = modified.timestamp() if isinstance(modified, datetime) else 0.0
+        return FileInfo(key, int(details.get("size", 0)), mtime)
+
+    @_translated
+    def list(self, prefix: str = "") -> list[str]:
+        return super().list(prefix)
+
+    @_translated
+    def list_dir(self, prefix: str = "") -> list[str]:
+        return super().list_dir(prefix)
+
+    @_translated
+    def delete(self, key: str) -> bool:
+        path = self._path(validate_key(key))
+        if not self.fs.exists(path):
+            return False
+        self.fs.rm_file(path)
+        return True
+
+    @_translated
+    def delete_tree(self, prefix: str) -> int:
+        keys = self.list(validate_key(prefix))
+        if keys:
+            self.fs.rm([self._path(k) for k in keys])
+        return len(keys)
+
+    @_translated
+    def put_file(self, key: str, local_path: str) -> None:
+        self.fs.put_file(local_path, self._path(validate_key(key)))
+
+    @_translated
+    def open_read(self, key: str) -> IO[bytes]:
+        return self.fs.open(self._path(validate_key(key)), "rb")  # type: ignore[no-any-return]
+
+    def open_appender(self, key: str, *, truncate: bool) -> Appender:
+        return SegmentAppender(self, validate_key(key), truncate)

@@ -1,0 +1,39 @@
+"""Errors raised by the storage layer.
+
+Each error names what the user gave us (the URL, the key, the lock) so a failure in a
+deployment can be traced to the setting that caused it without reading our code.
+"""
+
+from __future__ import annotations
+
+
+class StoreError(Exception):
+    """Base class for every error the storage layer raises on purpose."""
+
+
+class InvalidKey(StoreError, ValueError):
+    """A key would escape the store root or is not a well-formed relative path."""
+
+
+class UnknownScheme(StoreError, ValueError):
+    """`open_store` was given a URL scheme it has no backend for."""
+
+
+class MissingDependency(StoreError, ImportError):
+    """The backend for a scheme needs an optional package that is not installed."""
+
+
+class StoreUnavailable(StoreError, OSError):
+    """The backend could not be reached (endpoint down, mount gone, credentials refused)."""
+
+
+class LockTimeout(StoreError, TimeoutError):
+    """A lock was not acquired within the timeout the caller asked for."""
+
+
+class LeaseLost(StoreError):
+    """A lease holder discovered that its lease expired and another holder took over.
+
+    Work done under a lost lease must not be committed: the generation (fencing token)
+    it carries is older than the current one.
+    """

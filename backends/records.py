@@ -1,0 +1,127 @@
+"""The project's one event codec: frozen, tagged msgspec records as JSON lines.
+
+Every record the layer persists subclasses `Record`. The tag (``"type"``) lets one decoder
+read a stream that mixes record kinds; ``v`` is the schema version, so a reader can upcast
+an old record explicitly (`register_upcaster`) instead of guessing.
+
+A line that does not decode is skipped and counted (`Decoded.skipped`): a torn line from a
+killed writer or one written by a newer version must never make a whole stream unreadable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import msgspec
+
+R = TypeVar("R", bound="Record")
+
+
+class Record(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
+    """Base of every persisted record. Subclasses set ``tag=`` and may bump ``v``."""
+
+    v: int = 1
+
+
+_ENCODER = msgspec.json.Encoder()
+
+# (tag, version) -> function turning the raw dict of that version into the current one.
+_UPCASTERS: dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]]] = {}
+
+
+def register_upcaster(
+    tag: str, from_version: int
+) -> Callable[[Callable[[dict[str, Any]], dict[str, Any]]], Callable[[dict[str, Any]], dict[str, Any]]]:
+    """Register a function that rewrites a version-`from_version` record of `tag` as v+1."""
+
+    def deco(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        _UPCASTERS[(tag, from_version)] = fn
+        return fn
+
+    return deco
+
+
+def encode(record: Record) -> bytes:
+    """Encode one record as compact JSON (no newline)."""
+    return _ENCODER.encode(record)
+
+
+def encode_line(record: Record) -> bytes:
+    """Encode one record as a JSON line ending in a newline."""
+    return _ENCODER.encode(record) + b"\n"
+
+
+@dataclass
+class Decoded:
+    """The result of decoding a stream: the records, and how many lines were skipped."""
+
+    records: list[Any] = field(default_factory=list)
+    skipped: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    def extend(self, other: Decoded) -> None:
+        self.records.extend(other.records)
+        self.skipped += other.skipped
+        self.errors.extend(other.errors)
+
+
+class RecordCodec:
+    """Decodes lines into a closed set of record types (a tagged union)."""
+
+    def __init__(self, types: Sequence[type[Record]]) -> None:
+        if not types:
+            raise ValueError("RecordCodec needs at least one record type")
+        self._types = tuple(types)
+        union: Any = self._types[0] if len(self._types) == 1 else _union(self._types)
+        self._decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(union)
+        self._by_tag = {t.__struct_config__.tag: t for t in self._types}
+
+    def decode(self, data: bytes) -> Any:
+        """Decode one JSON document into its record type (raises on a bad document)."""
+        try:
+            return self._decoder.decode(data)
+        except msgspec.ValidationError:
+            upcast = self._upcast(data)
+            if upcast is None:
+                raise
+            return upcast
+
+    def _upcast(self, data: bytes) -> Any:
+        raw = msgspec.json.decode(data)
+        if not isinstance(raw, dict):
+            return None
+        tag, version = raw.get("type"), raw.get("v", 1)
+        if tag not in self._by_tag or not isinstance(version, int):
+            return None
+        changed = False
+        while (tag, version) in _UPCASTERS:
+            raw = _UPCASTERS[(tag, version)](dict(raw))
+            version += 1
+            raw["v"] = version
+            changed = True
+        if not changed:
+            return None
+        return msgspec.convert(raw, self._by_tag[tag])
+
+    def decode_lines(self, data: bytes | Iterable[bytes]) -> Decoded:
+        """Decode a JSONL blob (or an iterable of lines), skipping lines that don't decode."""
+        out = Decoded()
+        lines = data.split(b"\n") if isinstance(data, bytes) else data
+        for lineno, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                out.records.append(self.decode(line))
+            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                out.skipped += 1
+                if len(out.errors) < 20:
+                    out.errors.append(f"line {lineno}: {exc}")
+        return out
+
+
+def _union(types: tuple[type[Record], ...]) -> Any:
+    from typing import Union
+
+    return Union[types]  # noqa: UP007 - a runtime union over a tuple of classes

@@ -1,0 +1,62 @@
+#!/usr/bin/env python3
+"""Project bootstrap: everything a fresh machine with only Python needs.
+
+    python3 dev.py demo     # the compile-cache demo (local disk by default)
+    python3 dev.py test     # the whole test suite (what CI runs)
+    python3 dev.py lint     # ruff + mypy
+    python3 dev.py bench    # the benchmarks
+
+Each command creates `.venv/` on first use and installs the project into it from
+pyproject.toml (again whenever pyproject.toml changes); nothing is installed by hand.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = Path(os.environ.get("VLLM_NEURON_DEV_VENV", ROOT / ".venv"))
+PY = VENV / "bin" / "python"
+EXTRAS = {"demo": "torch", "test": "test", "lint": "test,lint", "bench": "test"}
+
+
+def ensure_env(extras: str) -> None:
+    if not PY.exists():
+        print(f"dev.py: creating {VENV}", flush=True)
+        venv.EnvBuilder(with_pip=True).create(VENV)
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    stamp = VENV / f".vllm-neuron-installed-{extras.replace(',', '-')}-{digest}"
+    if stamp.exists():
+        return
+    print(f"dev.py: installing vllm-neuron[{extras}] into {VENV}", flush=True)
+    pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    subprocess.check_call([*pip, "-e", f"{ROOT}[{extras}]"], cwd=ROOT)
+    stamp.touch()
+
+
+def run(argv: list[str]) -> int:
+    cmd = argv[0] if argv else "test"
+    rest = argv[1:]
+    if cmd not in EXTRAS:
+        print(f"usage: python3 dev.py {{{'|'.join(EXTRAS)}}} [args...]", file=sys.stderr)
+        return 2
+    ensure_env(EXTRAS[cmd])
+    env = dict(os.environ)
+    if cmd == "test":
+        return subprocess.call([str(PY), "-m", "pytest", "tests", *rest], cwd=ROOT, env=env)
+    if cmd == "demo":
+        return subprocess.call([str(PY), "-m", "vllm_neuron.demo", *rest], cwd=ROOT, env=env)
+    if cmd == "lint":
+        code = subprocess.call([str(PY), "-m", "ruff", "check", "vllm_neuron", "backends", "tests",
+                                "benchmarks"], cwd=ROOT)
+        return code or subprocess.call([str(PY), "-m", "mypy", "vllm_neuron", "backends"], cwd=ROOT)
+    return subprocess.call([str(PY), "-m", "benchmarks", *rest], cwd=ROOT, env=env)
+
+
+if __name__ == "__main__":
+    sys.exit(run(sys.argv[1:]))
