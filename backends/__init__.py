@@ -19,7 +19,7 @@ from .keys import join, validate_hex, validate_key
 from .locks import KernelLock, LeaseLock, Lock
 from .records import Decoded, Record, RecordCodec, encode, encode_line, register_upcaster
 from .router import open_store
-from .transfer import CopyResult, copy_file, copy_tree
+from .transfer import CopyResult, Progress, copy_file, copy_tree
 
 __all__ = [
     "Capabilities",
@@ -34,6 +34,7 @@ __all__ = [
     "Lock",
     "LockTimeout",
     "MissingDependency",
+    "Progress",
     "Record",
     "RecordCodec",
     "Staging",

@@ -1,7 +1,19 @@
 """vLLM Neuron artifact store: compile cache, compile manifest, input snapshots, profiles.
 
-Importing this package registers the ``vllm_neuron`` torch.compile backend lazily (torch is
-only imported when the backend is used), so importing it stays cheap.
+``torch.compile(model, backend="vllm_neuron")`` works once this package is imported (it
+registers the backend when torch is already loaded) and, for an installed package, without
+any import at all through the ``torch_dynamo_backends`` entry point. Importing this package
+never imports torch itself, so the CLI and the storage layer stay fast to start.
 """
 
+import sys as _sys
+
 __version__ = "0.1.0"
+
+if "torch" in _sys.modules:  # pragma: no branch - both paths are exercised by tests
+    try:
+        from .compile.backend import register_backend as _register_backend
+
+        _register_backend()
+    except Exception:  # noqa: BLE001 - the entry point still registers it lazily
+        pass

@@ -1,0 +1,42 @@
+"""The `vllm-neuron` command: a thin shell over the library's functions.
+
+Each feature adds one sub-command module (`cache`, later `manifest`, `profile`); each
+module exposes `register(subparsers)` and its handlers return the process exit status.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from . import cache as cache_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="vllm-neuron", description="Artifacts of vLLM Neuron deployments."
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    sub = parser.add_subparsers(dest="command", required=True)
+    cache_cmd.register(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        return int(args.handler(args))
+    except (ValueError, RuntimeError, OSError, KeyError) as exc:
+        print(f"vllm-neuron: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

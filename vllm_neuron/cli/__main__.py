@@ -1,0 +1,5 @@
+import sys
+
+from vllm_neuron.cli import main
+
+sys.exit(main())

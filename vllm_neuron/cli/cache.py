@@ -1,0 +1,185 @@
+"""`vllm-neuron cache ls|stats|verify|promote|prune|explain`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+from vllm_neuron.backends import open_store
+
+from .format import ProgressBar, human_age, human_size, print_json, table
+
+
+def _default_cache_dir() -> str:
+    from vllm_neuron.envs import get_neuron_compile_cache_dir
+
+    return get_neuron_compile_cache_dir()
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("cache", help="inspect and maintain the compile cache")
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        help="local cache directory (default: $VLLM_CACHE_ROOT/neuron/compile_cache)",
+    )
+    cmds = parser.add_subparsers(dest="cache_command", required=True)
+
+    ls = cmds.add_parser("ls", help="list entries")
+    ls.add_argument("url", nargs="?", help="a tier to list (default: the local cache)")
+    ls.add_argument("--json", action="store_true")
+    ls.set_defaults(handler=cmd_ls)
+
+    stats = cmds.add_parser("stats", help="hits, misses, compiles and time saved")
+    stats.add_argument("--json", action="store_true")
+    stats.set_defaults(handler=cmd_stats)
+
+    verify = cmds.add_parser("verify", help="check every checksum; exit 1 on any corrupt entry")
+    verify.add_argument("url", nargs="?", help="a tier to verify (default: the local cache)")
+    verify.add_argument("--keep", action="store_true", help="report only; do not quarantine")
+    verify.add_argument("--json", action="store_true")
+    verify.set_defaults(handler=cmd_verify)
+
+    promote = cmds.add_parser("promote", help="copy entries to a remote tier (save_cache)")
+    promote.add_argument("--to", dest="to", default=os.environ.get("NEURON_LIBTORCH_REMOTE_CACHE"),
+                         help="remote tier URL (default: $NEURON_LIBTORCH_REMOTE_CACHE)")
+    which = promote.add_mutually_exclusive_group(required=True)
+    which.add_argument("--key", action="append", help="an entry to promote (repeatable)")
+    which.add_argument("--all", action="store_true", help="promote every local entry")
+    promote.set_defaults(handler=cmd_promote)
+
+    prune = cmds.add_parser("prune", help="delete old entries or shrink a tier")
+    prune.add_argument("url", nargs="?", help="a tier to prune (default: the local cache)")
+    prune.add_argument("--older-than", help="e.g. 30m, 12h, 7d")
+    prune.add_argument("--max-size", help="e.g. 500M, 10G")
+    prune.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
+    prune.set_defaults(handler=cmd_prune)
+
+    explain = cmds.add_parser("explain", help="which key components differ between two keys")
+    explain.add_argument("key_a")
+    explain.add_argument("key_b")
+    explain.add_argument("url", nargs="?", help="the tier holding both (default: local)")
+    explain.set_defaults(handler=cmd_explain)
+
+
+def _cache_dir(args: argparse.Namespace) -> str:
+    return args.cache_dir or _default_cache_dir()
+
+
+def _tier(args: argparse.Namespace) -> Any:
+    url = getattr(args, "url", None) or _cache_dir(args)
+    if "://" not in url and not os.path.isdir(url):
+        raise ValueError(f"no compile cache at {url}")
+    return open_store(url, **({} if "://" in url else {"create": False}))
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from vllm_neuron.compile.inventory import list_entries
+
+    entries = list_entries(_tier(args))
+    if args.json:
+        print_json([{**e.__dict__, "age_seconds": e.age_seconds} for e in entries])
+        return 0
+    rows = [
+        (e.key, human_size(e.size), e.files, human_age(e.age_seconds), e.toolchain, e.target,
+         f"{e.compile_seconds:.1f}s", e.problem or "")
+        for e in entries
+    ]
+    print(table(["KEY", "SIZE", "FILES", "AGE", "TOOLCHAIN", "TARGET", "COMPILE", "PROBLEM"], rows))
+    print(f"{len(entries)} entries, {human_size(sum(e.size for e in entries))}")
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    from vllm_neuron.compile.events import read_stats
+
+    stats = read_stats(_cache_dir(args))
+    if args.json:
+        print_json(stats)
+        return 0
+    rows = [
+        ("hits", stats.hits),
+        ("misses", stats.misses),
+        ("compiles", f"{stats.compiles} ({stats.compile_seconds:.1f} s)"),
+        ("compile failures", stats.compile_failures),
+        ("remote fetches", f"{stats.fetches} ({stats.fetch_seconds:.1f} s)"),
+        ("promotions", stats.promotions),
+        ("verification failures", stats.verification_failures),
+        ("remote outages", stats.remote_outages),
+        ("lock wait", f"{stats.lock_wait_seconds:.1f} s"),
+        ("time saved", f"{stats.time_saved_seconds:.1f} s"),
+    ]
+    print(table(["", "VALUE"], rows))
+    if stats.skipped_lines:
+        print(f"({stats.skipped_lines} undecodable event lines skipped)")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from vllm_neuron.compile.inventory import verify_entries
+    from vllm_neuron.compile.quarantine import quarantine_entry
+
+    store = _tier(args)
+
+    def quarantine(key: str, problem: str) -> None:
+        quarantine_entry(store, key, problem)
+
+    results = verify_entries(store, quarantine=None if args.keep else quarantine)
+    bad = [r for r in results if not r.ok]
+    if args.json:
+        print_json(results)
+    else:
+        for r in results:
+            print(f"{'ok     ' if r.ok else 'CORRUPT'} {r.key} {r.problem or ''}".rstrip())
+        verb = "reported" if args.keep else "quarantined"
+        print(f"{len(results)} entries checked, {len(bad)} corrupt" + (f" ({verb})" if bad else ""))
+    return 1 if bad else 0
+
+
+def cmd_promote(args: argparse.Namespace) -> int:
+    from vllm_neuron.compile.inventory import list_entries
+    from vllm_neuron.compile.promote import save_cache
+
+    if not args.to:
+        raise ValueError("promote needs --to URL (or NEURON_LIBTORCH_REMOTE_CACHE)")
+    cache_dir = _cache_dir(args)
+    keys = args.key or [e.key for e in list_entries(_tier(args)) if e.problem is None]
+    promoted = 0
+    for key in keys:
+        published = save_cache(cache_dir, args.to, key, progress=ProgressBar(key[:12]))
+        promoted += int(published)
+        print(f"{key}: {'promoted' if published else 'already in the remote tier'}")
+    print(f"{promoted} of {len(keys)} entries promoted to {args.to}")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace) -> int:
+    from vllm_neuron.compile.inventory import parse_duration, parse_size, plan_prune
+
+    plan = plan_prune(
+        _tier(args),
+        older_than=None if args.older_than is None else parse_duration(args.older_than),
+        max_size=None if args.max_size is None else parse_size(args.max_size),
+    )
+    for e in plan.delete:
+        print(f"{'would delete' if args.dry_run else 'delete'} {e.key} "
+              f"{human_size(e.size)} ({plan.reasons[e.key]})")
+    if args.dry_run:
+        print(f"dry run: {len(plan.delete)} entries, {human_size(plan.freed_bytes)} would be freed")
+        return 0
+    removed = plan.execute()
+    print(f"{removed} entries deleted, {human_size(plan.freed_bytes)} freed")
+    return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from vllm_neuron.compile.inventory import explain_keys
+
+    diff = explain_keys(_tier(args), args.key_a, args.key_b)
+    if not diff:
+        print("the two entries have identical key components")
+        return 0
+    print(table(["COMPONENT", args.key_a[:12], args.key_b[:12]],
+                [(name, a[:16], b[:16]) for name, (a, b) in diff.items()]))
+    return 0

@@ -1,0 +1,59 @@
+"""Plain-text rendering helpers shared by the sub-commands."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, is_dataclass
+from typing import Any
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def human_age(seconds: float) -> str:
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    cells = [[str(h) for h in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def print_json(value: Any) -> None:
+    def default(obj: Any) -> Any:
+        if is_dataclass(obj) and not isinstance(obj, type):
+            return asdict(obj)
+        raise TypeError(f"cannot encode {type(obj).__name__}")
+
+    json.dump(value, sys.stdout, indent=2, default=default)
+    sys.stdout.write("\n")
+
+
+class ProgressBar:
+    """A one-line progress bar on stderr (no dependency), for promotions and fetches."""
+
+    def __init__(self, label: str, width: int = 30) -> None:
+        self.label, self.width = label, width
+
+    def __call__(self, done: int, total: int) -> None:
+        frac = 1.0 if total <= 0 else min(1.0, done / total)
+        filled = int(frac * self.width)
+        bar = "#" * filled + "." * (self.width - filled)
+        end = "\n" if frac >= 1.0 else ""
+        sys.stderr.write(
+            f"\r{self.label} [{bar}] {frac * 100:5.1f}% {human_size(done)}/{human_size(total)}{end}"
+        )
+        sys.stderr.flush()

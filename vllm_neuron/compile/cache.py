@@ -1,0 +1,424 @@
+"""The two-tier compile cache: local per node, optional remote shared by every node.
+
+The decision flow is the seed's (compile-cache.md), per key:
+
+1. fast local check, no lock (a hit is size-checked: one stat per file);
+2. take the key's lock (different keys never contend);
+3. re-check local: another process may have finished while we waited;
+4. a compile by the holder we waited for failed -> raise its error now, not at timeout;
+5. remote configured -> fetch, verify every checksum, publish locally;
+6. pre-compiled-only mode -> `RuntimeError`;
+7. compile into a staging directory, write the commit record last, publish atomically.
+
+Correctness never rests on the lock: publication is first-writer-wins, so a holder that
+died (its kernel lock is dropped, its lease expires) only costs the next one a compile, and
+nothing half-built is ever visible. The remote tier is best-effort: when it fails, one
+warning, and the node carries on alone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_neuron.backends import (
+    EventLog,
+    LockTimeout,
+    Record,
+    Store,
+    StoreError,
+    copy_tree,
+    join,
+    open_store,
+    validate_hex,
+)
+
+from .entry import (
+    ENTRY_RECORD,
+    EntryProblem,
+    EntryRecord,
+    build_record,
+    check_checksums,
+    check_sizes,
+    decode_record,
+    encode_record,
+    read_record,
+)
+from .events import (
+    CacheHit,
+    CacheMiss,
+    Compiled,
+    CompileFailed,
+    Fetched,
+    LockWaited,
+    RemoteUnavailable,
+    VerificationFailed,
+)
+from .quarantine import quarantine_entry
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+EVENTS_STREAM = ".events"
+FAILURES_DIR = ".failures"
+STAGING_MAX_AGE = 6 * 3600.0
+REMOTE_RETRY_AFTER = 60.0
+
+CompileFn = Callable[[str], Mapping[str, Any]]
+"""Compiles into the given empty directory; returns the toolchain's metadata (JSON-able)."""
+
+
+class CompileError(RuntimeError):
+    """The compile of a key failed (in this process or in the one we waited for)."""
+
+
+class PrecompiledOnlyMiss(RuntimeError):
+    """A miss in pre-compiled-only mode (VLLM_NEURON_DISABLE_WARMUP_COMPILE=1)."""
+
+
+@dataclass(frozen=True)
+class CacheResult:
+    """Where a key's artifacts are, and how they got there."""
+
+    key: str
+    path: str
+    record: EntryRecord
+    source: str  # "memory", "local", "local-after-wait", "remote", "compiled", "uncached"
+    seconds: float
+
+
+class TwoTierCache:
+    """One node's view of the cache: a local store plus an optional remote store."""
+
+    def __init__(
+        self,
+        local_dir: str,
+        *,
+        remote: str | None = None,
+        timeout: float = 600.0,
+        disabled: bool = False,
+        precompiled_only: bool = False,
+        toolchain: str = "host",
+        target: str = "cpu",
+        lease_duration: float = 30.0,
+        remote_options: Mapping[str, Any] | None = None,
+    ) -> None:
+        if disabled and precompiled_only:
+            raise ValueError(
+                "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 is incompatible with "
+                "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE=1: with no cache nothing can be "
+                "pre-compiled"
+            )
+        self.local_dir = os.path.abspath(local_dir)
+        self.local: Store = open_store(self.local_dir)
+        if not self.local.capabilities.atomic_rename:
+            raise StoreError(f"the local cache tier must be a POSIX directory, got {self.local}")
+        self.remote_url = remote or None
+        self._remote_options = dict(remote_options or {})
+        self._remote: Store | None = None
+        self._remote_down_until = 0.0
+        self._remote_warned = False
+        self.timeout = timeout
+        self.disabled = disabled
+        self.precompiled_only = precompiled_only
+        self.toolchain = toolchain
+        self.target = target
+        self.lease_duration = lease_duration
+        self._loaded: dict[str, CacheResult] = {}
+        self._events: EventLog = self.local.log(
+            EVENTS_STREAM, writer=f"{socket.gethostname()}-{os.getpid()}"
+        )
+        self._events_broken = False
+        self._collect_stale_staging()
+
+    # ------------------------------------------------------------- events
+    def _record(self, event: Record) -> None:
+        if self._events_broken:
+            return
+        try:
+            self._events.append(event)
+        except Exception as exc:  # noqa: BLE001 - statistics never break a compile
+            self._events_broken = True
+            logger.warning("compile cache: cannot record events in %s: %s", self.local_dir, exc)
+
+    # -------------------------------------------------------------- local
+    def entry_path(self, key: str) -> str:
+        return os.path.join(self.local_dir, key)
+
+    def lookup_local(self, key: str) -> CacheResult | None:
+        """The fast, unlocked check: a published, size-checked local entry or None."""
+        start = time.perf_counter()
+        data = self.local.read(join(key, ENTRY_RECORD))
+        if data is None:
+            return None
+        try:
+            record = decode_record(data)
+            if record.key != key:
+                raise EntryProblem(f"{self.local_dir}/{key}: record names key {record.key}")
+            check_sizes(self.local, key, record)
+        except Exception as exc:  # noqa: BLE001 - any defect is a miss plus a quarantine
+            self.quarantine(self.local, key, str(exc), tier="local")
+            return None
+        return CacheResult(key, self.entry_path(key), record, "local", time.perf_counter() - start)
+
+    def quarantine(self, store: Store, key: str, reason: str, *, tier: str) -> None:
+        """Withdraw a defective entry (it becomes a miss) and say so once."""
+        self._record(VerificationFailed(key=key, at=time.time(), tier=tier, reason=reason))
+        quarantine_entry(store, key, reason)
+
+    # ------------------------------------------------------------- remote
+    @property
+    def remote(self) -> Store | None:
+        """The remote store, or None when unset or currently unreachable."""
+        if self.remote_url is None or time.monotonic() < self._remote_down_until:
+            return None
+        if self._remote is None:
+            try:
+                self._remote = open_store(self.remote_url, **self._remote_options)
+            except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+                self._remote_failed(exc)
+                return None
+        return self._remote
+
+    def _remote_failed(self, exc: BaseException) -> None:
+        self._remote_down_until = time.monotonic() + REMOTE_RETRY_AFTER
+        self._record(RemoteUnavailable(at=time.time(), remote=str(self.remote_url), reason=str(exc)))
+        if not self._remote_warned:
+            self._remote_warned = True
+            logger.warning(
+                "compile cache: remote tier %s (NEURON_LIBTORCH_REMOTE_CACHE) failed: %s; "
+                "continuing with the local cache only",
+                self.remote_url,
+                exc,
+            )
+
+    def fetch_remote(self, key: str) -> CacheResult | None:
+        """Copy `key` from the remote tier into the local tier, verifying every checksum."""
+        remote = self.remote
+        if remote is None:
+            return None
+        start = time.perf_counter()
+        try:
+            prefix = remote.published(key)
+            if prefix is None:
+                return None
+            record_bytes = remote.read(join(prefix, ENTRY_RECORD))
+            if record_bytes is None:
+                raise EntryProblem(f"{remote.url}/{key}: {ENTRY_RECORD} is missing")
+            try:
+                record = decode_record(record_bytes)
+            except Exception as exc:  # noqa: BLE001
+                raise EntryProblem(f"{remote.url}/{key}: unreadable {ENTRY_RECORD}: {exc}") from exc
+            with self.local.stage(key) as staging:
+                copy_tree(remote, prefix, staging, keys=sorted(record.files))
+                staged_dir = staging.local_dir()
+                assert staged_dir is not None
+                try:
+                    check_checksums(self.local, staging.prefix, record)
+                except EntryProblem as exc:
+                    raise EntryProblem(f"{remote.url}/{key}: {exc}") from exc
+                staging.write(ENTRY_RECORD, record_bytes)
+                staging.commit()
+        except EntryProblem as exc:
+            self.quarantine(remote, key, str(exc), tier="remote")
+            return None
+        except FileNotFoundError as exc:
+            logger.warning("compile cache: remote entry %s/%s vanished while fetching: %s",
+                           remote.url, key, exc)
+            return None
+        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+            self._remote_failed(exc)
+            return None
+        local = self.lookup_local(key)
+        if local is None:
+            return None
+        seconds = time.perf_counter() - start
+        self._record(
+            Fetched(
+                key=key,
+                at=time.time(),
+                seconds=seconds,
+                size=record.total_size,
+                remote=str(self.remote_url),
+                compile_seconds=record.compile_seconds,
+            )
+        )
+        return CacheResult(key, local.path, local.record, "remote", seconds)
+
+    # ------------------------------------------------------------ compile
+    def get_or_compile(
+        self, key: str, compile_fn: CompileFn, *, components: Mapping[str, str] | None = None
+    ) -> CacheResult:
+        """The artifacts for `key`: from memory, local, remote, or a compile, in that order."""
+        validate_hex(key, length=32, what="compile cache key")
+        if key in self._loaded:
+            cached = self._loaded[key]
+            self._record(CacheHit(key=key, at=time.time(), tier="memory"))
+            return cached
+        if self.disabled:
+            return self._compile_uncached(key, compile_fn, components or {})
+        hit = self.lookup_local(key)
+        if hit is not None:
+            self._record(
+                CacheHit(key=key, at=time.time(), seconds=hit.seconds,
+                         compile_seconds=hit.record.compile_seconds)
+            )
+            self._loaded[key] = hit
+            return hit
+        result = self._locked_miss(key, compile_fn, components or {})
+        self._loaded[key] = result
+        return result
+
+    def _locked_miss(
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
+    ) -> CacheResult:
+        wait_start = time.time()
+        lock = self.local.lock(key, lease_duration=self.lease_duration)
+        t0 = time.perf_counter()
+        try:
+            lock.acquire(timeout=self.timeout)
+        except LockTimeout:
+            raise TimeoutError(
+                f"waited {self.timeout:g} s for another process to compile {key} "
+                f"(NEURON_LIBTORCH_COMPILATION_TIMEOUT={self.timeout:g}); the lock is "
+                f"{self.local_dir}/.locks/{key}"
+            ) from None
+        waited = time.perf_counter() - t0
+        try:
+            if waited > 0.05:
+                self._record(LockWaited(key=key, at=time.time(), seconds=waited))
+            hit = self.lookup_local(key)
+            if hit is not None:
+                self._record(
+                    CacheHit(key=key, at=time.time(), seconds=waited,
+                             compile_seconds=hit.record.compile_seconds)
+                )
+                return CacheResult(key, hit.path, hit.record, "local-after-wait", waited)
+            failure = self._recent_failure(key, since=wait_start)
+            if failure is not None:
+                raise CompileError(
+                    f"compile of {key} failed in process {failure.get('pid')} on "
+                    f"{failure.get('host')}: {failure.get('error')}"
+                )
+            self._record(CacheMiss(key=key, at=time.time()))
+            fetched = self.fetch_remote(key)
+            if fetched is not None:
+                return fetched
+            if self.precompiled_only:
+                where = f"the local cache {self.local_dir}"
+                if self.remote_url:
+                    where += f" or the remote cache {self.remote_url}"
+                raise PrecompiledOnlyMiss(
+                    f"compile cache miss for {key} in {where}, and "
+                    "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 forbids compiling at runtime"
+                )
+            return self._compile_and_publish(key, compile_fn, components)
+        finally:
+            lock.release()
+
+    def _compile_and_publish(
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
+    ) -> CacheResult:
+        staging = self.local.stage(key)
+        out_dir = staging.local_dir()
+        assert out_dir is not None
+        os.makedirs(out_dir, exist_ok=True)
+        start = time.perf_counter()
+        try:
+            meta = dict(compile_fn(out_dir))
+        except BaseException as exc:
+            staging.abort()
+            self._write_failure(key, exc)
+            raise
+        seconds = time.perf_counter() - start
+        record = build_record(
+            key=key,
+            components=components,
+            toolchain=self.toolchain,
+            target=self.target,
+            compile_seconds=seconds,
+            directory=out_dir,
+            meta=meta,
+        )
+        staging.write(ENTRY_RECORD, encode_record(record))
+        staging.commit()
+        self.local.delete(join(FAILURES_DIR, f"{key}.json"))
+        self._record(
+            Compiled(key=key, at=time.time(), seconds=seconds, toolchain=self.toolchain,
+                     size=record.total_size)
+        )
+        published = self.lookup_local(key)
+        if published is None:
+            raise CompileError(f"compiled {key} but its entry in {self.local_dir} is not readable")
+        return CacheResult(key, published.path, published.record, "compiled", seconds)
+
+    def _compile_uncached(
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
+    ) -> CacheResult:
+        import tempfile
+
+        out_dir = tempfile.mkdtemp(prefix=f"vllm_neuron_uncached_{key[:8]}_")
+        start = time.perf_counter()
+        meta = dict(compile_fn(out_dir))
+        seconds = time.perf_counter() - start
+        record = build_record(
+            key=key, components=components, toolchain=self.toolchain, target=self.target,
+            compile_seconds=seconds, directory=out_dir, meta=meta,
+        )
+        self._record(Compiled(key=key, at=time.time(), seconds=seconds, toolchain=self.toolchain,
+                              size=record.total_size))
+        return CacheResult(key, out_dir, record, "uncached", seconds)
+
+    # ----------------------------------------------------------- failures
+    def _write_failure(self, key: str, exc: BaseException) -> None:
+        message = f"{type(exc).__name__}: {exc}"
+        self._record(CompileFailed(key=key, at=time.time(), error=message))
+        body = {"at": time.time(), "error": message, "pid": os.getpid(),
+                "host": socket.gethostname()}
+        with contextlib.suppress(Exception):
+            self.local.write(join(FAILURES_DIR, f"{key}.json"), json.dumps(body).encode())
+
+    def _recent_failure(self, key: str, *, since: float) -> dict[str, Any] | None:
+        data = self.local.read(join(FAILURES_DIR, f"{key}.json"))
+        if data is None:
+            return None
+        try:
+            failure = json.loads(data)
+        except ValueError:
+            return None
+        return failure if float(failure.get("at", 0)) >= since else None
+
+    # --------------------------------------------------------------- hygiene
+    def _collect_stale_staging(self) -> None:
+        """Remove staging directories left by processes killed mid-compile."""
+        staging_root = os.path.join(self.local_dir, ".staging")
+        cutoff = time.time() - STAGING_MAX_AGE
+        with contextlib.suppress(OSError):
+            for name in os.listdir(staging_root):
+                path = os.path.join(staging_root, name)
+                with contextlib.suppress(OSError):
+                    if os.stat(path).st_mtime < cutoff:
+                        self.local.delete_tree(join(".staging", name))
+
+    def entries(self) -> list[str]:
+        """Keys of every published local entry."""
+        return [n for n in self.local.published_children("") if len(n) == 32]
+
+    def read_entry(self, key: str) -> EntryRecord:
+        return read_record(self.local, key)
+
+    def verify(self, key: str) -> str | None:
+        """Full check of a local entry; returns the problem (and quarantines) or None."""
+        try:
+            record = read_record(self.local, key)
+            check_checksums(self.local, key, record)
+        except EntryProblem as exc:
+            self.quarantine(self.local, key, str(exc), tier="local")
+            return str(exc)
+        return None

@@ -1,0 +1,144 @@
+"""Compile-cache events, and the statistics folded from them.
+
+Each process appends what it did to its own segment of the ``.events`` stream in the local
+cache; `cache stats` folds every segment. Recording is best-effort: a failing event write
+never fails a compile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_neuron.backends import Record
+
+
+class CacheHit(Record, frozen=True, tag="hit"):
+    key: str
+    at: float
+    tier: str = "local"  # "local", or "memory" when already loaded in this process
+    seconds: float = 0.0
+    compile_seconds: float = 0.0  # what the entry cost to compile: the time this hit saved
+
+
+class CacheMiss(Record, frozen=True, tag="miss"):
+    key: str
+    at: float
+
+
+class LockWaited(Record, frozen=True, tag="lock_wait"):
+    key: str
+    at: float
+    seconds: float
+
+
+class Compiled(Record, frozen=True, tag="compile"):
+    key: str
+    at: float
+    seconds: float
+    toolchain: str
+    size: int
+
+
+class CompileFailed(Record, frozen=True, tag="compile_failed"):
+    key: str
+    at: float
+    error: str
+
+
+class Fetched(Record, frozen=True, tag="fetch"):
+    key: str
+    at: float
+    seconds: float
+    size: int
+    remote: str
+    compile_seconds: float = 0.0
+
+
+class Promoted(Record, frozen=True, tag="promote"):
+    key: str
+    at: float
+    remote: str
+    published: bool
+    size: int = 0
+
+
+class VerificationFailed(Record, frozen=True, tag="verify_failed"):
+    key: str
+    at: float
+    tier: str
+    reason: str
+
+
+class RemoteUnavailable(Record, frozen=True, tag="remote_unavailable"):
+    at: float
+    remote: str
+    reason: str
+
+
+CACHE_EVENTS: tuple[type[Record], ...] = (
+    CacheHit,
+    CacheMiss,
+    LockWaited,
+    Compiled,
+    CompileFailed,
+    Fetched,
+    Promoted,
+    VerificationFailed,
+    RemoteUnavailable,
+)
+
+
+@dataclass
+class CacheStats:
+    """What the cache did, folded from its events."""
+
+    hits: int = 0
+    misses: int = 0
+    compiles: int = 0
+    compile_failures: int = 0
+    fetches: int = 0
+    promotions: int = 0
+    verification_failures: int = 0
+    remote_outages: int = 0
+    compile_seconds: float = 0.0
+    lock_wait_seconds: float = 0.0
+    fetch_seconds: float = 0.0
+    time_saved_seconds: float = 0.0
+    skipped_lines: int = 0
+
+    def apply(self, event: Record) -> CacheStats:
+        if isinstance(event, CacheHit):
+            self.hits += 1
+            self.time_saved_seconds += event.compile_seconds
+        elif isinstance(event, CacheMiss):
+            self.misses += 1
+        elif isinstance(event, Compiled):
+            self.compiles += 1
+            self.compile_seconds += event.seconds
+        elif isinstance(event, CompileFailed):
+            self.compile_failures += 1
+        elif isinstance(event, Fetched):
+            self.fetches += 1
+            self.fetch_seconds += event.seconds
+            self.time_saved_seconds += max(0.0, event.compile_seconds - event.seconds)
+        elif isinstance(event, LockWaited):
+            self.lock_wait_seconds += event.seconds
+        elif isinstance(event, Promoted):
+            self.promotions += int(event.published)
+        elif isinstance(event, VerificationFailed):
+            self.verification_failures += 1
+        elif isinstance(event, RemoteUnavailable):
+            self.remote_outages += 1
+        return self
+
+
+def read_stats(cache_dir: str) -> CacheStats:
+    """Fold every process's event segment of the local cache at `cache_dir`."""
+    from vllm_neuron.backends import open_store
+
+    from .cache import EVENTS_STREAM
+
+    log = open_store(cache_dir, create=False).log(EVENTS_STREAM)
+    stats, skipped = log.fold(CACHE_EVENTS, lambda s, e: s.apply(e), CacheStats())
+    stats.skipped_lines = skipped
+    return stats

@@ -1,0 +1,193 @@
+"""Inspecting and maintaining a cache tier: list, verify, explain, prune.
+
+The CLI is a thin shell over these functions. Inspection returns frozen records, corrupt
+entries are collected rather than raised, and deletion is plan-then-execute (so
+`prune --dry-run` shows exactly what `prune` would do).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from vllm_neuron.backends import Store, join
+
+from .entry import ENTRY_RECORD, EntryProblem, check_checksums, check_sizes, decode_record
+
+KEY_RE = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass(frozen=True)
+class EntryInfo:
+    """One published entry of a tier."""
+
+    key: str
+    size: int
+    files: int
+    created: float
+    toolchain: str
+    target: str
+    compile_seconds: float
+    problem: str | None = None
+
+    @property
+    def age_seconds(self) -> float:
+        return max(0.0, time.time() - self.created)
+
+
+def list_entries(store: Store) -> list[EntryInfo]:
+    """Every published entry of `store`, oldest first; unreadable ones carry a `problem`."""
+    out = []
+    for key in store.published_children(""):
+        if not KEY_RE.fullmatch(key):
+            continue
+        prefix = store.published(key)
+        if prefix is None:
+            continue
+        data = store.read(join(prefix, ENTRY_RECORD))
+        if data is None:
+            out.append(EntryInfo(key, 0, 0, 0.0, "?", "?", 0.0, f"{ENTRY_RECORD} is missing"))
+            continue
+        try:
+            record = decode_record(data)
+        except Exception as exc:  # noqa: BLE001 - reported, not raised
+            out.append(EntryInfo(key, 0, 0, 0.0, "?", "?", 0.0, f"unreadable record: {exc}"))
+            continue
+        out.append(
+            EntryInfo(
+                key=key,
+                size=record.total_size,
+                files=len(record.files),
+                created=record.created,
+                toolchain=record.toolchain,
+                target=record.target,
+                compile_seconds=record.compile_seconds,
+            )
+        )
+    return sorted(out, key=lambda e: (e.created, e.key))
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    key: str
+    ok: bool
+    problem: str | None
+
+
+def verify_entries(
+    store: Store,
+    *,
+    full: bool = True,
+    quarantine: Callable[[str, str], None] | None = None,
+) -> list[VerifyResult]:
+    """Check every entry (all checksums when `full`, sizes otherwise).
+
+    `quarantine(key, problem)` is called for every entry that fails.
+    """
+    results = []
+    for info in list_entries(store):
+        problem = info.problem
+        if problem is None:
+            prefix = store.published(info.key)
+            try:
+                if prefix is None:
+                    raise EntryProblem(f"{store.url}/{info.key} was withdrawn while verifying")
+                data = store.read(join(prefix, ENTRY_RECORD))
+                record = decode_record(data or b"")
+                if record.key != info.key:
+                    raise EntryProblem(f"{store.url}/{info.key}: record names key {record.key}")
+                (check_checksums if full else check_sizes)(store, prefix, record)
+            except Exception as exc:  # noqa: BLE001 - collected, not raised
+                problem = str(exc)
+        if problem is not None and quarantine is not None:
+            quarantine(info.key, problem)
+        results.append(VerifyResult(info.key, problem is None, problem))
+    return results
+
+
+def explain_keys(store: Store, key_a: str, key_b: str) -> dict[str, tuple[str, str]]:
+    """Which key components differ between two entries: {component: (hash_a, hash_b)}."""
+    records = {}
+    for key in (key_a, key_b):
+        prefix = store.published(key)
+        data = None if prefix is None else store.read(join(prefix, ENTRY_RECORD))
+        if data is None:
+            raise KeyError(f"no entry {key} in {store.url}")
+        records[key] = decode_record(data)
+    a, b = records[key_a].components, records[key_b].components
+    return {
+        name: (a.get(name, "-"), b.get(name, "-"))
+        for name in sorted(set(a) | set(b))
+        if a.get(name) != b.get(name)
+    }
+
+
+@dataclass(frozen=True)
+class PrunePlan:
+    """Entries to delete; nothing happens until `execute()`."""
+
+    store: Store
+    delete: tuple[EntryInfo, ...]
+    keep: tuple[EntryInfo, ...]
+    reasons: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(e.size for e in self.delete)
+
+    def execute(self) -> int:
+        """Withdraw every planned entry; returns how many were withdrawn."""
+        return sum(1 for e in self.delete if self.store.unpublish(e.key))
+
+
+def plan_prune(
+    store: Store, *, older_than: float | None = None, max_size: int | None = None
+) -> PrunePlan:
+    """Plan deleting entries older than `older_than` seconds, then the oldest until the
+    tier is at most `max_size` bytes."""
+    if older_than is None and max_size is None:
+        raise ValueError("prune needs --older-than and/or --max-size")
+    entries = list_entries(store)
+    delete: dict[str, EntryInfo] = {}
+    reasons: dict[str, str] = {}
+    if older_than is not None:
+        for e in entries:
+            if e.age_seconds > older_than:
+                delete[e.key] = e
+                reasons[e.key] = f"older than {older_than:g} s"
+    if max_size is not None:
+        remaining = sum(e.size for e in entries if e.key not in delete)
+        for e in entries:  # oldest first
+            if remaining <= max_size:
+                break
+            if e.key not in delete:
+                delete[e.key] = e
+                reasons[e.key] = f"tier above {max_size} bytes"
+                remaining -= e.size
+    keep = tuple(e for e in entries if e.key not in delete)
+    return PrunePlan(store, tuple(delete.values()), keep, reasons)
+
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_duration(text: str) -> float:
+    """'90', '90s', '30m', '12h', '7d', '2w' -> seconds."""
+    match = _DURATION.match(text.lower())
+    if not match:
+        raise ValueError(f"--older-than: cannot parse duration {text!r} (e.g. 30m, 12h, 7d)")
+    scale = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}[match.group(2)]
+    return float(match.group(1)) * scale
+
+
+def parse_size(text: str) -> int:
+    """'500', '500M', '10G', '1.5GiB' -> bytes (powers of 1024)."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"--max-size: cannot parse size {text!r} (e.g. 500M, 10G)")
+    unit = (match.group(2) or "").lower().rstrip("b").rstrip("i")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit]
+    return int(float(match.group(1)) * scale)

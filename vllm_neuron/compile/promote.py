@@ -1,0 +1,72 @@
+"""`save_cache`: promote a locally compiled entry to the shared remote tier.
+
+Stage, then publish atomically, first writer wins: on a POSIX remote the staged directory
+is renamed into place; on S3 a commit record is created with If-None-Match. Another node
+having promoted the same key already is a no-op, so every node of a fleet may call it.
+An entry is checked in full (every checksum) before it leaves the node: a corrupt local
+entry must not become everybody's corrupt entry.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from vllm_neuron.backends import Progress, Store, copy_tree, open_store, validate_hex
+
+from .cache import EVENTS_STREAM
+from .entry import ENTRY_RECORD, EntryProblem, EntryRecord, check_checksums, read_record
+from .events import Promoted
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+
+def _checked_local_entry(local_cache_dir: str, hash_key: str) -> tuple[Store, EntryRecord]:
+    if not os.path.isdir(local_cache_dir):
+        raise RuntimeError(f"local compile cache {local_cache_dir!r} does not exist")
+    local = open_store(local_cache_dir, create=False)
+    if local.published(hash_key) is None:
+        raise RuntimeError(f"local cache entry {local_cache_dir}/{hash_key} does not exist")
+    try:
+        record = read_record(local, hash_key)
+        check_checksums(local, hash_key, record)
+    except EntryProblem as exc:
+        raise RuntimeError(f"local cache entry is incomplete or corrupt: {exc}") from exc
+    return local, record
+
+
+def save_cache(
+    local_cache_dir: str,
+    remote_cache_dir: str,
+    hash_key: str,
+    *,
+    progress: Progress | None = None,
+    remote_options: Mapping[str, Any] | None = None,
+) -> bool:
+    """Promote `hash_key` from the local cache to `remote_cache_dir` (a path or store URL).
+
+    Returns True if this call published the entry, False if the remote already had it.
+    Raises `RuntimeError` if the local entry is missing, incomplete or corrupt.
+    """
+    validate_hex(hash_key, length=32, what="hash_key")
+    local, record = _checked_local_entry(os.fspath(local_cache_dir), hash_key)
+    remote = open_store(remote_cache_dir, **dict(remote_options or {}))
+    if remote.published(hash_key) is not None:
+        logger.info("compile cache: %s already in %s; nothing to promote", hash_key, remote.url)
+        published = False
+    else:
+        with remote.stage(hash_key) as staging:
+            copy_tree(local, hash_key, staging, keys=[*record.files, ENTRY_RECORD],
+                      progress=progress)
+            published = staging.commit()
+    event = Promoted(key=hash_key, at=time.time(), remote=str(remote_cache_dir),
+                     published=published, size=record.total_size)
+    try:
+        local.log(EVENTS_STREAM, writer=f"{socket.gethostname()}-{os.getpid()}").append(event)
+    except Exception as exc:  # noqa: BLE001 - statistics never fail a promotion
+        logger.warning("compile cache: cannot record the promotion event: %s", exc)
+    return published

@@ -1,0 +1,139 @@
+"""The process-wide compile runtime: settings + toolchain + cache, built once.
+
+`torch.compile(backend="vllm_neuron")` and vLLM's compiler adapter both come here: key
+the graph, get its artifacts through the two-tier cache, load them, and tell whoever
+listens (the manifest ledger, the snapshot capturer) what was compiled.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from .cache import CacheResult, TwoTierCache
+from .toolchains.base import CompiledArtifact, Toolchain
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+
+@dataclass(frozen=True)
+class CompiledGraph:
+    """What one `compile_graph` call produced, for listeners."""
+
+    key: str
+    components: dict[str, str]
+    result: CacheResult
+    artifact: CompiledArtifact
+    gm: Any
+    example_inputs: Sequence[Any]
+    compiler_flags: list[str]
+    toolchain: Toolchain
+
+
+GraphListener = Callable[[CompiledGraph], None]
+
+
+class CompileRuntime:
+    """Keys, caches, loads; one per process (see `get_runtime`)."""
+
+    def __init__(
+        self,
+        cache: TwoTierCache,
+        toolchain: Toolchain,
+        *,
+        replica_groups: Sequence[Sequence[int]] | None = None,
+    ) -> None:
+        self.cache = cache
+        self.toolchain = toolchain
+        self.replica_groups = replica_groups
+        self._listeners: list[GraphListener] = []
+        self.history: list[CompiledGraph] = []
+
+    def add_listener(self, listener: GraphListener) -> None:
+        """Call `listener` after every graph is compiled or loaded (best-effort)."""
+        self._listeners.append(listener)
+
+    def compile_graph(self, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+        """Artifacts for `gm` from the cache (compiling on a miss), loaded as a callable."""
+        from .key import compute_cache_key
+
+        toolchain = self.toolchain
+        flags = toolchain.compiler_args()
+        key = compute_cache_key(
+            gm,
+            example_inputs,
+            toolchain_versions=toolchain.versions(),
+            compiler_args=flags,
+            target=toolchain.target,
+            replica_groups=self.replica_groups,
+        )
+
+        def compile_into(out_dir: str) -> dict[str, Any]:
+            artifact = toolchain.compile(gm, example_inputs, out_dir)
+            return msgspec.to_builtins(artifact)  # type: ignore[no-any-return]
+
+        result = self.cache.get_or_compile(key.key, compile_into, components=key.components)
+        artifact = msgspec.convert(result.record.meta, CompiledArtifact)
+        compiled = toolchain.load(result.path, artifact)
+        event = CompiledGraph(
+            key=key.key,
+            components=dict(key.components),
+            result=result,
+            artifact=artifact,
+            gm=gm,
+            example_inputs=example_inputs,
+            compiler_flags=flags,
+            toolchain=toolchain,
+        )
+        self.history.append(event)
+        for listener in list(self._listeners):
+            try:
+                listener(event)
+            except Exception as exc:  # noqa: BLE001 - listeners are best-effort features
+                logger.warning("vllm_neuron: graph listener %r failed: %s", listener, exc)
+        return compiled
+
+
+_RUNTIME: CompileRuntime | None = None
+_RUNTIME_LOCK = threading.Lock()
+
+
+def build_runtime() -> CompileRuntime:
+    """A runtime from the environment (parsed once by `vllm_neuron.envs`)."""
+    from vllm_neuron.envs import compile_cache_settings, get_neuron_compile_cache_dir
+
+    from .toolchains.select import select_toolchain
+
+    settings = compile_cache_settings()
+    toolchain = select_toolchain(settings.toolchain)
+    cache = TwoTierCache(
+        get_neuron_compile_cache_dir(),
+        remote=settings.remote_cache,
+        timeout=settings.compilation_timeout,
+        disabled=settings.disable_compile_cache,
+        precompiled_only=settings.disable_warmup_compile,
+        toolchain=toolchain.name,
+        target=toolchain.target,
+    )
+    return CompileRuntime(cache, toolchain)
+
+
+def get_runtime() -> CompileRuntime:
+    """The process's runtime, built on first use."""
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        if _RUNTIME is None:
+            _RUNTIME = build_runtime()
+        return _RUNTIME
+
+
+def reset_runtime(runtime: CompileRuntime | None = None) -> None:
+    """Replace (or drop) the process's runtime; for tests and for re-reading settings."""
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        _RUNTIME = runtime
