@@ -1,0 +1,101 @@
+"""`vllm-neuron manifest show|diff|check`."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import msgspec
+
+from .format import human_size, print_json, table
+
+
+def register(sub: Any) -> None:
+    parser = sub.add_parser("manifest", help="read, compare and check compile manifests")
+    cmds = parser.add_subparsers(dest="manifest_command", required=True)
+
+    show = cmds.add_parser("show", help="graphs, shapes, sizes and ranks of a manifest")
+    show.add_argument("location", help="manifest.json, an engine directory, or a URL")
+    show.add_argument("--json", action="store_true")
+    show.set_defaults(handler=cmd_show)
+
+    diff = cmds.add_parser("diff", help="graphs added/removed/changed, config fields changed")
+    diff.add_argument("a")
+    diff.add_argument("b")
+    diff.add_argument("--json", action="store_true")
+    diff.set_defaults(handler=cmd_diff)
+
+    check = cmds.add_parser(
+        "check", help="exit 1 on a partial deployment or an artifact missing from the cache"
+    )
+    check.add_argument("location")
+    check.add_argument("--cache-dir", default=None,
+                       help="compile cache root (default: $VLLM_CACHE_ROOT/neuron/compile_cache)")
+    check.set_defaults(handler=cmd_check)
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    from vllm_neuron.manifest.inspect import load_manifest
+
+    where, manifest = load_manifest(args.location)
+    if args.json:
+        print_json(msgspec.to_builtins(manifest))
+        return 0
+    cfg = manifest.config
+    topo = cfg.topology
+    print(f"manifest {where} (version {manifest.manifest_version})")
+    print(f"model {cfg.model or '-'}  target {cfg.target or '-'}  dtype {cfg.dtype or '-'}  "
+          f"world {topo.world_size} (tp {topo.tensor_parallel_size}, pp "
+          f"{topo.pipeline_parallel_size}, dp {topo.data_parallel_size})")
+    rows = [
+        (g.graph_hash[:12], "; ".join(g.input_shapes) or "-", "; ".join(g.output_shapes) or "-",
+         human_size(g.neff_size) if g.neff_size is not None else "-",
+         ",".join(map(str, g.ranks)), g.created_timestamp or "-")
+        for g in manifest.graphs
+    ]
+    print(table(["GRAPH", "INPUTS", "OUTPUTS", "SIZE", "RANKS", "CREATED"], rows))
+    print(f"{len(manifest.graphs)} graphs")
+    return 0
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from vllm_neuron.manifest.inspect import diff_manifests, load_manifest
+
+    _, a = load_manifest(args.a)
+    _, b = load_manifest(args.b)
+    diff = diff_manifests(a, b)
+    if args.json:
+        print_json(diff)
+        return 0
+    if diff.empty:
+        print("manifests are identical")
+        return 0
+    for key in diff.added:
+        print(f"+ graph {key}")
+    for key in diff.removed:
+        print(f"- graph {key}")
+    for key, fields in diff.changed.items():
+        print(f"~ graph {key}: {', '.join(fields)}")
+    for path, (old, new) in diff.config_changed.items():
+        print(f"~ config.{path}: {old!r} -> {new!r}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    from vllm_neuron.manifest.inspect import check_manifest, load_manifest
+
+    cache_dir = args.cache_dir
+    if cache_dir is None:
+        from vllm_neuron.envs import get_neuron_compile_cache_dir
+
+        cache_dir = get_neuron_compile_cache_dir()
+    where, manifest = load_manifest(args.location)
+    problems = check_manifest(manifest, cache_dir)
+    for problem in problems:
+        print(f"FAIL {problem}")
+    if problems:
+        print(f"{where}: {len(problems)} problem(s)")
+        return 1
+    print(f"{where}: ok ({len(manifest.graphs)} graphs, "
+          f"world size {manifest.config.topology.world_size})")
+    return 0

@@ -1,0 +1,72 @@
+"""Engine identity: which physical Neuron cores this engine owns.
+
+`get_server_prefix()` names an engine by its core window, ``dev{first}_{last}`` over
+``NEURON_VISIBLE_DEVICES``, or ``nodev`` when none is visible (a CPU compile). Engines of a
+data-parallel deployment narrow the variable to disjoint slices before anything is written,
+so the prefix is per engine by the time the manifest and ledger paths are resolved: it is
+therefore read at use time, never cached at import.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+
+logger = logging.getLogger("vllm_neuron")
+
+NO_DEVICE = "nodev"
+_RANGE = re.compile(r"^(\d+)\s*-\s*(\d+)$")
+_warned: set[str] = set()
+
+
+class DeviceListError(ValueError):
+    """NEURON_VISIBLE_DEVICES is not a list of core indices and ranges."""
+
+
+def parse_visible_devices(value: str) -> list[int]:
+    """``"0-7"``, ``"0,1,2,3"``, ``"8-15"``, ``"0-3,8-11"`` -> sorted core indices."""
+    cores: set[int] = set()
+    for part in value.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        match = _RANGE.match(part)
+        if match:
+            first, last = int(match.group(1)), int(match.group(2))
+            if last < first:
+                raise DeviceListError(
+                    f"NEURON_VISIBLE_DEVICES={value!r}: range {part!r} runs backwards"
+                )
+            cores.update(range(first, last + 1))
+        elif part.isdigit():
+            cores.add(int(part))
+        else:
+            raise DeviceListError(
+                f"NEURON_VISIBLE_DEVICES={value!r}: {part!r} is not a core index or a range "
+                "(expected e.g. 0-7 or 0,1,2,3)"
+            )
+    return sorted(cores)
+
+
+def get_server_prefix(environ: Mapping[str, str] | None = None) -> str:
+    """``dev{first}_{last}`` for the visible cores, or ``nodev``.
+
+    A malformed value is reported once and treated as ``nodev`` (best-effort: the prefix
+    only names files, it must never stop a compile).
+    """
+    env = os.environ if environ is None else environ
+    raw = env.get("NEURON_VISIBLE_DEVICES", "").strip()
+    if not raw:
+        return NO_DEVICE
+    try:
+        cores = parse_visible_devices(raw)
+    except DeviceListError as exc:
+        if raw not in _warned:
+            _warned.add(raw)
+            logger.warning("%s; using the engine prefix %r", exc, NO_DEVICE)
+        return NO_DEVICE
+    if not cores:
+        return NO_DEVICE
+    return f"dev{cores[0]}_{cores[-1]}"

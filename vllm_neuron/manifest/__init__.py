@@ -1,0 +1,18 @@
+"""The compile-artifact manifest: a per-process ledger at compile time, one manifest per
+engine after warm-up (seeds/manifest.md)."""
+
+from .emit import emit_manifest, emit_manifest_best_effort
+from .ledger import LedgerEntry, LedgerWriter
+from .schema import GraphEntry, Manifest, ManifestConfig, Topology, decode_manifest
+
+__all__ = [
+    "GraphEntry",
+    "LedgerEntry",
+    "LedgerWriter",
+    "Manifest",
+    "ManifestConfig",
+    "Topology",
+    "decode_manifest",
+    "emit_manifest",
+    "emit_manifest_best_effort",
+]

@@ -1,0 +1,186 @@
+"""Emit: fold an engine's ledger into its `manifest.json`.
+
+Run once per engine after warm-up by ``local_rank == 0``: group the ledger lines by key
+(accumulating the global ranks that traced each graph), enrich each graph from its
+compile-cache entry, join the config and the environment, write
+``<prefix>/manifest.json`` atomically, then remove this engine's ledger directory only.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import os
+import platform
+from collections.abc import Mapping, Sequence
+from datetime import datetime, timezone
+from typing import Any
+
+import msgspec
+
+from vllm_neuron.backends import Store, join, open_store
+from vllm_neuron.identity import get_server_prefix
+
+from .ledger import LEDGER_DIR, LedgerEntry
+from .schema import MANIFEST_FILE, GraphEntry, Manifest, ManifestConfig, encode_manifest
+
+logger = logging.getLogger("vllm_neuron.manifest")
+
+ENTRY_RECORD = "entry.json"
+
+
+@functools.lru_cache(maxsize=1)
+def environment_snapshot() -> dict[str, str]:
+    """Installed package versions (a pip-freeze) plus the Python version."""
+    versions: dict[str, str] = {}
+    for dist in importlib.metadata.distributions():
+        name = dist.metadata.get("Name")
+        if name:
+            versions[str(name).lower()] = str(dist.version)
+    return {"python": platform.python_version(), **dict(sorted(versions.items()))}
+
+
+class _Graph:
+    __slots__ = ("input_shapes", "compiler_flags", "ranks")
+
+    def __init__(self, entry: LedgerEntry) -> None:
+        self.input_shapes = entry.input_shapes
+        self.compiler_flags = entry.compiler_flags
+        self.ranks: set[int] = set()
+
+
+def group_ledger(
+    entries: Sequence[LedgerEntry], tp_ranks: Sequence[int] | None = None
+) -> dict[str, _Graph]:
+    """Lines grouped by key, each with the union of the global ranks that traced it.
+
+    A line's rank is the writer's TP-local rank; it maps to a global rank through
+    ``tp_ranks`` (the TP group's global ranks, by local index) unless the writer recorded
+    its global rank itself.
+    """
+    graphs: dict[str, _Graph] = {}
+    for entry in entries:
+        graph = graphs.get(entry.key)
+        if graph is None:
+            graph = graphs[entry.key] = _Graph(entry)
+        if entry.global_rank is not None:
+            graph.ranks.add(entry.global_rank)
+        elif tp_ranks is not None and 0 <= entry.rank < len(tp_ranks):
+            graph.ranks.add(int(tp_ranks[entry.rank]))
+        else:
+            graph.ranks.add(entry.rank)
+    return graphs
+
+
+def _iso(mtime: float) -> str:
+    return datetime.fromtimestamp(mtime, tz=timezone.utc).isoformat()
+
+
+def enrich(key: str, graph: _Graph, cache_root: str | None) -> GraphEntry:
+    """A graph entry, with paths, size, timestamp and output shapes from its cache entry."""
+    base = GraphEntry(
+        graph_hash=key,
+        input_shapes=list(graph.input_shapes),
+        compiler_flags=graph.compiler_flags,
+        ranks=sorted(graph.ranks),
+    )
+    if cache_root is None:
+        return base
+    entry_dir = os.path.join(cache_root, key)
+    with open(os.path.join(entry_dir, ENTRY_RECORD), "rb") as f:
+        record = msgspec.json.decode(f.read())
+    meta: Mapping[str, Any] = record.get("meta") or {}
+    files = list(meta.get("files") or [])
+    if not files:
+        raise ValueError(f"compile cache entry {entry_dir} names no artifact")
+    artifact = files[0]
+    st = os.stat(os.path.join(entry_dir, artifact))  # the one stat: size and compile time
+    hlo_file = meta.get("hlo_file")
+    output_shapes = list(meta.get("output_shapes") or [])
+    if hlo_file:
+        from vllm_neuron.compile.toolchains.neuron import parse_hlo_entry_result_shapes
+
+        with open(os.path.join(entry_dir, hlo_file), encoding="utf-8", errors="replace") as f:
+            output_shapes = parse_hlo_entry_result_shapes(f.read())
+    return msgspec.structs.replace(
+        base,
+        hlo_path=f"{key}/{hlo_file}" if hlo_file else None,
+        neff_path=f"{key}/{artifact}",
+        neff_size=st.st_size,
+        created_timestamp=_iso(st.st_mtime),
+        output_shapes=output_shapes,
+    )
+
+
+def read_ledger(store: Store, prefix: str) -> tuple[list[LedgerEntry], int]:
+    """Every decodable ledger line of the engine `prefix`, and how many were skipped."""
+    decoded = store.log(join(LEDGER_DIR, prefix)).read([LedgerEntry])
+    if decoded.skipped:
+        logger.warning(
+            "manifest: skipped %d undecodable ledger line(s) for %s (%s)",
+            decoded.skipped,
+            prefix,
+            "; ".join(decoded.errors[:3]),
+        )
+    return decoded.records, decoded.skipped
+
+
+def emit_manifest(
+    manifest_dir: str | Store,
+    config: ManifestConfig,
+    *,
+    cache_root: str | None,
+    prefix: str | None = None,
+    tp_ranks: Sequence[int] | None = None,
+    environment: Mapping[str, str] | None = None,
+    cleanup: bool = True,
+) -> Manifest:
+    """Build, write and return this engine's manifest (raises on failure)."""
+    store = manifest_dir if isinstance(manifest_dir, Store) else open_store(manifest_dir)
+    prefix = prefix or get_server_prefix()
+    entries, _skipped = read_ledger(store, prefix)
+    graphs = group_ledger(entries, tp_ranks)
+    enriched = []
+    problems = []
+    for key in sorted(graphs):
+        try:
+            enriched.append(enrich(key, graphs[key], cache_root))
+        except Exception as exc:  # noqa: BLE001 - one bad entry must not lose the others
+            problems.append(f"{key}: {exc}")
+            graph = graphs[key]
+            enriched.append(
+                GraphEntry(graph_hash=key, input_shapes=list(graph.input_shapes),
+                           compiler_flags=graph.compiler_flags, ranks=sorted(graph.ranks))
+            )
+    if problems:
+        logger.warning(
+            "manifest: could not enrich %d graph(s) from the compile cache %s: %s",
+            len(problems), cache_root, "; ".join(problems[:3]),
+        )
+    manifest = Manifest(
+        config=config,
+        graphs=enriched,
+        environment=dict(environment if environment is not None else environment_snapshot()),
+    )
+    store.write(join(prefix, MANIFEST_FILE), encode_manifest(manifest))
+    if cleanup:
+        store.delete_tree(join(LEDGER_DIR, prefix))
+    return manifest
+
+
+_emit_warned = False
+
+
+def emit_manifest_best_effort(
+    manifest_dir: str | Store, config: ManifestConfig, **kwargs: Any
+) -> Manifest | None:
+    """`emit_manifest`, logged once and swallowed on failure (it never breaks warm-up)."""
+    global _emit_warned
+    try:
+        return emit_manifest(manifest_dir, config, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - best-effort by specification
+        if not _emit_warned:
+            _emit_warned = True
+            logger.warning("manifest: emit to %s failed: %s", manifest_dir, exc)
+        return None

@@ -1,0 +1,130 @@
+"""Reading, comparing and checking manifests (the library behind `vllm-neuron manifest`)."""
+
+from __future__ import annotations
+
+import os
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from vllm_neuron.backends import open_store
+
+from .schema import MANIFEST_FILE, GraphEntry, Manifest, decode_manifest
+
+
+def _split(location: str) -> tuple[str, str]:
+    if "://" in location:
+        scheme, rest = location.split("://", 1)
+        parent, name = posixpath.split(rest.rstrip("/"))
+        return f"{scheme}://{parent}", name
+    location = os.path.abspath(location)
+    return os.path.dirname(location), os.path.basename(location)
+
+
+def load_manifest(location: str) -> tuple[str, Manifest]:
+    """A manifest from a file, an engine directory, or a manifest root with one engine.
+
+    Returns (where it was read from, the manifest).
+    """
+    parent, name = _split(location)
+    if name.endswith(".json"):
+        store, key = open_store(parent, **({} if "://" in parent else {"create": False})), name
+    else:
+        root = location if "://" in location else os.path.abspath(location)
+        if "://" not in root and not os.path.isdir(root):
+            raise FileNotFoundError(f"no manifest at {location}")
+        store = open_store(root, **({} if "://" in root else {"create": False}))
+        if store.exists(MANIFEST_FILE):
+            key = MANIFEST_FILE
+        else:
+            engines = [n for n in store.list_dir("") if store.exists(f"{n}/{MANIFEST_FILE}")]
+            if len(engines) != 1:
+                found = ", ".join(engines) or "none"
+                raise FileNotFoundError(
+                    f"{location}: expected one engine's {MANIFEST_FILE}, found {found}; "
+                    "name the engine directory"
+                )
+            key = f"{engines[0]}/{MANIFEST_FILE}"
+    data = store.read(key)
+    if data is None:
+        raise FileNotFoundError(f"no manifest at {location}")
+    where = f"{store.url.rstrip('/')}/{key}"
+    return where, decode_manifest(data, source=where)
+
+
+@dataclass(frozen=True)
+class ManifestDiff:
+    added: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    changed: dict[str, list[str]] = field(default_factory=dict)
+    config_changed: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.added or self.removed or self.changed or self.config_changed)
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, dict):
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out or {prefix: {}}
+    return {prefix: value}
+
+
+def diff_manifests(a: Manifest, b: Manifest) -> ManifestDiff:
+    """Graphs added/removed/changed (by field) and config fields changed (dotted paths)."""
+    ga = {g.graph_hash: g for g in a.graphs}
+    gb = {g.graph_hash: g for g in b.graphs}
+    changed = {}
+    for key in sorted(set(ga) & set(gb)):
+        da, db = msgspec.structs.asdict(ga[key]), msgspec.structs.asdict(gb[key])
+        fields = [f for f in da if da[f] != db[f]]
+        if fields:
+            changed[key] = fields
+    ca = _flatten(msgspec.to_builtins(a.config))
+    cb = _flatten(msgspec.to_builtins(b.config))
+    config_changed = {
+        k: (ca.get(k), cb.get(k)) for k in sorted(set(ca) | set(cb)) if ca.get(k) != cb.get(k)
+    }
+    return ManifestDiff(
+        added=sorted(set(gb) - set(ga)),
+        removed=sorted(set(ga) - set(gb)),
+        changed=changed,
+        config_changed=config_changed,
+    )
+
+
+def check_manifest(manifest: Manifest, cache_root: str | None) -> list[str]:
+    """Problems that make a deployment incomplete; empty when it is complete.
+
+    A graph traced by fewer ranks than the topology's world size is a partial deployment;
+    an artifact the manifest names that is missing from the cache cannot be served.
+    """
+    problems = []
+    world = manifest.config.topology.world_size
+    for graph in manifest.graphs:
+        ranks = set(graph.ranks)
+        if len(ranks) < world:
+            missing = sorted(set(range(world)) - ranks)
+            problems.append(
+                f"graph {graph.graph_hash} was traced by {len(ranks)} of {world} ranks "
+                f"(missing ranks {missing}): partial deployment"
+            )
+        problems.extend(_missing_artifacts(graph, cache_root))
+    return problems
+
+
+def _missing_artifacts(graph: GraphEntry, cache_root: str | None) -> list[str]:
+    if cache_root is None:
+        return []
+    out = []
+    for label, rel in (("neff_path", graph.neff_path), ("hlo_path", graph.hlo_path)):
+        if rel and not os.path.isfile(os.path.join(cache_root, rel)):
+            out.append(f"graph {graph.graph_hash}: {label} {rel} is missing from {cache_root}")
+    if graph.neff_path is None:
+        out.append(f"graph {graph.graph_hash}: no artifact recorded (enrichment failed)")
+    return out

@@ -1,0 +1,142 @@
+"""The compile-time ledger: every rank records the graphs it traces.
+
+One line per traced graph, appended to this process's own segment
+``ledger/<prefix>/<pid>.jsonl`` through the storage layer (raw `os.write` on POSIX, so a
+line survives a forked child's ``os._exit()``). The first write of a run truncates a stale
+file of the same pid; later writes append. Writers never share a file, so they never
+contend. Everything here is best-effort: a failure is logged once and swallowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_neuron.backends import EventLog, Record, Store, join, open_store
+from vllm_neuron.identity import get_server_prefix
+
+logger = logging.getLogger("vllm_neuron.manifest")
+
+LEDGER_DIR = "ledger"
+
+
+class LedgerEntry(Record, frozen=True, tag="ledger"):
+    """`{key, rank, input_shapes, compiler_flags}` of the seed, plus the writer's global rank.
+
+    ``rank`` is TP-group-relative; ``global_rank`` (when the writer knows it) lets the
+    emitter attribute a graph correctly even when several TP groups share local ranks.
+    """
+
+    key: str
+    rank: int
+    input_shapes: list[str]
+    compiler_flags: str
+    global_rank: int | None = None
+
+
+def format_shape(shape: Sequence[Any]) -> str:
+    """The seed's shape strings: ``(4,)`` -> ``"4,"``, ``(4, 8)`` -> ``"4, 8"``, ``()`` -> ``""``."""
+    dims = tuple(int(d) if isinstance(d, int) or hasattr(d, "__index__") else str(d) for d in shape)
+    return str(dims)[1:-1]
+
+
+def input_shapes_of(example_inputs: Sequence[Any]) -> list[str]:
+    """Shape strings of the tensor inputs of a traced graph (non-tensors are scalars)."""
+    return [format_shape(getattr(x, "shape", ())) for x in example_inputs]
+
+
+_PATH_FLAG = re.compile(r"^(--?[A-Za-z0-9_.-]+)=(.*)$")
+
+
+def _is_machine_path(value: str) -> bool:
+    value = value.strip("'\"")
+    return value.startswith(("/", "~")) or bool(re.match(r"^[A-Za-z]:[\\/]", value))
+
+
+def sanitize_compiler_flags(flags: Sequence[str] | str) -> str:
+    """The flags as one string, with machine-specific paths removed.
+
+    A flag whose value is an absolute path (``--logfile=/tmp/x`` or ``--workdir /tmp/x``)
+    is dropped with its value; a bare absolute path argument is dropped.
+    """
+    tokens = flags.split() if isinstance(flags, str) else [str(t) for t in flags]
+    out: list[str] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        match = _PATH_FLAG.match(token)
+        if match and _is_machine_path(match.group(2)):
+            i += 1
+            continue
+        if token.startswith("-") and i + 1 < len(tokens) and _is_machine_path(tokens[i + 1]):
+            i += 2
+            continue
+        if _is_machine_path(token):
+            i += 1
+            continue
+        out.append(token)
+        i += 1
+    return " ".join(out)
+
+
+class LedgerWriter:
+    """Appends this process's ledger lines; resolves its engine prefix at first use."""
+
+    def __init__(self, manifest_dir: str | Store) -> None:
+        self._target = manifest_dir
+        self._store: Store | None = manifest_dir if isinstance(manifest_dir, Store) else None
+        self._logs: dict[tuple[str, int], EventLog] = {}
+        self._failed = False
+        self._lock = threading.Lock()
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = open_store(str(self._target))
+        return self._store
+
+    def _log(self) -> EventLog:
+        # The prefix is read now (after init_device narrowed NEURON_VISIBLE_DEVICES), and a
+        # forked child gets a segment of its own pid.
+        prefix, pid = get_server_prefix(), os.getpid()
+        log = self._logs.get((prefix, pid))
+        if log is None:
+            log = self.store.log(join(LEDGER_DIR, prefix), writer=str(pid), truncate_first=True)
+            self._logs[(prefix, pid)] = log
+        return log
+
+    def record(
+        self,
+        key: str,
+        *,
+        rank: int,
+        input_shapes: list[str],
+        compiler_flags: Sequence[str] | str,
+        global_rank: int | None = None,
+    ) -> bool:
+        """Append one ledger line; False (logged once) if it could not be written."""
+        try:
+            entry = LedgerEntry(
+                key=key,
+                rank=rank,
+                input_shapes=input_shapes,
+                compiler_flags=sanitize_compiler_flags(compiler_flags),
+                global_rank=global_rank,
+            )
+            with self._lock:
+                self._log().append(entry)
+            return True
+        except Exception as exc:  # noqa: BLE001 - the manifest never breaks a compile
+            if not self._failed:
+                self._failed = True
+                logger.warning(
+                    "manifest: cannot write the compile ledger under %s (VLLM_NEURON_MANIFEST_DIR): "
+                    "%s; the manifest of this engine will be incomplete",
+                    self._target,
+                    exc,
+                )
+            return False

@@ -1,0 +1,86 @@
+"""The manifest schema, version "1" (seeds/manifest.md).
+
+Field names, order and nesting are the specification's. A reader decodes with
+`decode_manifest`, which refuses any other `manifest_version` with a clear error rather
+than misreading it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+MANIFEST_VERSION = "1"
+MANIFEST_FILE = "manifest.json"
+
+
+class Topology(msgspec.Struct, frozen=True, kw_only=True):
+    world_size: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    attention_dp_size: int = 1
+    ep_degree: int = 1
+    decode_context_parallel_size: int = 1
+    has_collectives: bool = False
+
+
+class ManifestConfig(msgspec.Struct, frozen=True, kw_only=True):
+    model: str = ""
+    target: str = ""
+    dtype: str = ""
+    max_num_seqs: int | None = None
+    max_model_len: int | None = None
+    topology: Topology = msgspec.field(default_factory=Topology)
+    neuron_config: dict[str, Any] = msgspec.field(default_factory=dict)
+    vllm_config: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class GraphEntry(msgspec.Struct, frozen=True, kw_only=True):
+    graph_hash: str
+    hlo_path: str | None = None
+    neff_path: str | None = None
+    neff_size: int | None = None
+    created_timestamp: str | None = None
+    input_shapes: list[str] = msgspec.field(default_factory=list)
+    output_shapes: list[str] = msgspec.field(default_factory=list)
+    compiler_flags: str = ""
+    ranks: list[int] = msgspec.field(default_factory=list)
+    input_snapshot_paths: list[str] = msgspec.field(default_factory=list)
+    output_snapshot_paths: list[str] = msgspec.field(default_factory=list)
+
+
+class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+    manifest_version: str = MANIFEST_VERSION
+    config: ManifestConfig = msgspec.field(default_factory=ManifestConfig)
+    graphs: list[GraphEntry] = msgspec.field(default_factory=list)
+    environment: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+_ENCODER = msgspec.json.Encoder()
+
+
+class ManifestError(ValueError):
+    """A manifest file that cannot be read as this schema."""
+
+
+def encode_manifest(manifest: Manifest, *, indent: int = 2) -> bytes:
+    return msgspec.json.format(_ENCODER.encode(manifest), indent=indent) + b"\n"
+
+
+def decode_manifest(data: bytes, *, source: str = "manifest") -> Manifest:
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise ManifestError(f"{source}: not JSON: {exc}") from exc
+    version = raw.get("manifest_version") if isinstance(raw, dict) else None
+    if version != MANIFEST_VERSION:
+        raise ManifestError(
+            f"{source}: manifest_version {version!r} is not supported (this reader knows "
+            f"{MANIFEST_VERSION!r})"
+        )
+    try:
+        return msgspec.convert(raw, Manifest)
+    except msgspec.ValidationError as exc:
+        raise ManifestError(f"{source}: {exc}") from exc
