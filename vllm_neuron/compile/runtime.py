@@ -36,6 +36,8 @@ class CompiledGraph:
 
 
 GraphListener = Callable[[CompiledGraph], None]
+ExecutableWrapper = Callable[[CompiledGraph, Callable[..., Any]], Callable[..., Any]]
+"""Wraps a loaded executable (e.g. the snapshot capturer around each forward)."""
 
 
 class CompileRuntime:
@@ -52,11 +54,21 @@ class CompileRuntime:
         self.toolchain = toolchain
         self.replica_groups = replica_groups
         self._listeners: list[GraphListener] = []
+        self._wrappers: list[ExecutableWrapper] = []
         self.history: list[CompiledGraph] = []
 
     def add_listener(self, listener: GraphListener) -> None:
         """Call `listener` after every graph is compiled or loaded (best-effort)."""
         self._listeners.append(listener)
+
+    def add_wrapper(self, wrapper: ExecutableWrapper) -> None:
+        """Wrap every executable loaded from now on with `wrapper(graph, fn) -> fn`.
+
+        Wrappers are how per-forward features (snapshot capture) sit on the execute path
+        without the toolchains knowing about them; with none installed the loaded
+        callable is returned as is, so a disabled feature costs nothing per forward.
+        """
+        self._wrappers.append(wrapper)
 
     def compile_graph(self, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Artifacts for `gm` from the cache (compiling on a miss), loaded as a callable."""
@@ -75,10 +87,15 @@ class CompileRuntime:
 
         def compile_into(out_dir: str) -> dict[str, Any]:
             artifact = toolchain.compile(gm, example_inputs, out_dir)
-            return msgspec.to_builtins(artifact)  # type: ignore[no-any-return]
+            return msgspec.to_builtins(artifact)  # type: ignore[no-any-return,unused-ignore]
 
         result = self.cache.get_or_compile(key.key, compile_into, components=key.components)
         artifact = msgspec.convert(result.record.meta, CompiledArtifact)
+        if result.path is None:
+            raise RuntimeError(
+                f"the local compile cache {self.cache.local_dir} is not on local disk; "
+                "compiled artifacts can only be loaded from a local directory"
+            )
         compiled = toolchain.load(result.path, artifact)
         event = CompiledGraph(
             key=key.key,
@@ -96,6 +113,8 @@ class CompileRuntime:
                 listener(event)
             except Exception as exc:  # noqa: BLE001 - listeners are best-effort features
                 logger.warning("vllm_neuron: graph listener %r failed: %s", listener, exc)
+        for wrapper in self._wrappers:
+            compiled = wrapper(event, compiled)
         return compiled
 
 
@@ -120,7 +139,15 @@ def build_runtime() -> CompileRuntime:
         toolchain=toolchain.name,
         target=toolchain.target,
     )
-    return CompileRuntime(cache, toolchain)
+    runtime = CompileRuntime(cache, toolchain)
+    from vllm_neuron.envs import manifest_settings
+    from vllm_neuron.manifest.recorder import install_recorder
+
+    install_recorder(runtime, manifest_settings().manifest_dir)
+    from vllm_neuron.snapshot.capture import install_snapshot_capture
+
+    install_snapshot_capture(runtime)
+    return runtime
 
 
 def get_runtime() -> CompileRuntime:

@@ -1,7 +1,7 @@
 """The compile-artifact manifest: a per-process ledger at compile time, one manifest per
 engine after warm-up (seeds/manifest.md)."""
 
-from .emit import emit_manifest, emit_manifest_best_effort
+from .emit import emit_for_this_engine, emit_manifest, emit_manifest_best_effort
 from .ledger import LedgerEntry, LedgerWriter
 from .schema import GraphEntry, Manifest, ManifestConfig, Topology, decode_manifest
 
@@ -13,6 +13,7 @@ __all__ = [
     "ManifestConfig",
     "Topology",
     "decode_manifest",
+    "emit_for_this_engine",
     "emit_manifest",
     "emit_manifest_best_effort",
 ]

@@ -35,7 +35,7 @@ def environment_snapshot() -> dict[str, str]:
     """Installed package versions (a pip-freeze) plus the Python version."""
     versions: dict[str, str] = {}
     for dist in importlib.metadata.distributions():
-        name = dist.metadata.get("Name")
+        name = dist.metadata["Name"]
         if name:
             versions[str(name).lower()] = str(dist.version)
     return {"python": platform.python_version(), **dict(sorted(versions.items()))}
@@ -184,3 +184,24 @@ def emit_manifest_best_effort(
             _emit_warned = True
             logger.warning("manifest: emit to %s failed: %s", manifest_dir, exc)
         return None
+
+
+def emit_for_this_engine(
+    config: ManifestConfig, *, tp_ranks: Sequence[int] | None = None
+) -> Manifest | None:
+    """Emit this engine's manifest if VLLM_NEURON_MANIFEST_DIR is set (best-effort).
+
+    What the model runner calls after warm-up on ``local_rank == 0``; returns None when the
+    feature is off or the emit failed (logged).
+    """
+    from vllm_neuron.envs import get_neuron_compile_cache_dir, manifest_settings
+
+    settings = manifest_settings()
+    if settings.manifest_dir is None:
+        return None
+    return emit_manifest_best_effort(
+        settings.manifest_dir,
+        config,
+        cache_root=get_neuron_compile_cache_dir(),
+        tp_ranks=tp_ranks,
+    )

@@ -22,6 +22,7 @@ from vllm_neuron.identity import get_server_prefix
 logger = logging.getLogger("vllm_neuron.manifest")
 
 LEDGER_DIR = "ledger"
+_TRUNCATED: set[tuple[str, str, int]] = set()
 
 
 class LedgerEntry(Record, frozen=True, tag="ledger"):
@@ -39,7 +40,7 @@ class LedgerEntry(Record, frozen=True, tag="ledger"):
 
 
 def format_shape(shape: Sequence[Any]) -> str:
-    """The seed's shape strings: ``(4,)`` -> ``"4,"``, ``(4, 8)`` -> ``"4, 8"``, ``()`` -> ``""``."""
+    """The seed's shape strings: ``(4,)`` -> "4,", ``(4, 8)`` -> "4, 8", ``()`` -> ""."""
     dims = tuple(int(d) if isinstance(d, int) or hasattr(d, "__index__") else str(d) for d in shape)
     return str(dims)[1:-1]
 
@@ -105,7 +106,12 @@ class LedgerWriter:
         prefix, pid = get_server_prefix(), os.getpid()
         log = self._logs.get((prefix, pid))
         if log is None:
-            log = self.store.log(join(LEDGER_DIR, prefix), writer=str(pid), truncate_first=True)
+            # Truncate once per process and segment, however many writers the process has:
+            # the first write of a run discards a stale file, later ones append.
+            segment = (self.store.url, prefix, pid)
+            first = segment not in _TRUNCATED
+            _TRUNCATED.add(segment)
+            log = self.store.log(join(LEDGER_DIR, prefix), writer=str(pid), truncate_first=first)
             self._logs[(prefix, pid)] = log
         return log
 
@@ -134,8 +140,8 @@ class LedgerWriter:
             if not self._failed:
                 self._failed = True
                 logger.warning(
-                    "manifest: cannot write the compile ledger under %s (VLLM_NEURON_MANIFEST_DIR): "
-                    "%s; the manifest of this engine will be incomplete",
+                    "manifest: cannot write the compile ledger under %s "
+                    "(VLLM_NEURON_MANIFEST_DIR): %s; this engine's manifest will be incomplete",
                     self._target,
                     exc,
                 )

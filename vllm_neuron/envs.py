@@ -1,0 +1,442 @@
+"""Every environment variable of vllm_neuron: parsed once, typed, validated.
+
+Why one module: a deployment is configured through environment variables that are read in
+every vLLM process (API server, engine core, each worker). Parsing them in one place means
+a typo such as ``NEURON_LIBTORCH_DISABLE_COMPILE_CACHE=ture`` fails loudly at start-up with
+the variable's name and value, instead of being silently read as "false" by one process and
+differently by another.
+
+Settings are grouped per feature (one frozen dataclass and one ``load_*`` function each),
+so later features (manifest, snapshot, profiling) add their own group without touching the
+compile cache's. Each group has a pure loader that takes a mapping (tests feed it dicts) and
+a cached accessor that parses ``os.environ`` once per process.
+
+Conventions shared by every variable:
+
+- surrounding whitespace is ignored, and a variable set to the empty string counts as
+  unset (``export VAR=`` is how shells "unset" a variable in many launch scripts);
+- booleans accept ``0/1/true/false/yes/no/on/off`` in any case, nothing else;
+- a malformed value raises :class:`ConfigError` naming the variable and the value.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, cast
+
+__all__ = [
+    "ENVIRONMENT_VARIABLES",
+    "CompileCacheSettings",
+    "ConfigError",
+    "EnvVar",
+    "ToolchainName",
+    "compile_cache_settings",
+    "filesystem_type",
+    "get_neuron_compile_cache_dir",
+    "load_compile_cache_settings",
+    "reset_for_tests",
+]
+
+ToolchainName = Literal["auto", "host", "neuron"]
+TOOLCHAIN_NAMES: tuple[ToolchainName, ...] = ("auto", "host", "neuron")
+
+# Filesystem types on which the local cache must not live: its file locks and atomic
+# renames are what coordinate the ranks of one node, and on NFS they are slow or unreliable.
+NETWORK_FILESYSTEM_TYPES = frozenset({"nfs", "nfs4"})
+
+_TRUE = frozenset({"1", "true", "yes", "on"})
+_FALSE = frozenset({"0", "false", "no", "off"})
+
+
+class ConfigError(ValueError):
+    """A setting has a malformed value; the message names the setting and the value."""
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    """Documentation record of one variable, so the CLI and docs can list them all."""
+
+    name: str
+    default: str
+    feature: str
+    description: str
+
+
+# Feature: compile cache -------------------------------------------------------------------
+
+VLLM_CACHE_ROOT = "VLLM_CACHE_ROOT"
+NEURON_LIBTORCH_REMOTE_CACHE = "NEURON_LIBTORCH_REMOTE_CACHE"
+NEURON_LIBTORCH_DISABLE_COMPILE_CACHE = "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE"
+NEURON_LIBTORCH_COMPILATION_TIMEOUT = "NEURON_LIBTORCH_COMPILATION_TIMEOUT"
+VLLM_NEURON_DISABLE_WARMUP_COMPILE = "VLLM_NEURON_DISABLE_WARMUP_COMPILE"
+VLLM_NEURON_TOOLCHAIN = "VLLM_NEURON_TOOLCHAIN"
+
+DEFAULT_COMPILATION_TIMEOUT = 600.0
+
+ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar(
+        VLLM_CACHE_ROOT,
+        "$XDG_CACHE_HOME/vllm or ~/.cache/vllm",
+        "compile-cache",
+        "vLLM cache root; the local compile cache is $VLLM_CACHE_ROOT/neuron/compile_cache.",
+    ),
+    EnvVar(
+        NEURON_LIBTORCH_REMOTE_CACHE,
+        "(unset)",
+        "compile-cache",
+        "URL or path of the shared remote cache tier (NFS/FSx path, s3://...).",
+    ),
+    EnvVar(
+        NEURON_LIBTORCH_DISABLE_COMPILE_CACHE,
+        "0",
+        "compile-cache",
+        "1 disables the compile cache: every process compiles on its own.",
+    ),
+    EnvVar(
+        NEURON_LIBTORCH_COMPILATION_TIMEOUT,
+        "600",
+        "compile-cache",
+        "Seconds to wait for another process to finish compiling a graph.",
+    ),
+    EnvVar(
+        VLLM_NEURON_DISABLE_WARMUP_COMPILE,
+        "0",
+        "compile-cache",
+        "1 makes a cache miss fatal (pre-compiled-only mode).",
+    ),
+    EnvVar(
+        VLLM_NEURON_TOOLCHAIN,
+        "auto",
+        "compile-cache",
+        "auto | host | neuron: which toolchain compiles graphs (auto: neuron if installed).",
+    ),
+)
+
+
+# Parsing helpers ---------------------------------------------------------------------------
+
+
+def _raw(environ: Mapping[str, str], name: str) -> str | None:
+    """The stripped value of ``name``, or None when it is unset or blank."""
+    value = environ.get(name)
+    if value is None:
+        return None
+    value = value.strip()
+    return value or None
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    """Parse a boolean setting strictly: a typo must not silently mean False."""
+    lowered = raw.strip().lower()
+    if lowered in _TRUE:
+        return True
+    if lowered in _FALSE:
+        return False
+    raise ConfigError(
+        f"{name}={raw!r} is not a boolean; use one of 0/1, true/false, yes/no, on/off"
+    )
+
+
+def parse_positive_float(name: str, raw: str) -> float:
+    """Parse a finite number > 0 (a timeout of 0, NaN or infinity is a configuration bug)."""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ConfigError(f"{name}={raw!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be a finite number greater than 0")
+    return value
+
+
+def _bool_var(environ: Mapping[str, str], name: str, default: bool) -> bool:
+    # Errors quote the value exactly as set: a stray "\r" from a CRLF env file must show.
+    return default if _raw(environ, name) is None else parse_bool(name, environ[name])
+
+
+def _expand_path(path: str, environ: Mapping[str, str]) -> str:
+    """``~`` expanded with the HOME of ``environ`` (not only os.environ), made absolute.
+
+    Absolute because worker processes may change directory after start-up.
+    """
+    home = _raw(environ, "HOME")
+    if home is not None and (path == "~" or path.startswith("~/")):
+        path = home + path[1:]
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def default_cache_root(environ: Mapping[str, str] | None = None) -> str:
+    """vLLM's own default: ``$XDG_CACHE_HOME/vllm``, else ``~/.cache/vllm``.
+
+    Mirrors ``vllm.envs`` so that, with nothing set, our cache sits where vLLM's does.
+    """
+    env = os.environ if environ is None else environ
+    xdg = _raw(env, "XDG_CACHE_HOME")
+    base = xdg if xdg is not None else os.path.join("~", ".cache")
+    return _expand_path(os.path.join(base, "vllm"), env)
+
+
+# Feature: compile cache -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CompileCacheSettings:
+    """Configuration of the two-tier compile cache (see seeds/compile-cache.md).
+
+    ``cache_root_explicit`` records whether VLLM_CACHE_ROOT was set: only the default
+    location falls back to /tmp when the home directory is on NFS; an explicit root is the
+    user's decision and is never second-guessed.
+    """
+
+    cache_root: str
+    cache_root_explicit: bool = False
+    remote_cache: str | None = None
+    disable_compile_cache: bool = False
+    compilation_timeout: float = DEFAULT_COMPILATION_TIMEOUT
+    disable_warmup_compile: bool = False
+    toolchain: ToolchainName = "auto"
+
+
+def load_compile_cache_settings(environ: Mapping[str, str] | None = None) -> CompileCacheSettings:
+    """Parse and validate the compile-cache variables from ``environ`` (default os.environ)."""
+    env: Mapping[str, str] = os.environ if environ is None else environ
+
+    root_raw = _raw(env, VLLM_CACHE_ROOT)
+    cache_root = default_cache_root(env) if root_raw is None else _expand_path(root_raw, env)
+
+    timeout = (
+        DEFAULT_COMPILATION_TIMEOUT
+        if _raw(env, NEURON_LIBTORCH_COMPILATION_TIMEOUT) is None
+        else parse_positive_float(
+            NEURON_LIBTORCH_COMPILATION_TIMEOUT, env[NEURON_LIBTORCH_COMPILATION_TIMEOUT]
+        )
+    )
+
+    toolchain_raw = _raw(env, VLLM_NEURON_TOOLCHAIN)
+    toolchain: ToolchainName = "auto"
+    if toolchain_raw is not None:
+        lowered = toolchain_raw.lower()
+        if lowered not in TOOLCHAIN_NAMES:
+            raise ConfigError(
+                f"{VLLM_NEURON_TOOLCHAIN}={env[VLLM_NEURON_TOOLCHAIN]!r} is not a toolchain; "
+                f"use one of {', '.join(TOOLCHAIN_NAMES)}"
+            )
+        toolchain = cast(ToolchainName, lowered)
+
+    disable_cache = _bool_var(env, NEURON_LIBTORCH_DISABLE_COMPILE_CACHE, False)
+    disable_warmup = _bool_var(env, VLLM_NEURON_DISABLE_WARMUP_COMPILE, False)
+    if disable_cache and disable_warmup:
+        # Pre-compiled-only mode needs the cache to find the pre-compiled graphs; with the
+        # cache off every graph would be a miss, so the combination can only be a mistake.
+        raise ConfigError(
+            f"{VLLM_NEURON_DISABLE_WARMUP_COMPILE}={env[VLLM_NEURON_DISABLE_WARMUP_COMPILE]!r}"
+            f" (pre-compiled graphs only) cannot be combined with "
+            f"{NEURON_LIBTORCH_DISABLE_COMPILE_CACHE}="
+            f"{env[NEURON_LIBTORCH_DISABLE_COMPILE_CACHE]!r} (no compile cache): "
+            "unset one of them"
+        )
+
+    return CompileCacheSettings(
+        cache_root=cache_root,
+        cache_root_explicit=root_raw is not None,
+        remote_cache=_raw(env, NEURON_LIBTORCH_REMOTE_CACHE),
+        disable_compile_cache=disable_cache,
+        compilation_timeout=timeout,
+        disable_warmup_compile=disable_warmup,
+        toolchain=toolchain,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def compile_cache_settings() -> CompileCacheSettings:
+    """The process's compile-cache settings, parsed from os.environ on first use."""
+    return load_compile_cache_settings()
+
+
+def reset_for_tests() -> None:
+    """Forget every cached settings group so the next accessor call re-reads os.environ."""
+    compile_cache_settings.cache_clear()
+    for accessor in _SETTINGS_ACCESSORS:
+        accessor.cache_clear()
+
+
+# Local cache directory ---------------------------------------------------------------------
+
+_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
+
+
+def _unescape_mount_field(field: str) -> str:
+    """Decode /proc/mounts escapes (space is ``\\040``, tab ``\\011``, backslash ``\\134``)."""
+    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
+
+
+def filesystem_type(path: str, mounts_text: str | None = None) -> str:
+    """The filesystem type of the mount holding ``path``, from /proc/mounts.
+
+    The mount is the longest mount point that is ``path`` or a parent directory of it; when
+    one mount point appears twice (over-mounted), the later line wins, as in the kernel.
+    Returns ``""`` when the type cannot be determined (no /proc, unreadable, no match), so
+    callers treat "unknown" as "not NFS" rather than failing.
+    """
+    if mounts_text is None:
+        try:
+            with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
+                mounts_text = f.read()
+        except OSError:
+            return ""
+    target = os.path.realpath(os.path.expanduser(path))
+    best_len = -1
+    best_type = ""
+    for line in mounts_text.splitlines():
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        mount_point = _unescape_mount_field(fields[1])
+        prefix = mount_point.rstrip("/") + "/"
+        if (target == mount_point or target.startswith(prefix)) and len(mount_point) >= best_len:
+            best_len = len(mount_point)
+            best_type = fields[2]
+    return best_type
+
+
+def _user_name(environ: Mapping[str, str]) -> str:
+    """The user name for the /tmp fallback, safe to use as one path component."""
+    name = _raw(environ, "USER")
+    if name is None:
+        try:
+            import getpass
+
+            name = getpass.getuser()
+        except (KeyError, OSError, ImportError):
+            name = f"uid{os.getuid()}"
+    return re.sub(r"[^A-Za-z0-9._-]", "_", name)
+
+
+def get_neuron_compile_cache_dir(
+    settings: CompileCacheSettings | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    mounts_text: str | None = None,
+) -> str:
+    """The local compile-cache directory: ``$VLLM_CACHE_ROOT/neuron/compile_cache``.
+
+    When VLLM_CACHE_ROOT is not set and the default root is on NFS (a home directory on
+    NFS is common on clusters), the local tier moves to
+    ``/tmp/vllm_neuron_wdir_$USER/neuron/compile_cache``: the local tier's locks and renames
+    must be node-local, and sharing through NFS is the remote tier's job.
+    """
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    if settings is None:
+        settings = compile_cache_settings() if environ is None else load_compile_cache_settings(env)
+    root = settings.cache_root
+    if (
+        not settings.cache_root_explicit
+        and filesystem_type(root, mounts_text) in NETWORK_FILESYSTEM_TYPES
+    ):
+        root = os.path.join("/tmp", f"vllm_neuron_wdir_{_user_name(env)}")
+    return os.path.join(root, "neuron", "compile_cache")
+
+
+# Feature: compile-artifact manifest ---------------------------------------------------------
+
+VLLM_NEURON_MANIFEST_DIR = "VLLM_NEURON_MANIFEST_DIR"
+
+ENVIRONMENT_VARIABLES += (
+    EnvVar(
+        VLLM_NEURON_MANIFEST_DIR,
+        "(unset)",
+        "manifest",
+        "Directory or store URL for compile ledgers and per-engine manifests; "
+        "unset or empty disables the manifest (there is no default location).",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class ManifestSettings:
+    """The manifest is on exactly when `manifest_dir` is set (seeds/manifest.md)."""
+
+    manifest_dir: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.manifest_dir is not None
+
+
+def load_manifest_settings(environ: Mapping[str, str] | None = None) -> ManifestSettings:
+    """VLLM_NEURON_MANIFEST_DIR: a local path (made absolute) or a store URL."""
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    raw = _raw(env, VLLM_NEURON_MANIFEST_DIR)
+    if raw is None:
+        return ManifestSettings()
+    if "\x00" in raw:
+        raise ConfigError(f"{VLLM_NEURON_MANIFEST_DIR}={raw!r} contains a NUL byte")
+    return ManifestSettings(raw if "://" in raw else _expand_path(raw, env))
+
+
+@functools.lru_cache(maxsize=1)
+def manifest_settings() -> ManifestSettings:
+    """The process's manifest settings, parsed from os.environ on first use."""
+    return load_manifest_settings()
+
+
+# Every feature's cached accessor, so `reset_for_tests` forgets them all.
+_SETTINGS_ACCESSORS = [manifest_settings]
+
+
+# Feature: input snapshots (parsed and validated in vllm_neuron/snapshot/config.py) ---------
+
+ENVIRONMENT_VARIABLES += (
+    EnvVar(
+        "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_ENABLE",
+        "0",
+        "snapshot",
+        "Master switch of input snapshot capture; needs synchronous scheduling.",
+    ),
+    EnvVar(
+        "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_CAPTURE_AT_CALL",
+        "(unset: call 0 when no other rule is set)",
+        "snapshot",
+        "Comma-separated 0-based post-warm-up call indices of each executable, or -1 for all.",
+    ),
+    EnvVar(
+        "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_CAPTURE_TOKEN",
+        "(unset)",
+        "snapshot",
+        "Comma-separated target token positions (prompt length + decode step); decode only.",
+    ),
+    EnvVar(
+        "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_CAPTURE_REQUEST",
+        "(unset)",
+        "snapshot",
+        "Comma-separated request ids; vLLM's <id>-<8 hex> matches its base id <id>.",
+    ),
+    EnvVar(
+        "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_MAX_CAPTURES",
+        "4",
+        "snapshot",
+        "Process-global budget of captured forwards (every executable of a forward shares one).",
+    ),
+    EnvVar(
+        "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_RANKS",
+        "(unset: every rank)",
+        "snapshot",
+        "Comma-separated tp ranks that capture; a malformed list warns and captures all.",
+    ),
+    EnvVar(
+        "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_FORMAT",
+        "pt",
+        "snapshot",
+        "Tensor file format: pt (torch.save, loaded weights_only), npy, or safetensors.",
+    ),
+    EnvVar(
+        "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR",
+        "$VLLM_CACHE_ROOT/neuron/snapshots",
+        "snapshot",
+        "Bundle root: a local path or a store URL (memory://name, s3://bucket/prefix).",
+    ),
+)
