@@ -49,9 +49,10 @@ def _read_mounts() -> str:
 def mount_for(path: str, mounts_text: str | None = None) -> Mount | None:
     """The mount that contains `path` (longest matching mount point), or None."""
     text = _read_mounts() if mounts_text is None else mounts_text
-    target = os.path.abspath(path)
+    # Resolve symlinks: a symlinked /home must be judged by where it really lives.
+    target = os.path.realpath(os.path.expanduser(path))
     best: Mount | None = None
-    for mount in parse_mounts(text):
+    for mount in parse_mounts(text):  # on a tie (over-mount) the later line wins
         point = mount.point.rstrip("/") or "/"
         inside = target == point or target.startswith(point if point == "/" else point + "/")
         if inside and (best is None or len(point) >= len(best.point.rstrip("/") or "/")):

@@ -266,41 +266,15 @@ def reset_for_tests() -> None:
 
 # Local cache directory ---------------------------------------------------------------------
 
-_OCTAL_ESCAPE = re.compile(r"\\([0-7]{3})")
-
-
-def _unescape_mount_field(field: str) -> str:
-    """Decode /proc/mounts escapes (space is ``\\040``, tab ``\\011``, backslash ``\\134``)."""
-    return _OCTAL_ESCAPE.sub(lambda m: chr(int(m.group(1), 8)), field)
-
-
 def filesystem_type(path: str, mounts_text: str | None = None) -> str:
-    """The filesystem type of the mount holding ``path``, from /proc/mounts.
+    """The filesystem type of the mount holding ``path`` ("" when unknown).
 
-    The mount is the longest mount point that is ``path`` or a parent directory of it; when
-    one mount point appears twice (over-mounted), the later line wins, as in the kernel.
-    Returns ``""`` when the type cannot be determined (no /proc, unreadable, no match), so
-    callers treat "unknown" as "not NFS" rather than failing.
+    One parser for the whole project: the storage layer's, which also picks the store
+    profile from the same mount table.
     """
-    if mounts_text is None:
-        try:
-            with open("/proc/mounts", encoding="utf-8", errors="replace") as f:
-                mounts_text = f.read()
-        except OSError:
-            return ""
-    target = os.path.realpath(os.path.expanduser(path))
-    best_len = -1
-    best_type = ""
-    for line in mounts_text.splitlines():
-        fields = line.split()
-        if len(fields) < 3:
-            continue
-        mount_point = _unescape_mount_field(fields[1])
-        prefix = mount_point.rstrip("/") + "/"
-        if (target == mount_point or target.startswith(prefix)) and len(mount_point) >= best_len:
-            best_len = len(mount_point)
-            best_type = fields[2]
-    return best_type
+    from vllm_neuron.backends.mounts import filesystem_type as _filesystem_type
+
+    return _filesystem_type(path, mounts_text)
 
 
 def _user_name(environ: Mapping[str, str]) -> str:

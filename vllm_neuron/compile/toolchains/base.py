@@ -1,0 +1,129 @@
+"""What a toolchain is: FX graph in, artifact directory out, callable back.
+
+The cache key, the locks, the tiers and the manifest never look inside an artifact; they
+need only the four things this interface provides: the versions and flags that go into
+the key, a ``compile`` that writes files into a directory the cache then publishes, and a
+``load`` that turns a published directory back into a callable. Everything device-specific
+stays behind it.
+
+The metadata a compile returns (:class:`CompiledArtifact`) is a frozen ``msgspec.Struct``
+so the cache can persist it next to the files and hand it back to ``load`` in another
+process, on another node, without pickling.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Literal
+
+import msgspec
+
+__all__ = [
+    "CompiledArtifact",
+    "Toolchain",
+    "ToolchainError",
+    "ToolchainKind",
+    "ToolchainUnavailable",
+    "format_shape",
+    "restore_output_structure",
+]
+
+ToolchainKind = Literal["host", "neuron"]
+
+
+class ToolchainError(RuntimeError):
+    """A toolchain failed to compile or load a graph."""
+
+
+class ToolchainUnavailable(ToolchainError):
+    """The toolchain's packages are not installed; the message says what to install."""
+
+
+class CompiledArtifact(msgspec.Struct, frozen=True, kw_only=True):
+    """Metadata of one compiled graph, stored with its files.
+
+    ``files`` are names relative to the entry directory (the entry moves between tiers).
+    ``output_shapes`` has one string per flat output, ``"4, 8"`` style, ``""`` for a
+    scalar. ``out_spec`` is the output pytree spec (``torch.utils._pytree.treespec_dumps``)
+    so ``load`` returns the structure the graph returns, whatever the runtime hands back.
+    """
+
+    toolchain: str
+    target: str
+    files: tuple[str, ...]
+    output_shapes: tuple[str, ...]
+    out_spec: str
+    num_inputs: int
+    hlo_file: str | None = None
+
+    def __post_init__(self) -> None:
+        for name in (*self.files, *([self.hlo_file] if self.hlo_file else [])):
+            parts = name.replace("\\", "/").split("/")
+            if not name or os.path.isabs(name) or ".." in parts:
+                raise ValueError(f"artifact file name {name!r} must be relative to the entry")
+
+    def encode(self) -> bytes:
+        """JSON bytes, for storing next to the artifact files."""
+        return msgspec.json.encode(self)
+
+    @classmethod
+    def decode(cls, data: bytes | str) -> CompiledArtifact:
+        return msgspec.json.decode(data, type=cls)
+
+
+def format_shape(shape: Sequence[Any]) -> str:
+    """``(4, 8)`` -> ``"4, 8"``; ``()`` -> ``""``; symbolic sizes keep their name."""
+    return ", ".join(str(d) for d in shape)
+
+
+def restore_output_structure(result: Any, out_spec: str, expected_leaves: int) -> Any:
+    """Re-shape a runtime's outputs into the graph's recorded output structure.
+
+    Runtimes differ in what they hand back (a list, a tuple, a bare tensor for one
+    output); a torch.compile backend must return exactly what the graph returns. The
+    leaves are flattened, counted against the compile-time arity, and re-packed.
+    """
+    import torch.utils._pytree as pytree
+
+    spec = pytree.treespec_loads(out_spec)
+    leaves = pytree.tree_leaves(result)
+    if len(leaves) != expected_leaves or spec.num_leaves != expected_leaves:
+        raise ToolchainError(
+            f"compiled graph returned {len(leaves)} outputs, expected {expected_leaves}"
+        )
+    return pytree.tree_unflatten(leaves, spec)
+
+
+class Toolchain(ABC):
+    """Turns a traced FX graph into an artifact directory and loads it back."""
+
+    name: ClassVar[ToolchainKind]
+    target: str
+
+    @abstractmethod
+    def versions(self) -> dict[str, str]:
+        """Versions of everything whose change makes old artifacts unusable."""
+
+    @abstractmethod
+    def compiler_args(self) -> list[str]:
+        """The flags this toolchain compiles with (canonicalised by the key)."""
+
+    @abstractmethod
+    def compile(self, gm: Any, example_inputs: Sequence[Any], out_dir: str) -> CompiledArtifact:
+        """Compile ``gm`` for ``example_inputs``, writing every artifact file into
+        ``out_dir`` (which the caller then publishes atomically)."""
+
+    @abstractmethod
+    def load(self, entry_dir: str, meta: CompiledArtifact) -> Callable[..., Any]:
+        """A callable taking the same flat inputs as the graph and returning what the
+        graph returns."""
+
+    def check_meta(self, meta: CompiledArtifact) -> None:
+        """Refuse an artifact made by another toolchain or for another target."""
+        if meta.toolchain != self.name or meta.target != self.target:
+            raise ToolchainError(
+                f"artifact was built by {meta.toolchain}/{meta.target}, "
+                f"this toolchain is {self.name}/{self.target}"
+            )
