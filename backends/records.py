@@ -19,8 +19,13 @@ import msgspec
 R = TypeVar("R", bound="Record")
 
 
-class Record(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
-    """Base of every persisted record. Subclasses set ``tag=`` and may bump ``v``."""
+class Record(msgspec.Struct, frozen=True, tag_field="type", kw_only=True, gc=False):
+    """Base of every persisted record. Subclasses set ``tag=`` and may bump ``v``.
+
+    ``gc=False``: records hold only builtins and cannot form reference cycles, so the
+    garbage collector need not track them; decoding a large stream is then about twice as
+    fast (FACTS.md), and a fold over 100,000 ledger lines does not trigger GC passes.
+    """
 
     v: int = 1
 
@@ -28,15 +33,14 @@ class Record(msgspec.Struct, frozen=True, tag_field="type", kw_only=True):
 _ENCODER = msgspec.json.Encoder()
 
 # (tag, version) -> function turning the raw dict of that version into the current one.
-_UPCASTERS: dict[tuple[str, int], Callable[[dict[str, Any]], dict[str, Any]]] = {}
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+_UPCASTERS: dict[tuple[str, int], Upcaster] = {}
 
 
-def register_upcaster(
-    tag: str, from_version: int
-) -> Callable[[Callable[[dict[str, Any]], dict[str, Any]]], Callable[[dict[str, Any]], dict[str, Any]]]:
+def register_upcaster(tag: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
     """Register a function that rewrites a version-`from_version` record of `tag` as v+1."""
 
-    def deco(fn: Callable[[dict[str, Any]], dict[str, Any]]) -> Callable[[dict[str, Any]], dict[str, Any]]:
+    def deco(fn: Upcaster) -> Upcaster:
         _UPCASTERS[(tag, from_version)] = fn
         return fn
 
@@ -76,6 +80,7 @@ class RecordCodec:
         self._types = tuple(types)
         union: Any = self._types[0] if len(self._types) == 1 else _union(self._types)
         self._decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(union)
+        self._array_decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(list[union])
         self._by_tag = {t.__struct_config__.tag: t for t in self._types}
 
     def decode(self, data: bytes) -> Any:
@@ -93,7 +98,7 @@ class RecordCodec:
         if not isinstance(raw, dict):
             return None
         tag, version = raw.get("type"), raw.get("v", 1)
-        if tag not in self._by_tag or not isinstance(version, int):
+        if not isinstance(tag, str) or tag not in self._by_tag or not isinstance(version, int):
             return None
         changed = False
         while (tag, version) in _UPCASTERS:
@@ -106,7 +111,18 @@ class RecordCodec:
         return msgspec.convert(raw, self._by_tag[tag])
 
     def decode_lines(self, data: bytes | Iterable[bytes]) -> Decoded:
-        """Decode a JSONL blob (or an iterable of lines), skipping lines that don't decode."""
+        """Decode a JSONL blob (or an iterable of lines), skipping lines that don't decode.
+
+        A clean blob is decoded in one call (as a JSON array), which is several times faster
+        than line by line; only a blob with a bad line pays for the per-line path.
+        """
+        if isinstance(data, bytes):
+            body = data.strip().replace(b"\n", b",")
+            if body and b",," not in body:
+                try:
+                    return Decoded(records=list(self._array_decoder.decode(b"[" + body + b"]")))
+                except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                    pass
         out = Decoded()
         lines = data.split(b"\n") if isinstance(data, bytes) else data
         for lineno, line in enumerate(lines, 1):

@@ -60,16 +60,18 @@ def group_ledger(
     its global rank itself.
     """
     graphs: dict[str, _Graph] = {}
+    lookup = graphs.get
+    mapping = list(tp_ranks) if tp_ranks is not None else None
     for entry in entries:
-        graph = graphs.get(entry.key)
+        graph = lookup(entry.key)
         if graph is None:
             graph = graphs[entry.key] = _Graph(entry)
-        if entry.global_rank is not None:
-            graph.ranks.add(entry.global_rank)
-        elif tp_ranks is not None and 0 <= entry.rank < len(tp_ranks):
-            graph.ranks.add(int(tp_ranks[entry.rank]))
-        else:
-            graph.ranks.add(entry.rank)
+        rank = entry.global_rank
+        if rank is None:
+            rank = entry.rank
+            if mapping is not None and 0 <= rank < len(mapping):
+                rank = int(mapping[rank])
+        graph.ranks.add(rank)
     return graphs
 
 
