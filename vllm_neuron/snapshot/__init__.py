@@ -1,0 +1,84 @@
+"""Input snapshots: capture the inputs of one selected forward per rank, replay it off-device.
+
+See ``seeds/input-snapshot.md``. Policy lives here (what, when, where); the device-to-host
+write sits behind a narrow writer interface (:mod:`.capture`).
+
+- :mod:`.config` - settings and the selection rules, resolved once per process;
+- :mod:`.context` - the forward context the model runner publishes, the capture budget;
+- :mod:`.capture` - per-executable capturer, writers, ``install_snapshot_capture``;
+- :mod:`.meta` - ``meta.json``, the bundle's identity and commit record;
+- :mod:`.encoding` - pt / npy / safetensors, bit-exact for every dtype they can hold;
+- :mod:`.replay` - list, load, replay and compare.
+"""
+
+from .capture import (
+    CaptureSpec,
+    HostTensorWriter,
+    NeuronRuntimeWriter,
+    RankInfo,
+    SnapshotCaptureError,
+    SnapshotCapturer,
+    SnapshotWriter,
+    build_capturer,
+    default_writer,
+    install_snapshot_capture,
+    resolve_capture_spec,
+)
+from .config import (
+    CaptureSelector,
+    ConfigError,
+    ForwardVerdict,
+    RowMatch,
+    SnapshotConfig,
+    check_snapshot_gating,
+    load_snapshot_config,
+    reset_snapshot_config,
+    snapshot_config,
+)
+from .context import (
+    CaptureBudget,
+    SnapshotForwardContext,
+    clear_current_forward,
+    forward_context,
+    get_capture_budget,
+    get_current_forward,
+    reset_capture_budget,
+    set_current_forward,
+)
+from .encoding import SnapshotEncodingError
+from .meta import CallMeta, read_call_meta, write_call_meta
+
+__all__ = [
+    "CallMeta",
+    "CaptureBudget",
+    "CaptureSelector",
+    "CaptureSpec",
+    "ConfigError",
+    "ForwardVerdict",
+    "HostTensorWriter",
+    "NeuronRuntimeWriter",
+    "RankInfo",
+    "RowMatch",
+    "SnapshotCaptureError",
+    "SnapshotCapturer",
+    "SnapshotConfig",
+    "SnapshotEncodingError",
+    "SnapshotForwardContext",
+    "SnapshotWriter",
+    "build_capturer",
+    "check_snapshot_gating",
+    "clear_current_forward",
+    "default_writer",
+    "forward_context",
+    "get_capture_budget",
+    "get_current_forward",
+    "install_snapshot_capture",
+    "load_snapshot_config",
+    "read_call_meta",
+    "reset_capture_budget",
+    "reset_snapshot_config",
+    "resolve_capture_spec",
+    "set_current_forward",
+    "snapshot_config",
+    "write_call_meta",
+]
