@@ -1,10 +1,11 @@
 """Local-disk stores: plain local disk, and the NFS and FSx/Lustre profiles of it.
 
 All three are POSIX: publication is a directory `os.rename` (atomic, and it refuses a
-non-empty target, so the first writer wins), atomic writes are temp-file + `os.replace`,
-exclusive creates are `os.link` of a complete temp file (never a half-written file under
-the final name), and appends are raw `os.write` on an `O_APPEND` descriptor, which
-survives `os._exit()`.
+non-empty target, so the first writer wins; a directory staged empty is published holding
+one hidden `.empty` file, because rename replaces an empty target), atomic writes are
+temp-file + `os.replace`, exclusive creates are `os.link` of a complete temp file (never
+a half-written file under the final name), and appends are raw `os.write` on an
+`O_APPEND` descriptor, which survives `os._exit()`.
 
 The profiles differ in what they may trust (see FACTS.md):
 
@@ -19,9 +20,12 @@ The profiles differ in what they may trust (see FACTS.md):
 
 from __future__ import annotations
 
+import builtins
 import contextlib
 import errno
+import itertools
 import os
+import re
 import shutil
 import uuid
 from typing import IO
@@ -32,6 +36,32 @@ from .base import Appender, Capabilities, FileInfo, Store
 from .keys import validate_key, validate_prefix
 
 PROFILES = ("local", "nfs", "lustre")
+_O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+_O_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+
+# Temp-file names: a random per-process token and a counter (cheaper than a uuid4 per
+# write); a forked child draws a new token so it never collides with its parent.
+_tmp_token = uuid.uuid4().hex[:16] + "-"
+_tmp_counter = itertools.count()
+
+
+def _new_tmp_token() -> None:
+    global _tmp_token
+    _tmp_token = uuid.uuid4().hex[:16] + "-"
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_tmp_token)
+
+# What `_tmp_for` (token + counter) and the other temp writers (uuid4 hex) name temp files.
+_TEMP_RE = re.compile(r"\.(?:[0-9a-f]{16}-[0-9]+|[0-9a-f]{32})\.partial\Z")
+
+
+def _is_temp(name: str) -> bool:
+    """An in-flight (or crashed) writer's temp file: never listed as a key."""
+    return name.endswith(".partial") and _TEMP_RE.search(name) is not None
+EMPTY_MARKER = ".empty"
+"""The one file of a published directory that was staged empty (see `_rename_dir`)."""
 
 
 class _FdAppender(Appender):
@@ -48,6 +78,9 @@ class _FdAppender(Appender):
 
     def write(self, data: bytes) -> None:
         os.write(self._fd, data)
+
+    def fileno(self) -> int:
+        return self._fd
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -71,6 +104,7 @@ class LocalStore(Store):
         if profile not in PROFILES:
             raise ValueError(f"unknown local store profile {profile!r}; expected one of {PROFILES}")
         super().__init__(url, LocalFileSystem(), os.path.abspath(root))
+        self._on_sub()
         if kernel_locks is None:
             kernel_locks = profile == "local"
         self.fsync = (profile != "local") if fsync is None else fsync
@@ -86,21 +120,47 @@ class LocalStore(Store):
         key = validate_prefix(key)
         return os.path.join(self.root, key) if key else self.root
 
+    def _key_path(self, key: str) -> str:
+        """The path of a file key (validated; the hot-path version of `_path`)."""
+        return self._root_slash + validate_key(key)
+
+    def _on_sub(self) -> None:
+        self._root_slash = self.root.rstrip("/") + "/"
+
     # ------------------------------------------------------------ primitives
     def read(self, key: str) -> bytes | None:
         try:
-            with open(self._path(validate_key(key)), "rb") as f:
-                return f.read()
-        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            fd = os.open(self._key_path(key), _O_READ)
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             return None
+        try:
+            # Files are replaced, never rewritten in place, so the size is final, and a
+            # read asking for one byte more that comes back short has reached EOF.
+            size = os.fstat(fd).st_size
+            data = os.read(fd, size + 1)
+            if len(data) == size:
+                return data
+            # The file grew (an appended log segment) or the read was short (> 2 GiB on
+            # Linux): read on to EOF.
+            parts = [data]
+            while chunk := os.read(fd, 1 << 24):
+                parts.append(chunk)
+            return b"".join(parts)
+        except IsADirectoryError:
+            return None
+        finally:
+            os.close(fd)
 
     def _tmp_for(self, path: str) -> str:
-        return f"{path}.{uuid.uuid4().hex}.partial"
+        return f"{path}.{_tmp_token}{next(_tmp_counter)}.partial"
 
     def _write_tmp(self, path: str, data: bytes) -> str:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = self._tmp_for(path)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            fd = os.open(tmp, _O_NEW, 0o644)
+        except FileNotFoundError:  # first file in this directory
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(tmp, _O_NEW, 0o644)
         try:
             view = memoryview(data)
             while view:
@@ -112,7 +172,7 @@ class LocalStore(Store):
         return tmp
 
     def write(self, key: str, data: bytes) -> None:
-        path = self._path(validate_key(key))
+        path = self._key_path(key)
         tmp = self._write_tmp(path, data)
         try:
             os.replace(tmp, path)
@@ -124,7 +184,7 @@ class LocalStore(Store):
             _fsync_dir(os.path.dirname(path))
 
     def create(self, key: str, data: bytes) -> bool:
-        path = self._path(validate_key(key))
+        path = self._key_path(key)
         tmp = self._write_tmp(path, data)
         try:
             os.link(tmp, path)
@@ -147,17 +207,19 @@ class LocalStore(Store):
         return FileInfo(key, st.st_size, st.st_mtime)
 
     def list(self, prefix: str = "") -> list[str]:
+        """Every file key under `prefix`; a writer's in-flight temp files are not keys."""
         base = self._path(prefix)
         out: list[str] = []
         for dirpath, _dirs, files in os.walk(base):
             rel_dir = os.path.relpath(dirpath, self.root)
             for name in files:
-                out.append(name if rel_dir == "." else f"{rel_dir}/{name}")
+                if not _is_temp(name):
+                    out.append(name if rel_dir == "." else f"{rel_dir}/{name}")
         return sorted(out)
 
-    def list_dir(self, prefix: str = "") -> list[str]:
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
         try:
-            return sorted(os.listdir(self._path(prefix)))
+            return sorted(n for n in os.listdir(self._path(prefix)) if not _is_temp(n))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
@@ -165,7 +227,10 @@ class LocalStore(Store):
         try:
             os.unlink(self._path(validate_key(key)))
             return True
-        except (FileNotFoundError, IsADirectoryError):
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as exc:
+            # unlink() of a directory is EISDIR on Linux, EPERM on some other systems.
+            if isinstance(exc, PermissionError) and not os.path.isdir(self._path(key)):
+                raise
             return False
 
     def delete_tree(self, prefix: str) -> int:
@@ -210,11 +275,14 @@ class LocalStore(Store):
 
     def _rename_dir(self, src: str, dst: str, *, publish: bool = False) -> bool:
         src_path, dst_path = self._path(src), self._path(dst)
-        if not os.path.isdir(src_path):
-            if publish:
-                os.makedirs(src_path, exist_ok=True)  # publishing an empty directory
-            else:
-                return False
+        if not os.path.isdir(src_path) and not publish:
+            return False
+        if publish and (not os.path.isdir(src_path) or not os.listdir(src_path)):
+            # rename(2) silently replaces an existing *empty* directory, so an empty
+            # publication would let a later writer win. Never publish an empty directory.
+            os.makedirs(src_path, exist_ok=True)
+            with open(os.path.join(src_path, EMPTY_MARKER), "wb"):
+                pass
         if publish and self.fsync:
             _fsync_tree(src_path)
         os.makedirs(os.path.dirname(dst_path), exist_ok=True)

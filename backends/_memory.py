@@ -12,6 +12,7 @@ bug that only the slow backend would show cannot hide here.
 
 from __future__ import annotations
 
+import builtins
 import threading
 import time
 from typing import IO
@@ -96,7 +97,7 @@ class MemoryStore(Store):
         with self._mutex:
             return super().list(prefix)
 
-    def list_dir(self, prefix: str = "") -> list[str]:
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
         with self._mutex:
             return super().list_dir(prefix)
 

@@ -12,8 +12,10 @@ Every call is bounded (short connect timeout, few retries) and a transport failu
 
 from __future__ import annotations
 
+import builtins
 import functools
 import os
+import threading
 import time
 from collections.abc import Callable, Mapping
 from datetime import datetime
@@ -66,6 +68,56 @@ def _is_transport_error(exc: BaseException) -> bool:
     )
 
 
+# Options of our own, consumed before s3fs sees the rest.
+_OWN_OPTIONS = frozenset({"endpoint_url", "connect_timeout", "read_timeout", "retries"})
+# Accepted by fsspec's base classes through s3fs's **kwargs.
+_FSSPEC_OPTIONS = frozenset({"batch_size", "listings_expiry_time", "max_paths"})
+# Handed by s3fs to the botocore session it creates (through its **kwargs).
+_SESSION_OPTIONS = frozenset({"profile"})
+# Set by us; a caller's value would clash with them.
+_FIXED_OPTIONS = frozenset({"skip_instance_cache", "use_listings_cache"})
+
+
+def accepted_options() -> frozenset[str]:
+    """Every option `open_store("s3://...", **options)` accepts.
+
+    s3fs hands unknown keyword arguments to fsspec, which ignores them; we refuse them
+    instead, so a misspelt option is a `TypeError` rather than silence.
+    """
+    import inspect
+
+    import s3fs
+
+    params = inspect.signature(s3fs.S3FileSystem.__init__).parameters
+    named = {
+        n
+        for n, p in params.items()
+        if n != "self" and p.kind not in (p.VAR_KEYWORD, p.VAR_POSITIONAL)
+    }
+    return frozenset((named | _OWN_OPTIONS | _FSSPEC_OPTIONS | _SESSION_OPTIONS) - _FIXED_OPTIONS)
+
+
+_session: Any = None
+_session_lock = threading.Lock()
+
+
+def _shared_session() -> Any:
+    """One botocore session per process, shared by every S3 store that does not bring its own.
+
+    A session caches the service models and the resolved credentials; with a fresh one per
+    store, opening a store and making its first request took ~0.25 s, with the shared one
+    ~0.02 s. Explicit ``key``/``secret``/``token`` options still apply per store; a store
+    given ``profile`` or ``session`` gets its own session.
+    """
+    global _session
+    with _session_lock:
+        if _session is None:
+            import aiobotocore.session
+
+            _session = aiobotocore.session.AioSession()
+        return _session
+
+
 class S3Store(Store):
     """A store under ``s3://bucket/prefix``."""
 
@@ -90,6 +142,8 @@ class S3Store(Store):
         config_kwargs.setdefault("connect_timeout", connect_timeout)
         config_kwargs.setdefault("read_timeout", read_timeout)
         config_kwargs.setdefault("retries", {"max_attempts": retries, "mode": "standard"})
+        if "session" not in opts and not set(opts) & _SESSION_OPTIONS:
+            opts["session"] = _shared_session()
         fs = s3fs.S3FileSystem(
             skip_instance_cache=True,
             use_listings_cache=False,
@@ -152,13 +206,18 @@ class S3Store(Store):
         return super().list(prefix)
 
     @_translated
-    def list_dir(self, prefix: str = "") -> list[str]:
+    def list_dir(self, prefix: str = "") -> builtins.list[str]:
         return super().list_dir(prefix)
 
     @_translated
     def delete(self, key: str) -> bool:
         path = self._path(validate_key(key))
-        if not self.fs.exists(path):
+        # `exists` is also true for a pseudo-directory (a prefix of other keys), and S3
+        # deletes a missing object without complaint: only a file counts as existing.
+        try:
+            if self.fs.info(path).get("type") != "file":
+                return False
+        except FileNotFoundError:
             return False
         self.fs.rm_file(path)
         return True
@@ -176,7 +235,7 @@ class S3Store(Store):
 
     @_translated
     def open_read(self, key: str) -> IO[bytes]:
-        return self.fs.open(self._path(validate_key(key)), "rb")  # type: ignore[no-any-return]
+        return self.fs.open(self._path(validate_key(key)), "rb")
 
     def open_appender(self, key: str, *, truncate: bool) -> Appender:
         return SegmentAppender(self, validate_key(key), truncate)

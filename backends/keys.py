@@ -7,11 +7,13 @@ by the OS (NUL) is refused before it is joined to a root.
 
 from __future__ import annotations
 
+import functools
 import re
 
 from .errors import InvalidKey
 
 _HEX_RE = re.compile(r"[0-9a-f]+")
+_URL_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
 
 
 def validate_key(key: str, *, allow_empty: bool = False) -> str:
@@ -21,9 +23,16 @@ def validate_key(key: str, *, allow_empty: bool = False) -> str:
     """
     if not isinstance(key, str):
         raise InvalidKey(f"store key must be a str, got {type(key).__name__}: {key!r}")
+    _check(key, allow_empty)  # cached: the same keys are checked on every operation
+    return key
+
+
+@functools.lru_cache(maxsize=16384)
+def _check(key: str, allow_empty: bool) -> None:
+    """Raise `InvalidKey` for a bad key; returns (and is cached) only for good ones."""
     if key == "":
         if allow_empty:
-            return key
+            return
         raise InvalidKey("store key must not be empty")
     if "\x00" in key:
         raise InvalidKey(f"store key must not contain NUL: {key!r}")
@@ -31,19 +40,27 @@ def validate_key(key: str, *, allow_empty: bool = False) -> str:
         raise InvalidKey(f"store key must use '/' separators, not '\\': {key!r}")
     if key.startswith("/"):
         raise InvalidKey(f"store key must be relative, not absolute: {key!r}")
-    if re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", key):
+    if _URL_RE.match(key):
         raise InvalidKey(f"store key must be a relative path, not a URL: {key!r}")
     for segment in key.split("/"):
         if segment == "":
             raise InvalidKey(f"store key has an empty segment (leading/trailing or '//'): {key!r}")
         if segment in (".", ".."):
             raise InvalidKey(f"store key must not contain '{segment}' segments: {key!r}")
-    return key
 
 
 def validate_prefix(prefix: str) -> str:
-    """Like `validate_key` but accepts "" (the root) and a single trailing '/'."""
-    return validate_key(prefix.rstrip("/") if prefix.endswith("/") else prefix, allow_empty=True)
+    """Like `validate_key` but accepts "" (the root) and a single trailing '/'.
+
+    Returns the prefix without its trailing '/'. ``"a//"`` and ``"/"`` are refused (an
+    empty segment, an absolute path), as they are for keys.
+    """
+    if isinstance(prefix, str) and prefix.endswith("/") and prefix != "/":
+        try:
+            return validate_key(prefix[:-1], allow_empty=True)
+        except InvalidKey as exc:
+            raise InvalidKey(f"{exc} (in {prefix!r})") from None
+    return validate_key(prefix, allow_empty=True)
 
 
 def validate_hex(value: str, *, length: int | None = None, what: str = "hash") -> str:

@@ -53,7 +53,7 @@ class Lock(ABC):
         """Fencing token: strictly increases with every new holder (0 for kernel locks)."""
         return 0
 
-    def check(self) -> None:
+    def check(self) -> None:  # noqa: B027 - kernel locks cannot be lost while held
         """Raise `LeaseLost` if this holder no longer owns the lock."""
 
     def __enter__(self) -> Lock:
@@ -196,11 +196,13 @@ class LeaseLock(Lock):
             raise LeaseLost(f"lease {self.name!r} is not held")
         latest, record = self._latest()
         if self._lost or latest != self._generation:
+            self._lost = True
             raise LeaseLost(
                 f"lease {self.name!r} generation {self._generation} was taken over "
                 f"(now generation {latest})"
             )
         if record is not None and record.get("owner") != self.owner:
+            self._lost = True
             raise LeaseLost(f"lease {self.name!r} is owned by {record.get('owner')}")
 
     def release(self) -> None:
@@ -212,7 +214,8 @@ class LeaseLock(Lock):
         self._held = False
         latest, _ = self._latest()
         if latest == self._generation:
-            self.store.write(self._key(self._generation), self._record(self._generation, released=True))
+            released = self._record(self._generation, released=True)
+            self.store.write(self._key(self._generation), released)
 
     @property
     def held(self) -> bool:

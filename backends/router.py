@@ -56,17 +56,21 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
         if importlib.util.find_spec("s3fs") is None:
             pkg, hint = _INSTALL_HINTS["s3"]
             raise MissingDependency(f"scheme 's3' ({url}) needs the {pkg} package: {hint}")
-        from ._s3 import S3Store
+        from ._s3 import S3Store, accepted_options
 
         storage_options = dict(options.pop("storage_options", None) or {})
         storage_options.update(options)
+        _reject_unknown("s3", storage_options, set(accepted_options()))
         bucket_and_prefix = url[len("s3://") :]
         if not bucket_and_prefix.strip("/"):
             raise ValueError(f"S3 store URL needs a bucket: {url!r} (expected s3://bucket/prefix)")
         return S3Store(url, bucket_and_prefix, storage_options)
+    hint = ""
+    if scheme in _INSTALL_HINTS:
+        hint = f"; for {scheme!r} install {_INSTALL_HINTS[scheme][1]}"
     raise UnknownScheme(
         f"no store backend for scheme {scheme!r} in {url!r}; supported: {', '.join(_SUPPORTED)}"
-        + (f"; for {scheme!r} install {_INSTALL_HINTS[scheme][1]}" if scheme in _INSTALL_HINTS else "")
+        + hint
     )
 
 

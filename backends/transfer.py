@@ -7,15 +7,16 @@ the stores in 8 MiB chunks, so a large artifact never has to fit in memory twice
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
-import tempfile
+import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from .base import Staging, Store
-from .keys import join
+from .keys import join, validate_prefix
 
 Progress = Callable[[int, int], None]
 """Called with (bytes_done, bytes_total) after each file."""
@@ -33,24 +34,33 @@ def copy_file(src: Store, src_key: str, dst: Store | Staging, dst_key: str) -> i
     A local destination is written to a temp file beside it and renamed into place, so a
     reader of the destination never sees a partial file.
     """
-    dst_store, dst_full = (dst.store, dst.key(dst_key)) if isinstance(dst, Staging) else (dst, dst_key)
+    if isinstance(dst, Staging):
+        dst_store, dst_full = dst.store, dst.key(dst_key)
+    else:
+        dst_store, dst_full = dst, dst_key
     src_path = src.local_path(src_key)
     dst_path = dst_store.local_path(dst_full)
     if dst_path is not None:
         os.makedirs(os.path.dirname(dst_path), exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(dst_path), suffix=".partial")
+        # Named like every temp file of the local store, which `list` never shows.
+        tmp = f"{dst_path}.{uuid.uuid4().hex}.partial"
         try:
             if src_path is not None:
-                os.close(fd)
                 shutil.copyfile(src_path, tmp)
             else:
-                with src.open_read(src_key) as reader, os.fdopen(fd, "wb") as out:
+                with src.open_read(src_key) as reader, open(tmp, "xb") as out:
                     shutil.copyfileobj(reader, out, 8 << 20)
+            if getattr(dst_store, "fsync", False):  # NFS / Lustre profiles
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
             size = os.path.getsize(tmp)
             os.replace(tmp, dst_path)
             return size
         finally:
-            if os.path.exists(tmp):
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
     if src_path is not None:
         dst_store.put_file(dst_full, src_path)
@@ -76,6 +86,9 @@ def copy_tree(
 
     `keys` (relative to `src_prefix`) restricts the copy to those files.
     """
+    # Validate both prefixes before any I/O: `join` alone would turn "/abs" into "abs".
+    validate_prefix(src_prefix)
+    validate_prefix(dst_prefix)
     if keys is None:
         base = src_prefix.rstrip("/")
         keys = [k[len(base) + 1 :] if base else k for k in src.list(src_prefix)]

@@ -27,18 +27,21 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 __all__ = [
     "ENVIRONMENT_VARIABLES",
     "CompileCacheSettings",
     "ConfigError",
     "EnvVar",
+    "HostModeSettings",
     "ToolchainName",
     "compile_cache_settings",
     "filesystem_type",
     "get_neuron_compile_cache_dir",
+    "host_mode_settings",
     "load_compile_cache_settings",
+    "load_host_mode_settings",
     "reset_for_tests",
 ]
 
@@ -359,7 +362,7 @@ def manifest_settings() -> ManifestSettings:
 
 
 # Every feature's cached accessor, so `reset_for_tests` forgets them all.
-_SETTINGS_ACCESSORS = [manifest_settings]
+_SETTINGS_ACCESSORS: list[functools._lru_cache_wrapper[Any]] = [manifest_settings]
 
 
 # Feature: input snapshots (parsed and validated in vllm_neuron/snapshot/config.py) ---------
@@ -414,3 +417,122 @@ ENVIRONMENT_VARIABLES += (
         "Bundle root: a local path or a store URL (memory://name, s3://bucket/prefix).",
     ),
 )
+
+
+# Feature: profile capture (seeds/profiling-capture.md) ------------------------------------
+
+NEURON_PROJECT_ROOT = "NEURON_PROJECT_ROOT"
+VLLM_NEURON_VENV_PATH = "VLLM_NEURON_VENV_PATH"
+VLLM_NEURON_DIR = "VLLM_NEURON_DIR"
+
+ENVIRONMENT_VARIABLES += (
+    EnvVar(
+        NEURON_PROJECT_ROOT,
+        "(the current directory)",
+        "profiling",
+        "The one output knob: every capture artifact lands under <root>/agent_artifacts/.",
+    ),
+    EnvVar(
+        VLLM_NEURON_VENV_PATH,
+        "(unset)",
+        "profiling",
+        "Python environment of the server; its bin/ is put first on the server's PATH.",
+    ),
+    EnvVar(
+        VLLM_NEURON_DIR,
+        "(unset: the current directory)",
+        "profiling",
+        "The vLLM Neuron source tree; the profiling server's working directory.",
+    ),
+    EnvVar(
+        "HF_HOME",
+        "$NEURON_PROJECT_ROOT/agent_artifacts/models",
+        "profiling",
+        "Where model weights live; given to the profiling server when unset.",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class ProfilingSettings:
+    """Where a capture writes and how its server is started (all paths absolute)."""
+
+    project_root: str
+    hf_home: str
+    venv_path: str | None = None
+    vllm_neuron_dir: str | None = None
+
+
+def load_profiling_settings(
+    environ: Mapping[str, str] | None = None, *, project_root: str | None = None
+) -> ProfilingSettings:
+    """``project_root`` (the ``--project-root`` flag) wins over NEURON_PROJECT_ROOT."""
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    root_raw = project_root if project_root else _raw(env, NEURON_PROJECT_ROOT)
+    root = _expand_path(root_raw, env) if root_raw else os.path.abspath(os.getcwd())
+    hf_raw = _raw(env, "HF_HOME")
+    hf_home = (
+        _expand_path(hf_raw, env) if hf_raw else os.path.join(root, "agent_artifacts", "models")
+    )
+    paths: dict[str, str | None] = {}
+    for name in (VLLM_NEURON_VENV_PATH, VLLM_NEURON_DIR):
+        raw = _raw(env, name)
+        if raw is None:
+            paths[name] = None
+            continue
+        path = _expand_path(raw, env)
+        if not os.path.isdir(path):
+            raise ConfigError(f"{name}={env[name]!r} is not a directory")
+        paths[name] = path
+    return ProfilingSettings(
+        project_root=root,
+        hf_home=hf_home,
+        venv_path=paths[VLLM_NEURON_VENV_PATH],
+        vllm_neuron_dir=paths[VLLM_NEURON_DIR],
+    )
+
+
+# Feature: the vLLM plugin's host mode (vllm_neuron/plugin) ----------------------------------
+
+VLLM_NEURON_HOST_MODE = "VLLM_NEURON_HOST_MODE"
+
+ENVIRONMENT_VARIABLES += (
+    EnvVar(
+        VLLM_NEURON_HOST_MODE,
+        "0",
+        "vllm-plugin",
+        "1 runs the whole artifact system inside a real vLLM without Trainium: a platform "
+        "extending vLLM's CPU platform whose compiler is the two-tier cache (host toolchain).",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class HostModeSettings:
+    """Whether vLLM runs on this package's host platform (CPU, host toolchain)."""
+
+    enabled: bool = False
+
+
+def load_host_mode_settings(environ: Mapping[str, str] | None = None) -> HostModeSettings:
+    """VLLM_NEURON_HOST_MODE, a strict boolean; host mode compiles with the host toolchain,
+    so asking for the Neuron toolchain at the same time is refused."""
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    enabled = _bool_var(env, VLLM_NEURON_HOST_MODE, False)
+    toolchain = _raw(env, VLLM_NEURON_TOOLCHAIN)
+    if enabled and toolchain is not None and toolchain.lower() == "neuron":
+        raise ConfigError(
+            f"{VLLM_NEURON_HOST_MODE}={env[VLLM_NEURON_HOST_MODE]!r} runs vLLM on the host CPU "
+            f"and compiles with the host toolchain, but {VLLM_NEURON_TOOLCHAIN}="
+            f"{env[VLLM_NEURON_TOOLCHAIN]!r} asks for Neuron: unset one of them"
+        )
+    return HostModeSettings(enabled=enabled)
+
+
+@functools.lru_cache(maxsize=1)
+def host_mode_settings() -> HostModeSettings:
+    """The process's host-mode setting, parsed from os.environ on first use."""
+    return load_host_mode_settings()
+
+
+_SETTINGS_ACCESSORS.append(host_mode_settings)

@@ -13,6 +13,8 @@ from collections.abc import Sequence
 
 from . import cache as cache_cmd
 from . import manifest as manifest_cmd
+from . import profile as profile_cmd
+from . import snapshot as snapshot_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -23,6 +25,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     cache_cmd.register(sub)
     manifest_cmd.register(sub)
+    profile_cmd.register(sub)
+    snapshot_cmd.register(sub)
     return parser
 
 

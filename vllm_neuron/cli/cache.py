@@ -117,13 +117,21 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from vllm_neuron.compile.inventory import verify_entries
+    from vllm_neuron.compile.inventory import verify_entries, verify_entry
     from vllm_neuron.compile.quarantine import quarantine_entry
 
     store = _tier(args)
 
     def quarantine(key: str, problem: str) -> None:
-        quarantine_entry(store, key, problem)
+        if not store.capabilities.kernel_locks:
+            quarantine_entry(store, key, problem)
+            return
+        # A local tier: withdraw under the key's lock, after a re-check, so an entry that a
+        # running process has just compiled in place of the corrupt one is never withdrawn.
+        with store.lock(key, timeout=60.0):
+            again = verify_entry(store, key)
+            if again is not None:
+                quarantine_entry(store, key, again)
 
     results = verify_entries(store, quarantine=None if args.keep else quarantine)
     bad = [r for r in results if not r.ok]
@@ -155,21 +163,38 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from vllm_neuron.compile.inventory import parse_duration, parse_size, plan_prune
+    from vllm_neuron.compile.cache import STAGING_MAX_AGE
+    from vllm_neuron.compile.inventory import (
+        find_leftovers,
+        parse_duration,
+        parse_size,
+        plan_prune,
+        remove_leftovers,
+    )
 
+    store = _tier(args)
     plan = plan_prune(
-        _tier(args),
+        store,
         older_than=None if args.older_than is None else parse_duration(args.older_than),
         max_size=None if args.max_size is None else parse_size(args.max_size),
     )
+    # Always collected too: what processes killed mid-write left behind (invisible, but it
+    # would pile up on a shared tier that no compiling process ever cleans).
+    leftovers = find_leftovers(store, older_than=STAGING_MAX_AGE)
     for e in plan.delete:
         print(f"{'would delete' if args.dry_run else 'delete'} {e.key} "
               f"{human_size(e.size)} ({plan.reasons[e.key]})")
+    for left in leftovers:
+        print(f"{'would remove' if args.dry_run else 'remove'} abandoned {left.prefix} "
+              f"{human_size(left.size)} ({human_age(left.age_seconds)} old)")
     if args.dry_run:
-        print(f"dry run: {len(plan.delete)} entries, {human_size(plan.freed_bytes)} would be freed")
+        print(f"dry run: {len(plan.delete)} entries, {human_size(plan.freed_bytes)} would be freed"
+              + (f"; {len(leftovers)} abandoned staging areas" if leftovers else ""))
         return 0
     removed = plan.execute()
-    print(f"{removed} entries deleted, {human_size(plan.freed_bytes)} freed")
+    swept = remove_leftovers(store, leftovers)
+    print(f"{removed} entries deleted, {human_size(plan.freed_bytes)} freed"
+          + (f"; {swept} abandoned staging areas removed" if swept else ""))
     return 0
 
 

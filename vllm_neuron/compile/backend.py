@@ -13,7 +13,9 @@ from typing import Any
 BACKEND_NAME = "vllm_neuron"
 
 
-def vllm_neuron_backend(gm: Any, example_inputs: Sequence[Any], **_options: Any) -> Callable[..., Any]:
+def vllm_neuron_backend(
+    gm: Any, example_inputs: Sequence[Any], **_options: Any
+) -> Callable[..., Any]:
     """The dynamo backend: key the graph, fetch or compile it through the cache, load it."""
     from .runtime import get_runtime
 
@@ -21,9 +23,19 @@ def vllm_neuron_backend(gm: Any, example_inputs: Sequence[Any], **_options: Any)
 
 
 def register_backend() -> None:
-    """Register the backend with dynamo under `BACKEND_NAME` (idempotent)."""
-    from torch._dynamo.backends.registry import _COMPILER_FNS, register_backend
+    """Register the backend with dynamo under `BACKEND_NAME` (idempotent).
 
-    if _COMPILER_FNS.get(BACKEND_NAME) is not vllm_neuron_backend:
-        _COMPILER_FNS.pop(BACKEND_NAME, None)
-        register_backend(compiler_fn=vllm_neuron_backend, name=BACKEND_NAME)
+    Leaves it to dynamo when dynamo has discovered our entry point but not loaded it yet:
+    that is also the state while dynamo itself is importing this module to resolve the
+    entry point, and registering here would make dynamo's own registration, right after,
+    fail with "duplicate name".
+    """
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+
+    current = _COMPILER_FNS.get(BACKEND_NAME)
+    if current is vllm_neuron_backend:
+        return
+    if current is None and _BACKENDS.get(BACKEND_NAME) is not None:
+        return  # an entry point dynamo resolves (to this very function) on first lookup
+    _COMPILER_FNS.pop(BACKEND_NAME, None)
+    register_backend(compiler_fn=vllm_neuron_backend, name=BACKEND_NAME)

@@ -22,19 +22,21 @@ import contextlib
 import json
 import logging
 import os
+import re
+import shutil
 import socket
+import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from typing import Any
+
+import msgspec
 
 from vllm_neuron.backends import (
     EventLog,
     LockTimeout,
     Record,
     Store,
-    StoreError,
-    copy_tree,
     join,
     open_store,
     validate_hex,
@@ -47,6 +49,8 @@ from .entry import (
     build_record,
     check_checksums,
     check_sizes,
+    check_sizes_at,
+    copy_verified,
     decode_record,
     encode_record,
     read_record,
@@ -70,6 +74,29 @@ FAILURES_DIR = ".failures"
 STAGING_MAX_AGE = 6 * 3600.0
 REMOTE_RETRY_AFTER = 60.0
 
+_KEY_RE = re.compile(r"[0-9a-f]{32}")
+
+
+def _read_small_file(path: str) -> bytes | None:
+    """The bytes of a (small) file, or None if it does not exist: plain os calls."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        data = os.read(fd, 1 << 16)
+        while len(data) % (1 << 16) == 0 and data:  # a record above 64 KiB: read the rest
+            more = os.read(fd, 1 << 16)
+            if not more:
+                break
+            data += more
+        return data
+    except OSError:
+        return b""  # unreadable (a directory, an I/O error): a defective entry
+    finally:
+        os.close(fd)
+
+
 CompileFn = Callable[[str], Mapping[str, Any]]
 """Compiles into the given empty directory; returns the toolchain's metadata (JSON-able)."""
 
@@ -82,15 +109,19 @@ class PrecompiledOnlyMiss(RuntimeError):
     """A miss in pre-compiled-only mode (VLLM_NEURON_DISABLE_WARMUP_COMPILE=1)."""
 
 
-@dataclass(frozen=True)
-class CacheResult:
-    """Where a key's artifacts are, and how they got there."""
+class CacheResult(msgspec.Struct, frozen=True, gc=False):
+    """Where a key's artifacts are, and how they got there.
+
+    A frozen msgspec struct rather than a dataclass: one is built on every hit, and a
+    frozen dataclass's ``__init__`` alone costs as much as a `stat`.
+    """
 
     key: str
-    path: str
+    path: str | None  # the entry's directory on local disk (None for a non-disk local tier)
     record: EntryRecord
     source: str  # "memory", "local", "local-after-wait", "remote", "compiled", "uncached"
     seconds: float
+    prefix: str = ""  # where the entry's files are in the local store
 
 
 class TwoTierCache:
@@ -98,7 +129,7 @@ class TwoTierCache:
 
     def __init__(
         self,
-        local_dir: str,
+        local: str | Store,
         *,
         remote: str | None = None,
         timeout: float = 600.0,
@@ -115,10 +146,14 @@ class TwoTierCache:
                 "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE=1: with no cache nothing can be "
                 "pre-compiled"
             )
-        self.local_dir = os.path.abspath(local_dir)
-        self.local: Store = open_store(self.local_dir)
-        if not self.local.capabilities.atomic_rename:
-            raise StoreError(f"the local cache tier must be a POSIX directory, got {self.local}")
+        self.local: Store = open_store(os.path.abspath(local)) if isinstance(local, str) else local
+        self.local_dir = self.local.local_path("") or self.local.url
+        # Published by rename on local disk: an entry is the directory <root>/<key>.
+        caps = self.local.capabilities
+        root = self.local.local_path("")
+        self._disk_root = (
+            root.rstrip("/") + "/" if root is not None and caps.atomic_rename else None
+        )
         self.remote_url = remote or None
         self._remote_options = dict(remote_options or {})
         self._remote: Store | None = None
@@ -131,6 +166,9 @@ class TwoTierCache:
         self.target = target
         self.lease_duration = lease_duration
         self._loaded: dict[str, CacheResult] = {}
+        # The last record bytes read for each key and their decoding: a hit still reads the
+        # record and stats every file, but bytes seen before are not decoded again.
+        self._decoded: dict[str, tuple[bytes, EntryRecord]] = {}
         self._events: EventLog = self.local.log(
             EVENTS_STREAM, writer=f"{socket.gethostname()}-{os.getpid()}"
         )
@@ -148,28 +186,56 @@ class TwoTierCache:
             logger.warning("compile cache: cannot record events in %s: %s", self.local_dir, exc)
 
     # -------------------------------------------------------------- local
-    def entry_path(self, key: str) -> str:
-        return os.path.join(self.local_dir, key)
+    def _result(self, key: str, prefix: str, record: EntryRecord, source: str,
+                seconds: float) -> CacheResult:
+        return CacheResult(key, self.local.local_path(prefix), record, source, seconds, prefix)
 
-    def lookup_local(self, key: str) -> CacheResult | None:
-        """The fast, unlocked check: a published, size-checked local entry or None."""
+    def lookup_local(self, key: str, *, quarantine: bool = True) -> CacheResult | None:
+        """A published, size-checked local entry or None (no lock taken).
+
+        A defective entry is a miss; with `quarantine` it is also withdrawn. The decision
+        flow's first, unlocked check passes ``quarantine=False`` and leaves the withdrawal
+        to the re-check under the key's lock: an unlocked withdrawal could remove the good
+        entry that the lock holder has just published in place of the defective one.
+        """
         start = time.perf_counter()
-        data = self.local.read(join(key, ENTRY_RECORD))
-        if data is None:
+        entry_dir = None
+        if self._disk_root is not None and _KEY_RE.fullmatch(key):
+            # The hot path (a tier on local disk): the key is checked, so build the paths
+            # directly; one read of the record and one stat per file.
+            prefix: str | None = key
+            entry_dir = self._disk_root + key
+            data = _read_small_file(entry_dir + "/" + ENTRY_RECORD)
+        else:
+            prefix = self.local.published(key)
+            data = None if prefix is None else self.local.read(join(prefix, ENTRY_RECORD))
+        if data is None or prefix is None:
             return None
         try:
-            record = decode_record(data)
-            if record.key != key:
-                raise EntryProblem(f"{self.local_dir}/{key}: record names key {record.key}")
-            check_sizes(self.local, key, record)
-        except Exception as exc:  # noqa: BLE001 - any defect is a miss plus a quarantine
-            self.quarantine(self.local, key, str(exc), tier="local")
+            known = self._decoded.get(key)
+            if known is not None and known[0] == data:
+                record = known[1]  # the same bytes as last time: the same (frozen) record
+            else:
+                record = decode_record(data)
+                if record.key != key:
+                    raise EntryProblem(f"{self.local_dir}/{key}: record names key {record.key}")
+                self._decoded[key] = (data, record)
+            if entry_dir is not None:
+                check_sizes_at(entry_dir, record, entry_dir)
+            else:
+                check_sizes(self.local, prefix, record)
+        except Exception as exc:  # noqa: BLE001 - any defect is a miss (plus a quarantine)
+            if quarantine:
+                self.quarantine(self.local, key, str(exc), tier="local")
             return None
-        return CacheResult(key, self.entry_path(key), record, "local", time.perf_counter() - start)
+        return CacheResult(key, entry_dir or self.local.local_path(prefix), record, "local",
+                           time.perf_counter() - start, prefix)
 
     def quarantine(self, store: Store, key: str, reason: str, *, tier: str) -> None:
         """Withdraw a defective entry (it becomes a miss) and say so once."""
         self._record(VerificationFailed(key=key, at=time.time(), tier=tier, reason=reason))
+        if store is self.local:
+            self._loaded.pop(key, None)
         quarantine_entry(store, key, reason)
 
     # ------------------------------------------------------------- remote
@@ -188,7 +254,9 @@ class TwoTierCache:
 
     def _remote_failed(self, exc: BaseException) -> None:
         self._remote_down_until = time.monotonic() + REMOTE_RETRY_AFTER
-        self._record(RemoteUnavailable(at=time.time(), remote=str(self.remote_url), reason=str(exc)))
+        self._record(
+            RemoteUnavailable(at=time.time(), remote=str(self.remote_url), reason=str(exc))
+        )
         if not self._remote_warned:
             self._remote_warned = True
             logger.warning(
@@ -215,14 +283,15 @@ class TwoTierCache:
                 record = decode_record(record_bytes)
             except Exception as exc:  # noqa: BLE001
                 raise EntryProblem(f"{remote.url}/{key}: unreadable {ENTRY_RECORD}: {exc}") from exc
+            if record.key != key:
+                raise EntryProblem(f"{remote.url}/{key}: record names key {record.key}")
             with self.local.stage(key) as staging:
-                copy_tree(remote, prefix, staging, keys=sorted(record.files))
-                staged_dir = staging.local_dir()
-                assert staged_dir is not None
                 try:
-                    check_checksums(self.local, staging.prefix, record)
-                except EntryProblem as exc:
-                    raise EntryProblem(f"{remote.url}/{key}: {exc}") from exc
+                    copy_verified(remote, prefix, staging, record)
+                except EntryProblem:
+                    if remote.published(key) != prefix:
+                        raise FileNotFoundError(f"{remote.url}/{key} was withdrawn") from None
+                    raise
                 staging.write(ENTRY_RECORD, record_bytes)
                 staging.commit()
         except EntryProblem as exc:
@@ -249,7 +318,7 @@ class TwoTierCache:
                 compile_seconds=record.compile_seconds,
             )
         )
-        return CacheResult(key, local.path, local.record, "remote", seconds)
+        return self._result(key, local.prefix, local.record, "remote", seconds)
 
     # ------------------------------------------------------------ compile
     def get_or_compile(
@@ -257,13 +326,13 @@ class TwoTierCache:
     ) -> CacheResult:
         """The artifacts for `key`: from memory, local, remote, or a compile, in that order."""
         validate_hex(key, length=32, what="compile cache key")
-        if key in self._loaded:
-            cached = self._loaded[key]
+        cached = self._loaded.get(key)
+        if cached is not None:
             self._record(CacheHit(key=key, at=time.time(), tier="memory"))
-            return cached
+            return msgspec.structs.replace(cached, source="memory", seconds=0.0)
         if self.disabled:
             return self._compile_uncached(key, compile_fn, components or {})
-        hit = self.lookup_local(key)
+        hit = self.lookup_local(key, quarantine=False)
         if hit is not None:
             self._record(
                 CacheHit(key=key, at=time.time(), seconds=hit.seconds,
@@ -299,7 +368,7 @@ class TwoTierCache:
                     CacheHit(key=key, at=time.time(), seconds=waited,
                              compile_seconds=hit.record.compile_seconds)
                 )
-                return CacheResult(key, hit.path, hit.record, "local-after-wait", waited)
+                return self._result(key, hit.prefix, hit.record, "local-after-wait", waited)
             failure = self._recent_failure(key, since=wait_start)
             if failure is not None:
                 raise CompileError(
@@ -326,26 +395,36 @@ class TwoTierCache:
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
     ) -> CacheResult:
         staging = self.local.stage(key)
-        out_dir = staging.local_dir()
-        assert out_dir is not None
+        staged_dir = staging.local_dir()
+        # A tier off local disk (memory in tests) compiles into a scratch directory first.
+        out_dir = staged_dir if staged_dir is not None else tempfile.mkdtemp(prefix="vn-compile-")
         os.makedirs(out_dir, exist_ok=True)
         start = time.perf_counter()
         try:
             meta = dict(compile_fn(out_dir))
+            seconds = time.perf_counter() - start
+            record = build_record(
+                key=key,
+                components=components,
+                toolchain=self.toolchain,
+                target=self.target,
+                compile_seconds=seconds,
+                directory=out_dir,
+                meta=meta,
+            )
+            if staged_dir is None:
+                for rel in record.files:
+                    staging.put_file(rel, os.path.join(out_dir, rel))
         except BaseException as exc:
             staging.abort()
-            self._write_failure(key, exc)
+            if isinstance(exc, Exception):
+                # Waiters raise this at once. An interrupt (KeyboardInterrupt, SystemExit)
+                # is not the graph's fault: a waiter takes over as after a crash.
+                self._write_failure(key, exc)
             raise
-        seconds = time.perf_counter() - start
-        record = build_record(
-            key=key,
-            components=components,
-            toolchain=self.toolchain,
-            target=self.target,
-            compile_seconds=seconds,
-            directory=out_dir,
-            meta=meta,
-        )
+        finally:
+            if staged_dir is None:
+                shutil.rmtree(out_dir, ignore_errors=True)
         staging.write(ENTRY_RECORD, encode_record(record))
         staging.commit()
         self.local.delete(join(FAILURES_DIR, f"{key}.json"))
@@ -356,16 +435,18 @@ class TwoTierCache:
         published = self.lookup_local(key)
         if published is None:
             raise CompileError(f"compiled {key} but its entry in {self.local_dir} is not readable")
-        return CacheResult(key, published.path, published.record, "compiled", seconds)
+        return self._result(key, published.prefix, published.record, "compiled", seconds)
 
     def _compile_uncached(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
     ) -> CacheResult:
-        import tempfile
-
         out_dir = tempfile.mkdtemp(prefix=f"vllm_neuron_uncached_{key[:8]}_")
         start = time.perf_counter()
-        meta = dict(compile_fn(out_dir))
+        try:
+            meta = dict(compile_fn(out_dir))
+        except BaseException:
+            shutil.rmtree(out_dir, ignore_errors=True)
+            raise
         seconds = time.perf_counter() - start
         record = build_record(
             key=key, components=components, toolchain=self.toolchain, target=self.target,
@@ -373,7 +454,7 @@ class TwoTierCache:
         )
         self._record(Compiled(key=key, at=time.time(), seconds=seconds, toolchain=self.toolchain,
                               size=record.total_size))
-        return CacheResult(key, out_dir, record, "uncached", seconds)
+        return CacheResult(key, out_dir, record, "uncached", seconds, "")
 
     # ----------------------------------------------------------- failures
     def _write_failure(self, key: str, exc: BaseException) -> None:
@@ -396,29 +477,49 @@ class TwoTierCache:
 
     # --------------------------------------------------------------- hygiene
     def _collect_stale_staging(self) -> None:
-        """Remove staging directories left by processes killed mid-compile."""
-        staging_root = os.path.join(self.local_dir, ".staging")
-        cutoff = time.time() - STAGING_MAX_AGE
-        with contextlib.suppress(OSError):
-            for name in os.listdir(staging_root):
-                path = os.path.join(staging_root, name)
-                with contextlib.suppress(OSError):
-                    if os.stat(path).st_mtime < cutoff:
-                        self.local.delete_tree(join(".staging", name))
+        """Remove what processes killed mid-compile or mid-fetch left behind.
+
+        Staging areas (and, on POSIX, trash) untouched for `STAGING_MAX_AGE`: never visible
+        as entries, but they must not pile up. Best-effort: a failure here never stops
+        the cache from starting.
+        """
+        from .inventory import find_leftovers, remove_leftovers
+
+        try:
+            remove_leftovers(self.local, find_leftovers(self.local, older_than=STAGING_MAX_AGE))
+        except Exception as exc:  # noqa: BLE001 - hygiene is best-effort
+            logger.debug("compile cache: could not collect stale staging: %s", exc)
 
     def entries(self) -> list[str]:
         """Keys of every published local entry."""
         return [n for n in self.local.published_children("") if len(n) == 32]
 
     def read_entry(self, key: str) -> EntryRecord:
-        return read_record(self.local, key)
+        prefix = self.local.published(key)
+        if prefix is None:
+            raise EntryProblem(f"{self.local_dir}/{key}: no such entry")
+        return read_record(self.local, prefix)
 
     def verify(self, key: str) -> str | None:
-        """Full check of a local entry; returns the problem (and quarantines) or None."""
+        """Full check of a local entry; returns the problem (and quarantines) or None.
+
+        Runs under the key's lock, so it never withdraws an entry that a compile or fetch
+        is replacing at that moment.
+        """
+        lock = self.local.lock(key, lease_duration=self.lease_duration)
+        lock.acquire(timeout=self.timeout)
         try:
-            record = read_record(self.local, key)
-            check_checksums(self.local, key, record)
+            prefix = self.local.published(key)
+            if prefix is None:
+                raise EntryProblem(f"{self.local_dir}/{key}: no such entry")
+            record = read_record(self.local, prefix)
+            if record.key != key:
+                raise EntryProblem(f"{self.local_dir}/{key}: record names key {record.key}")
+            check_checksums(self.local, prefix, record)
         except EntryProblem as exc:
-            self.quarantine(self.local, key, str(exc), tier="local")
+            if self.local.published(key) is not None:
+                self.quarantine(self.local, key, str(exc), tier="local")
             return str(exc)
+        finally:
+            lock.release()
         return None

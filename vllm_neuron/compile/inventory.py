@@ -7,12 +7,14 @@ entries are collected rather than raised, and deletion is plan-then-execute (so
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_neuron.backends import Store, join
+from vllm_neuron.backends.base import STAGING_DIR, TRASH_DIR, VERSIONS_DIR
 
 from .entry import ENTRY_RECORD, EntryProblem, check_checksums, check_sizes, decode_record
 
@@ -76,6 +78,24 @@ class VerifyResult:
     problem: str | None
 
 
+def verify_entry(store: Store, key: str, *, full: bool = True) -> str | None:
+    """The problem with the published entry `key` of `store`, or None if it is sound."""
+    prefix = store.published(key)
+    try:
+        if prefix is None:
+            raise EntryProblem(f"{store.url}/{key} was withdrawn while verifying")
+        data = store.read(join(prefix, ENTRY_RECORD))
+        if data is None:
+            raise EntryProblem(f"{store.url}/{key}: {ENTRY_RECORD} is missing")
+        record = decode_record(data)
+        if record.key != key:
+            raise EntryProblem(f"{store.url}/{key}: record names key {record.key}")
+        (check_checksums if full else check_sizes)(store, prefix, record)
+    except Exception as exc:  # noqa: BLE001 - collected, not raised
+        return str(exc)
+    return None
+
+
 def verify_entries(
     store: Store,
     *,
@@ -90,17 +110,7 @@ def verify_entries(
     for info in list_entries(store):
         problem = info.problem
         if problem is None:
-            prefix = store.published(info.key)
-            try:
-                if prefix is None:
-                    raise EntryProblem(f"{store.url}/{info.key} was withdrawn while verifying")
-                data = store.read(join(prefix, ENTRY_RECORD))
-                record = decode_record(data or b"")
-                if record.key != info.key:
-                    raise EntryProblem(f"{store.url}/{info.key}: record names key {record.key}")
-                (check_checksums if full else check_sizes)(store, prefix, record)
-            except Exception as exc:  # noqa: BLE001 - collected, not raised
-                problem = str(exc)
+            problem = verify_entry(store, info.key, full=full)
         if problem is not None and quarantine is not None:
             quarantine(info.key, problem)
         results.append(VerifyResult(info.key, problem is None, problem))
@@ -168,6 +178,72 @@ def plan_prune(
                 remaining -= e.size
     keep = tuple(e for e in entries if e.key not in delete)
     return PrunePlan(store, tuple(delete.values()), keep, reasons)
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """Files a crashed writer left behind: an abandoned staging area or version."""
+
+    prefix: str
+    size: int
+    age_seconds: float
+
+
+def _newest(store: Store, prefix: str) -> tuple[int, float]:
+    """Total size and newest modification time under `prefix` (directories included)."""
+    path = store.local_path(prefix)
+    if path is not None:
+        size, newest = 0, 0.0
+        for dirpath, _dirs, files in os.walk(path):
+            try:
+                newest = max(newest, os.stat(dirpath).st_mtime)
+            except OSError:
+                continue
+            for name in files:
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                size += st.st_size
+                newest = max(newest, st.st_mtime)
+        return size, newest
+    infos = list(store.iter_files(prefix))
+    return sum(i.size for i in infos), max((i.mtime for i in infos), default=0.0)
+
+
+def find_leftovers(store: Store, *, older_than: float) -> list[Leftover]:
+    """Staging areas and unpublished versions untouched for `older_than` seconds.
+
+    A process killed while compiling, fetching or promoting leaves its staging behind
+    (on POSIX ``.staging/<id>`` or ``.trash/<id>``; on commit-record stores an uncommitted
+    ``<key>/.v/<id>``). It is never visible as an entry, but it must not pile up forever.
+    """
+    now = time.time()
+    candidates: list[str] = []
+    if store.capabilities.atomic_rename:
+        for parent in (STAGING_DIR, TRASH_DIR):
+            candidates += [join(parent, name) for name in store.list_dir(parent)]
+    else:
+        for key in store.list_dir(""):
+            if not KEY_RE.fullmatch(key):
+                continue
+            committed = store.published(key)
+            versions = join(key, VERSIONS_DIR)
+            candidates += [join(versions, v) for v in store.list_dir(versions)
+                           if join(versions, v) != committed]
+    out = []
+    for prefix in candidates:
+        size, newest = _newest(store, prefix)
+        if now - newest > older_than:
+            out.append(Leftover(prefix, size, now - newest))
+    return out
+
+
+def remove_leftovers(store: Store, leftovers: list[Leftover]) -> int:
+    """Delete what `find_leftovers` found; returns how many were removed."""
+    for leftover in leftovers:
+        store.delete_tree(leftover.prefix)
+    return len(leftovers)
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")

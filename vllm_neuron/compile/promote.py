@@ -5,6 +5,10 @@ is renamed into place; on S3 a commit record is created with If-None-Match. Anot
 having promoted the same key already is a no-op, so every node of a fleet may call it.
 An entry is checked in full (every checksum) before it leaves the node: a corrupt local
 entry must not become everybody's corrupt entry.
+
+`save_cache` takes the seed's arguments (a local directory, a remote path or URL, a key);
+`promote_entry` is the same protocol between any two stores (tests drive it with memory
+stores standing in for the nodes of a fleet).
 """
 
 from __future__ import annotations
@@ -25,18 +29,50 @@ from .events import Promoted
 logger = logging.getLogger("vllm_neuron.compile")
 
 
-def _checked_local_entry(local_cache_dir: str, hash_key: str) -> tuple[Store, EntryRecord]:
-    if not os.path.isdir(local_cache_dir):
-        raise RuntimeError(f"local compile cache {local_cache_dir!r} does not exist")
-    local = open_store(local_cache_dir, create=False)
-    if local.published(hash_key) is None:
-        raise RuntimeError(f"local cache entry {local_cache_dir}/{hash_key} does not exist")
+def _checked_entry(local: Store, hash_key: str) -> tuple[str, EntryRecord]:
+    """The published prefix and record of `hash_key`, every checksum verified."""
+    prefix = local.published(hash_key)
+    if prefix is None:
+        raise RuntimeError(f"local cache entry {local.url}/{hash_key} does not exist")
     try:
-        record = read_record(local, hash_key)
-        check_checksums(local, hash_key, record)
+        record = read_record(local, prefix)
+        if record.key != hash_key:
+            raise EntryProblem(f"{local.url}/{hash_key}: record names key {record.key}")
+        check_checksums(local, prefix, record)
     except EntryProblem as exc:
         raise RuntimeError(f"local cache entry is incomplete or corrupt: {exc}") from exc
-    return local, record
+    return prefix, record
+
+
+def promote_entry(
+    local: Store,
+    remote: Store,
+    hash_key: str,
+    *,
+    progress: Progress | None = None,
+) -> bool:
+    """Publish `hash_key` from the `local` store's cache in the `remote` store.
+
+    True if this call published it, False if the remote already had it (or another
+    promoter won the race). `RuntimeError` if the local entry is missing or corrupt.
+    """
+    validate_hex(hash_key, length=32, what="hash_key")
+    prefix, record = _checked_entry(local, hash_key)
+    if remote.published(hash_key) is not None:
+        logger.info("compile cache: %s already in %s; nothing to promote", hash_key, remote.url)
+        published = False
+    else:
+        with remote.stage(hash_key) as staging:
+            copy_tree(local, prefix, staging, keys=[*record.files, ENTRY_RECORD],
+                      progress=progress)
+            published = staging.commit()
+    event = Promoted(key=hash_key, at=time.time(), remote=remote.url,
+                     published=published, size=record.total_size)
+    try:
+        local.log(EVENTS_STREAM, writer=f"{socket.gethostname()}-{os.getpid()}").append(event)
+    except Exception as exc:  # noqa: BLE001 - statistics never fail a promotion
+        logger.warning("compile cache: cannot record the promotion event: %s", exc)
+    return published
 
 
 def save_cache(
@@ -53,20 +89,9 @@ def save_cache(
     Raises `RuntimeError` if the local entry is missing, incomplete or corrupt.
     """
     validate_hex(hash_key, length=32, what="hash_key")
-    local, record = _checked_local_entry(os.fspath(local_cache_dir), hash_key)
-    remote = open_store(remote_cache_dir, **dict(remote_options or {}))
-    if remote.published(hash_key) is not None:
-        logger.info("compile cache: %s already in %s; nothing to promote", hash_key, remote.url)
-        published = False
-    else:
-        with remote.stage(hash_key) as staging:
-            copy_tree(local, hash_key, staging, keys=[*record.files, ENTRY_RECORD],
-                      progress=progress)
-            published = staging.commit()
-    event = Promoted(key=hash_key, at=time.time(), remote=str(remote_cache_dir),
-                     published=published, size=record.total_size)
-    try:
-        local.log(EVENTS_STREAM, writer=f"{socket.gethostname()}-{os.getpid()}").append(event)
-    except Exception as exc:  # noqa: BLE001 - statistics never fail a promotion
-        logger.warning("compile cache: cannot record the promotion event: %s", exc)
-    return published
+    local_cache_dir = os.fspath(local_cache_dir)
+    if not os.path.isdir(local_cache_dir):
+        raise RuntimeError(f"local compile cache {local_cache_dir!r} does not exist")
+    local = open_store(local_cache_dir, create=False)
+    remote = open_store(os.fspath(remote_cache_dir), **dict(remote_options or {}))
+    return promote_entry(local, remote, hash_key, progress=progress)

@@ -72,6 +72,12 @@ class CompileRuntime:
 
     def compile_graph(self, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Artifacts for `gm` from the cache (compiling on a miss), loaded as a callable."""
+        return self.compile(gm, example_inputs)[0]
+
+    def compile(
+        self, gm: Any, example_inputs: Sequence[Any]
+    ) -> tuple[Callable[..., Any], CompiledGraph]:
+        """`compile_graph`, plus the record of what happened (key, cache source, artifact)."""
         from .key import compute_cache_key
 
         toolchain = self.toolchain
@@ -115,7 +121,7 @@ class CompileRuntime:
                 logger.warning("vllm_neuron: graph listener %r failed: %s", listener, exc)
         for wrapper in self._wrappers:
             compiled = wrapper(event, compiled)
-        return compiled
+        return compiled, event
 
 
 _RUNTIME: CompileRuntime | None = None
@@ -129,7 +135,13 @@ def build_runtime() -> CompileRuntime:
     from .toolchains.select import select_toolchain
 
     settings = compile_cache_settings()
-    toolchain = select_toolchain(settings.toolchain)
+    name = settings.toolchain
+    if name == "auto":
+        from vllm_neuron.envs import host_mode_settings
+
+        if host_mode_settings().enabled:
+            name = "host"  # vLLM runs on the host CPU: only host artifacts can run there
+    toolchain = select_toolchain(name)
     cache = TwoTierCache(
         get_neuron_compile_cache_dir(),
         remote=settings.remote_cache,

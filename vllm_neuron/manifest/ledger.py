@@ -39,10 +39,21 @@ class LedgerEntry(Record, frozen=True, tag="ledger"):
     global_rank: int | None = None
 
 
+def _dim(d: Any) -> str:
+    if isinstance(d, int):
+        return str(int(d))
+    if hasattr(d, "node"):
+        # A symbolic size (torch.SymInt, what vLLM's piecewise graphs carry): its name.
+        # int() would evaluate it, which specialises the graph being traced to one size.
+        return str(d)
+    return str(int(d)) if hasattr(d, "__index__") else str(d)
+
+
 def format_shape(shape: Sequence[Any]) -> str:
-    """The seed's shape strings: ``(4,)`` -> "4,", ``(4, 8)`` -> "4, 8", ``()`` -> ""."""
-    dims = tuple(int(d) if isinstance(d, int) or hasattr(d, "__index__") else str(d) for d in shape)
-    return str(dims)[1:-1]
+    """The seed's shape strings: ``(4,)`` -> "4,", ``(4, 8)`` -> "4, 8", ``()`` -> "";
+    a symbolic size keeps its name (``(s72, 128)`` -> "s72, 128")."""
+    dims = [_dim(d) for d in shape]
+    return dims[0] + "," if len(dims) == 1 else ", ".join(dims)
 
 
 def input_shapes_of(example_inputs: Sequence[Any]) -> list[str]:

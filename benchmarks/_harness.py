@@ -1,0 +1,54 @@
+"""Timing helpers shared by the benchmarks."""
+
+from __future__ import annotations
+
+import gc
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Operations per second over several rounds: the best round and the median."""
+
+    name: str
+    ops: int
+    best: float
+    median: float
+
+    def line(self) -> str:
+        return f"  {self.name:<48} {self.best:>11,.0f} ops/s  (median {self.median:,.0f})"
+
+
+def measure(cases: dict[str, Callable[[int], None]], ops: int, rounds: int) -> dict[str, Timing]:
+    """Time `fn(ops)` for every case, `rounds` times, alternating between the cases.
+
+    Alternating means background load on a shared machine hits every case alike; the best
+    round is the least disturbed one, the median shows how noisy the run was.
+    """
+    for fn in cases.values():
+        fn(max(1, ops // 10))  # warm-up: imports, first open, caches
+    rates: dict[str, list[float]] = {name: [] for name in cases}
+    for _ in range(rounds):
+        for name, fn in cases.items():
+            gc.collect()
+            start = time.perf_counter()
+            fn(ops)
+            rates[name].append(ops / (time.perf_counter() - start))
+    return {name: Timing(name, ops, max(r), statistics.median(r)) for name, r in rates.items()}
+
+
+def machine() -> str:
+    """One line describing where the numbers came from."""
+    try:
+        load = "load {:.1f} {:.1f} {:.1f}".format(*os.getloadavg())
+    except OSError:  # pragma: no cover - not on Linux
+        load = "load n/a"
+    return (
+        f"{platform.python_implementation()} {platform.python_version()}, "
+        f"{os.cpu_count()} cores, {platform.machine()}, {load}"
+    )

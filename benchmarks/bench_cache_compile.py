@@ -1,0 +1,154 @@
+"""Eight processes compile one graph at once through the cache vs one process alone.
+
+Every process builds the same small model and calls
+``torch.compile(model, backend="vllm_neuron")`` with a real TorchInductor (AOTInductor)
+compile behind it. Timing starts at a file barrier that every process reaches after its
+imports (torch, Inductor, vllm_neuron) and ends when the last process has its first
+output. Each process gets a fresh ``TORCHINDUCTOR_CACHE_DIR``, so only our cache can save
+a compile. The baseline is one process compiling alone, measured in the same run.
+
+Targets: the eight processes compile exactly once, and their wall time is at most
+1.05x the single compile + 0.3 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from ._harness import machine
+
+RESULT = "BENCH_CACHE_COMPILE "
+
+
+def _model() -> tuple[Any, Any]:
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32), torch.nn.LayerNorm(32)
+    ).eval()
+    return model, torch.randn(4, 32)
+
+
+def worker(barrier: str, warm_isa: bool) -> int:
+    import torch
+    import torch._inductor  # noqa: F401 - an import like any other: before the barrier
+    import torch._inductor.package  # noqa: F401
+
+    import vllm_neuron  # noqa: F401 - registers the backend
+    from vllm_neuron.compile import key as _key  # noqa: F401
+    from vllm_neuron.compile.runtime import get_runtime
+
+    model, x = _model()
+    get_runtime()  # settings, toolchain, cache: part of start-up
+    if warm_isa:
+        # Inductor's one-time probe of the CPU's vector ISA: it builds a small C++ program
+        # into TORCHINDUCTOR_CACHE_DIR (3-4 s), once per Inductor cache. Every process here
+        # has a fresh one (so only our cache can save the graph compile), which would make
+        # each rank pay the probe when it *loads* the artifact; with a shared Inductor cache,
+        # as on a real node, it is paid once. Start-up work, not the graph's compile.
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        pick_vec_isa()
+    with torch.no_grad():
+        expected = model(x)
+        compiled = torch.compile(model, backend="vllm_neuron", dynamic=False)
+        with open(os.path.join(barrier, f"ready-{os.getpid()}"), "w"):
+            pass
+        while not os.path.exists(os.path.join(barrier, "go")):
+            time.sleep(0.002)
+        actual = compiled(x)
+        finished = time.time()
+    history = get_runtime().history
+    print(RESULT + json.dumps({
+        "finished": finished,
+        "sources": [g.result.source for g in history],
+        "matches": bool(torch.allclose(actual, expected, rtol=1e-4, atol=1e-5)),
+    }), flush=True)
+    return 0
+
+
+def run_group(workdir: str, name: str, processes: int, warm_isa: bool = True) -> dict[str, Any]:
+    """Start `processes` workers on one cache; release them together; wall time to the last."""
+    from vllm_neuron.compile.events import read_stats
+
+    root = os.path.join(workdir, name)
+    barrier = os.path.join(root, "barrier")
+    os.makedirs(barrier)
+    procs = []
+    for i in range(processes):
+        env = dict(os.environ)
+        for var in ("NEURON_LIBTORCH_REMOTE_CACHE", "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE",
+                    "VLLM_NEURON_DISABLE_WARMUP_COMPILE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES"):
+            env.pop(var, None)
+        env.update(VLLM_CACHE_ROOT=os.path.join(root, "vllm"), VLLM_NEURON_TOOLCHAIN="host",
+                   TORCHINDUCTOR_CACHE_DIR=os.path.join(root, f"inductor-{i}"))
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "benchmarks.bench_cache_compile", "--worker", barrier]
+            + ([] if warm_isa else ["--cold-isa"]),
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    while len([n for n in os.listdir(barrier) if n.startswith("ready-")]) < processes:
+        if any(p.poll() is not None for p in procs):
+            out, err = next(p for p in procs if p.poll() is not None).communicate()
+            raise RuntimeError(f"a worker died before the barrier:\n{out}\n{err}")
+        time.sleep(0.01)
+    go = time.time()
+    with open(os.path.join(barrier, "go"), "w"):
+        pass
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=1800)
+        line = next((ln for ln in out.splitlines() if ln.startswith(RESULT)), None)
+        if p.returncode != 0 or line is None:
+            raise RuntimeError(f"worker failed ({p.returncode}):\n{out}\n{err}")
+        results.append(json.loads(line[len(RESULT):]))
+    stats = read_stats(os.path.join(root, "vllm", "neuron", "compile_cache"))
+    return {
+        "wall": max(r["finished"] for r in results) - go,
+        "compiles": stats.compiles,
+        "compile_seconds": stats.compile_seconds,
+        "matches": all(r["matches"] for r in results),
+        "sources": sorted(s for r in results for s in r["sources"]),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks cache_compile",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--cold-isa", action="store_true",
+                        help="leave Inductor's CPU-ISA probe to the timed part (see worker)")
+    parser.add_argument("--worker", metavar="BARRIER", help=argparse.SUPPRESS)
+    args = parser.parse_args([] if argv is None else argv)
+    if args.worker:
+        return worker(args.worker, warm_isa=not args.cold_isa)
+    print(machine())
+    print(f"Inductor CPU-ISA probe: {'in the timed part' if args.cold_isa else 'at start-up'}")
+    with tempfile.TemporaryDirectory(prefix="bench-cache-compile-") as workdir:
+        single = run_group(workdir, "single", 1, warm_isa=not args.cold_isa)
+        many = run_group(workdir, "many", args.processes, warm_isa=not args.cold_isa)
+    budget = 1.05 * single["wall"] + 0.3
+    print(f"one process, one compile:       {single['wall']:6.2f} s wall "
+          f"(compile {single['compile_seconds']:.2f} s), compiles={single['compiles']}")
+    print(f"{args.processes} processes, one graph:        {many['wall']:6.2f} s wall "
+          f"(compile {many['compile_seconds']:.2f} s), compiles={many['compiles']}, "
+          f"sources={','.join(sorted(set(many['sources'])))}")
+    ok = many["compiles"] == 1 and single["compiles"] == 1 and many["matches"]
+    on_time = many["wall"] <= budget
+    print(f"  {args.processes}-process wall / single = {many['wall'] / single['wall']:.3f}x; "
+          f"budget 1.05x + 0.3 s = {budget:.2f} s: {'meets' if on_time else 'MISSES'}; "
+          f"compiles == 1: {'yes' if ok else 'NO'}")
+    return 0 if ok and on_time else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

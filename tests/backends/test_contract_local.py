@@ -1,0 +1,73 @@
+"""The store contract on local disk, in each of its profiles (forced, so they run here)."""
+
+from pathlib import Path
+
+import pytest
+
+from vllm_neuron.backends import Store, open_store
+from vllm_neuron.backends.testing import StoreContractTests
+
+
+class TestLocalStore(StoreContractTests):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        store = open_store(tmp_path / "store", profile="local")
+        assert store.capabilities.kernel_locks and store.capabilities.atomic_rename
+        return store
+
+
+class TestNfsProfileStore(StoreContractTests):
+    """NFS: rename publication, fsync before it, leases instead of flock."""
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        store = open_store(tmp_path / "store", profile="nfs")
+        assert store.capabilities.profile == "nfs" and not store.capabilities.kernel_locks
+        return store
+
+
+class TestLustreProfileStore(StoreContractTests):
+    """FSx/Lustre mounted without ``flock``: leases."""
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        store = open_store(tmp_path / "store", profile="lustre")
+        assert store.capabilities.profile == "lustre" and not store.capabilities.kernel_locks
+        return store
+
+
+class TestLustreKernelLockStore(StoreContractTests):
+    """FSx/Lustre mounted with ``flock``: kernel locks."""
+
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Store:
+        store = open_store(tmp_path / "store", profile="lustre", lock="kernel")
+        assert store.capabilities.profile == "lustre" and store.capabilities.kernel_locks
+        return store
+
+
+def test_in_flight_temp_files_are_not_keys(tmp_path: Path) -> None:
+    """A writer's temp file (or a crashed writer's leftover) is never listed as a key."""
+    store = open_store(tmp_path / "store")
+    store.write("d/k", b"v")
+    leftovers = [
+        "d/k.0123456789abcdef-7.partial",  # LocalStore's own temp names
+        "d/k.0123456789abcdef0123456789abcdef.partial",  # get_file / copy_tree temp names
+    ]
+    for name in leftovers:
+        (tmp_path / "store" / name).write_bytes(b"half")
+    store.write("d/user.partial", b"a key that merely ends in .partial")
+    assert store.list("") == ["d/k", "d/user.partial"]
+    assert store.list_dir("d") == ["k", "user.partial"]
+    assert store.read("d/k") == b"v"
+
+
+def test_atomic_write_leaves_no_temp_files(tmp_path: Path) -> None:
+    store = open_store(tmp_path / "store", profile="nfs")  # the fsync path too
+    for i in range(20):
+        store.write("a/b/k", b"%d" % i)
+        store.create(f"a/c{i}", b"x")
+        store.create(f"a/c{i}", b"y")
+    names = sorted(p.name for p in (tmp_path / "store" / "a").iterdir())
+    assert names == sorted(["b", *[f"c{i}" for i in range(20)]])
+    assert [p.name for p in (tmp_path / "store" / "a" / "b").iterdir()] == ["k"]

@@ -1,0 +1,98 @@
+"""Crashes heal themselves: a SIGKILLed lock holder, a writer that exits without closing."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from store_worker import RaceEvent
+from worker_pool import Workers
+
+from vllm_neuron.backends import KernelLock, LeaseLock, LockTimeout, open_store
+
+LEASE = 2.0  # seconds; the holder renews every LEASE / 3
+
+
+@pytest.mark.timeout(120)
+def test_killed_kernel_lock_holder_frees_the_lock_at_once(
+    tmp_path: Path, workers: Workers
+) -> None:
+    url = str(tmp_path / "store")
+    store = open_store(url, profile="local")
+    holder = workers.start("hold", url, {"profile": "local"}, name="compile/abc")
+    assert holder.message()["ready"] is True
+    lock = store.lock("compile/abc")
+    assert isinstance(lock, KernelLock)
+    with pytest.raises(LockTimeout):
+        lock.acquire(timeout=0.2)  # really held by the other process
+    holder.kill()
+    start = time.monotonic()
+    lock.acquire(timeout=10)
+    assert time.monotonic() - start < 1.0
+    lock.release()
+
+
+def _lease_takeover_after_kill(url: str, options: dict[str, str], workers: Workers) -> None:
+    store = open_store(url, **options)
+    holder = workers.start("hold", url, options, name="compile/abc", lease_duration=LEASE)
+    ready = holder.message()
+    lock = store.lock("compile/abc", lease_duration=LEASE)
+    assert isinstance(lock, LeaseLock)
+    with pytest.raises(LockTimeout):
+        lock.acquire(timeout=LEASE * 1.5)  # the holder's heartbeat keeps it alive
+    holder.kill()
+    killed = time.monotonic()
+    lock.acquire(timeout=LEASE * 5)
+    waited = time.monotonic() - killed
+    try:
+        # Free once the last renewal expires: at most one lease period after the kill
+        # (plus polling and slow-peer slack), and not before some of it has run out.
+        assert waited < LEASE + 1.5, f"took {waited:.2f} s for a {LEASE} s lease"
+        assert waited > LEASE / 3 - 0.2, f"taken over after {waited:.2f} s: lease not honoured"
+        assert lock.generation == ready["generation"] + 1
+        lock.check()
+    finally:
+        lock.release()
+
+
+@pytest.mark.timeout(120)
+def test_killed_lease_holder_expires_within_one_lease_nfs_profile(
+    tmp_path: Path, workers: Workers
+) -> None:
+    _lease_takeover_after_kill(str(tmp_path / "store"), {"profile": "nfs"}, workers)
+
+
+@pytest.mark.timeout(120)
+def test_killed_lease_holder_expires_within_one_lease_s3(
+    s3_env: str, s3_store_url: str, workers: Workers
+) -> None:
+    _lease_takeover_after_kill(s3_store_url, {}, workers)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("kind", ["local", "nfs", "s3"])
+def test_event_log_lines_survive_os_exit(
+    kind: str, tmp_path: Path, workers: Workers, request: pytest.FixtureRequest
+) -> None:
+    if kind == "s3":
+        request.getfixturevalue("s3_env")
+        url, options, count = request.getfixturevalue("s3_store_url"), {}, 20
+    else:
+        url, options, count = str(tmp_path / "store"), {"profile": kind}, 2000
+    writers = [
+        workers.start("log_and_exit", url, options, id=i, stream="ev", count=count)
+        for i in range(2)
+    ]
+    segments = [w.message()["segment"] for w in writers]
+    for writer in writers:
+        writer.proc.wait(timeout=60)
+        assert writer.proc.returncode == 0
+    log = open_store(url, **options).log("ev")
+    assert sorted(log.segments()) == sorted(segments)
+    decoded = log.read([RaceEvent])
+    assert decoded.skipped == 0, decoded.errors
+    for i in range(2):
+        mine = [r for r in decoded.records if r.writer == i]
+        assert [r.seq for r in mine] == list(range(count))
+        assert all(r.payload == "x" * (r.seq % 50) for r in mine)

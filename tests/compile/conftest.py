@@ -1,0 +1,42 @@
+"""Fixtures of the compile-cache tests (the S3 server itself is in tests/conftest.py)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cache_workers import fake_compile  # noqa: E402
+
+from vllm_neuron.compile.cache import CompileFn  # noqa: E402
+
+
+@pytest.fixture
+def compile_fn() -> Callable[..., CompileFn]:
+    """``compile_fn(key, **options)``: a fake compile of `key` (see cache_workers)."""
+
+    def make(key: str, **options: Any) -> CompileFn:
+        return lambda out: fake_compile(out, key=key, **options)
+
+    return make
+
+
+@pytest.fixture
+def cache_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
+    """The WARNING-or-worse messages the compile cache logged so far in this test."""
+    caplog.set_level(logging.WARNING, logger="vllm_neuron.compile")
+
+    def messages() -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.name.startswith("vllm_neuron.compile") and r.levelno >= logging.WARNING
+        ]
+
+    return messages

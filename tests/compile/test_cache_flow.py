@@ -1,0 +1,539 @@
+"""The two-tier cache's decision flow in one process: hits, misses, corruption and modes.
+
+Compiles here are fake (cache_workers.fake_compile: bytes derived from the key), so every
+test checks that what the cache hands back is the right artifact for the key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from collections.abc import Callable
+
+import pytest
+from cache_workers import FILE_NAMES, content_for, entry_is_right
+
+from vllm_neuron.backends import open_store
+from vllm_neuron.compile import save_cache
+from vllm_neuron.compile.cache import (
+    STAGING_MAX_AGE,
+    CompileError,
+    PrecompiledOnlyMiss,
+    TwoTierCache,
+)
+from vllm_neuron.compile.entry import ENTRY_RECORD, EntryProblem
+from vllm_neuron.compile.events import read_stats
+from vllm_neuron.compile.quarantine import QUARANTINE_DIR
+
+KEY = "0123456789abcdef0123456789abcdef"
+KEY2 = "fedcba9876543210fedcba9876543210"
+
+
+def key_n(n: int) -> str:
+    return hashlib.md5(str(n).encode()).hexdigest()
+
+
+def truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+def alter(path: str) -> None:
+    """Same size, different bytes: only a checksum can tell."""
+    with open(path, "r+b") as f:
+        first = f.read(1)
+        f.seek(0)
+        f.write(bytes([first[0] ^ 0xFF]))
+
+
+class Counter:
+    def __init__(self, compile_fn: Callable[..., object], key: str) -> None:
+        self.calls = 0
+        self._fn = compile_fn(key)
+
+    def __call__(self, out: str) -> object:
+        self.calls += 1
+        return self._fn(out)
+
+
+# ----------------------------------------------------------------------- basic flow
+
+
+def test_miss_compiles_publishes_and_later_processes_hit(tmp_path, compile_fn):
+    local = str(tmp_path / "local")
+    first = TwoTierCache(local)
+    fn = Counter(compile_fn, KEY)
+    result = first.get_or_compile(KEY, fn, components={"graph": "g1", "inputs": "i1"})
+    assert result.source == "compiled"
+    assert fn.calls == 1
+    assert result.path == os.path.join(local, KEY)
+    assert entry_is_right(result.path, KEY) is None
+    record = first.read_entry(KEY)
+    assert set(record.files) == set(FILE_NAMES)
+    assert record.components == {"graph": "g1", "inputs": "i1"}
+    assert all(d.size == 4096 for d in record.files.values())
+
+    # Same process: served from memory. A new process (new cache object): local hit.
+    assert first.get_or_compile(KEY, fn).source == "memory"
+    second = TwoTierCache(local)
+    hit = second.get_or_compile(KEY, fn)
+    assert hit.source == "local"
+    assert fn.calls == 1
+    assert entry_is_right(hit.path, KEY) is None
+
+    stats = read_stats(local)
+    assert (stats.compiles, stats.misses, stats.hits) == (1, 1, 2)
+    assert stats.time_saved_seconds >= 0
+    assert first.entries() == [KEY]
+
+
+def test_different_keys_are_different_entries(tmp_path, compile_fn):
+    cache = TwoTierCache(str(tmp_path))
+    a = cache.get_or_compile(KEY, compile_fn(KEY))
+    b = cache.get_or_compile(KEY2, compile_fn(KEY2))
+    assert a.path != b.path
+    assert entry_is_right(a.path, KEY) is None
+    assert entry_is_right(b.path, KEY2) is None
+    assert sorted(cache.entries()) == sorted([KEY, KEY2])
+
+
+def test_invalid_key_is_refused_before_any_io(tmp_path, compile_fn):
+    cache = TwoTierCache(str(tmp_path / "c"))
+    for bad in ("../" + KEY[3:], KEY.upper(), KEY[:31], ""):
+        with pytest.raises(ValueError):
+            cache.get_or_compile(bad, compile_fn(KEY))
+    assert cache.entries() == []
+
+
+def test_a_failed_compile_publishes_nothing_and_leaves_no_staging(tmp_path, compile_fn):
+    local = str(tmp_path)
+    cache = TwoTierCache(local)
+    with pytest.raises(ValueError, match="boom"):
+        cache.get_or_compile(KEY, compile_fn(KEY, fail="boom"))
+    assert not os.path.exists(os.path.join(local, KEY))
+    assert os.listdir(os.path.join(local, ".staging")) == []
+    assert read_stats(local).compile_failures == 1
+    # The failure is not sticky for a later attempt that starts after it.
+    assert cache.get_or_compile(KEY, compile_fn(KEY)).source == "compiled"
+
+
+def test_a_waiter_that_started_before_a_failure_gets_compile_error(tmp_path, compile_fn):
+    """The failure record is what turns "the holder failed" into an immediate error."""
+    local = str(tmp_path)
+    holder = TwoTierCache(local)
+    waiter = TwoTierCache(local)
+    lock = holder.local.lock(KEY)
+    lock.acquire()
+    import threading
+
+    outcome: dict[str, BaseException | str] = {}
+
+    def wait() -> None:
+        try:
+            waiter.get_or_compile(KEY, compile_fn(KEY))
+            outcome["result"] = "returned"
+        except BaseException as exc:  # noqa: BLE001 - inspected below
+            outcome["result"] = exc
+
+    t = threading.Thread(target=wait)
+    t.start()
+    time.sleep(0.3)
+    holder._write_failure(KEY, ValueError("the compiler crashed"))
+    lock.release()
+    t.join(10)
+    assert isinstance(outcome["result"], CompileError)
+    assert "the compiler crashed" in str(outcome["result"])
+
+
+def test_lock_wait_beyond_the_timeout_names_the_variable(tmp_path, compile_fn):
+    cache = TwoTierCache(str(tmp_path), timeout=0.3)
+    other = open_store(str(tmp_path)).lock(KEY)
+    other.acquire()
+    try:
+        start = time.monotonic()
+        with pytest.raises(TimeoutError, match="NEURON_LIBTORCH_COMPILATION_TIMEOUT"):
+            cache.get_or_compile(KEY, compile_fn(KEY))
+        assert time.monotonic() - start < 5
+    finally:
+        other.release()
+
+
+def test_stale_staging_is_collected_and_fresh_staging_is_kept(tmp_path):
+    staging = tmp_path / ".staging"
+    old, fresh, trash = staging / "old", staging / "fresh", tmp_path / ".trash" / "gone"
+    for d in (old, fresh, trash):
+        d.mkdir(parents=True)
+        (d / "graph.bin").write_bytes(b"half")
+    past = time.time() - STAGING_MAX_AGE - 60
+    for path in (old, old / "graph.bin", trash, trash / "graph.bin"):
+        os.utime(path, (past, past))
+    os.utime(fresh, (past, past))  # an old directory with a fresh file: still being written
+    TwoTierCache(str(tmp_path))
+    assert not old.exists() and not trash.exists()
+    assert fresh.exists()
+
+
+def test_stale_uncommitted_versions_are_collected_on_a_memory_tier(compile_fn):
+    local = open_store("memory://")
+    TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY))
+    crashed = local.stage(KEY)  # a compile killed after writing half a file
+    crashed.write("graph.bin", b"half")
+    for key in local.list(crashed.prefix):
+        local.set_mtime(key, time.time() - STAGING_MAX_AGE - 60)  # type: ignore[attr-defined]
+    cache = TwoTierCache(local)
+    assert local.list(crashed.prefix) == []
+    assert cache.get_or_compile(KEY, compile_fn(KEY, fail="no recompile")).source == "local"
+
+
+# ------------------------------------------------------------------- corruption
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete"])
+def test_local_entry_failing_the_size_check_is_quarantined_and_recompiled(
+    tmp_path, compile_fn, cache_warnings, damage
+):
+    local = str(tmp_path)
+    TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY))
+    victim = os.path.join(local, KEY, "weights", "w0.bin")
+    truncate(victim) if damage == "truncate" else os.unlink(victim)
+
+    fn = Counter(compile_fn, KEY)
+    result = TwoTierCache(local).get_or_compile(KEY, fn)
+    assert result.source == "compiled"
+    assert fn.calls == 1
+    assert entry_is_right(result.path, KEY) is None
+    warnings = cache_warnings()
+    assert len(warnings) == 1, warnings
+    assert KEY in warnings[0] and "quarantined" in warnings[0]
+    assert "weights/w0.bin" in warnings[0]
+    note = open_store(local).read_json(f"{QUARANTINE_DIR}/{KEY}.json")
+    assert note["key"] == KEY
+    stats = read_stats(local)
+    assert (stats.verification_failures, stats.compiles) == (1, 2)
+
+
+def test_altered_bytes_pass_the_size_check_but_verify_catches_them(
+    tmp_path, compile_fn, cache_warnings
+):
+    local = str(tmp_path)
+    TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY))
+    alter(os.path.join(local, KEY, "graph.bin"))
+
+    cache = TwoTierCache(local)
+    # A local hit only checks sizes (cheap): the altered file is not noticed here...
+    assert cache.get_or_compile(KEY, compile_fn(KEY)).source == "local"
+    assert cache_warnings() == []
+    # ...but a full verification is, and it withdraws the entry.
+    problem = cache.verify(KEY)
+    assert problem is not None and "graph.bin" in problem and "SHA-256" in problem
+    warnings = cache_warnings()
+    assert len(warnings) == 1 and KEY in warnings[0]
+    assert not os.path.exists(os.path.join(local, KEY))
+    # The same cache object forgets its loaded copy, so the next call recompiles.
+    fn = Counter(compile_fn, KEY)
+    result = cache.get_or_compile(KEY, fn)
+    assert (result.source, fn.calls) == ("compiled", 1)
+    assert entry_is_right(result.path, KEY) is None
+    assert cache.verify(KEY) is None
+
+
+@pytest.mark.parametrize("damage", [truncate, alter], ids=["truncated", "altered"])
+def test_corrupt_local_entry_is_refetched_from_the_remote(
+    tmp_path, compile_fn, cache_warnings, damage
+):
+    local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
+    TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY))
+    assert save_cache(local, remote, KEY) is True
+    damage(os.path.join(local, KEY, "weights", "w1.bin"))
+
+    cache = TwoTierCache(local, remote=remote)
+    if damage is alter:  # found by verification, not by the size-checked hit
+        assert cache.verify(KEY) is not None
+    fn = Counter(compile_fn, KEY)
+    result = cache.get_or_compile(KEY, fn)
+    assert result.source == "remote"
+    assert fn.calls == 0
+    assert entry_is_right(result.path, KEY) is None
+    warnings = cache_warnings()
+    assert len(warnings) == 1 and KEY in warnings[0] and "w1.bin" in warnings[0]
+
+
+@pytest.mark.parametrize("damage", [truncate, alter], ids=["truncated", "altered"])
+def test_corrupt_remote_entry_is_quarantined_and_compiled_locally(
+    tmp_path, compile_fn, cache_warnings, damage
+):
+    node_a, node_b, remote = (str(tmp_path / n) for n in ("a", "b", "remote"))
+    TwoTierCache(node_a).get_or_compile(KEY, compile_fn(KEY))
+    save_cache(node_a, remote, KEY)
+    damage(os.path.join(remote, KEY, "graph.bin"))
+
+    fn = Counter(compile_fn, KEY)
+    result = TwoTierCache(node_b, remote=remote).get_or_compile(KEY, fn)
+    assert (result.source, fn.calls) == ("compiled", 1)
+    assert entry_is_right(result.path, KEY) is None
+    warnings = cache_warnings()
+    assert len(warnings) == 1, warnings
+    assert remote in warnings[0] and KEY in warnings[0] and "graph.bin" in warnings[0]
+    assert open_store(remote).published(KEY) is None  # withdrawn from the remote too
+    assert not os.listdir(os.path.join(node_b, ".staging"))  # the bad copy was not kept
+    assert read_stats(node_b).verification_failures == 1
+    # Re-promoting the good local entry repairs the remote tier.
+    assert save_cache(node_b, remote, KEY) is True
+
+
+def test_remote_record_naming_another_key_is_not_served(tmp_path, compile_fn, cache_warnings):
+    node_a, remote = str(tmp_path / "a"), str(tmp_path / "remote")
+    TwoTierCache(node_a).get_or_compile(KEY, compile_fn(KEY))
+    save_cache(node_a, remote, KEY)
+    os.rename(os.path.join(remote, KEY), os.path.join(remote, KEY2))  # mislabelled entry
+
+    fn = Counter(compile_fn, KEY2)
+    result = TwoTierCache(str(tmp_path / "b"), remote=remote).get_or_compile(KEY2, fn)
+    assert (result.source, fn.calls) == ("compiled", 1)
+    assert entry_is_right(result.path, KEY2) is None
+    assert len(cache_warnings()) == 1
+
+
+def test_local_record_naming_another_key_is_a_miss(tmp_path, compile_fn, cache_warnings):
+    local = str(tmp_path)
+    TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY))
+    os.rename(os.path.join(local, KEY), os.path.join(local, KEY2))
+    result = TwoTierCache(local).get_or_compile(KEY2, compile_fn(KEY2))
+    assert result.source == "compiled"
+    assert entry_is_right(result.path, KEY2) is None
+    assert len(cache_warnings()) == 1
+
+
+def test_unreadable_local_record_is_a_miss(tmp_path, compile_fn, cache_warnings):
+    local = str(tmp_path)
+    TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY))
+    with open(os.path.join(local, KEY, ENTRY_RECORD), "wb") as f:
+        f.write(b'{"key": 12')
+    result = TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY))
+    assert result.source == "compiled"
+    assert len(cache_warnings()) == 1
+
+
+def test_read_entry_of_an_absent_key_is_an_entry_problem(tmp_path):
+    with pytest.raises(EntryProblem, match=KEY):
+        TwoTierCache(str(tmp_path)).read_entry(KEY)
+
+
+# --------------------------------------------------------------------- promotion
+
+
+def test_save_cache_refuses_missing_and_corrupt_local_entries(tmp_path, compile_fn):
+    local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
+    with pytest.raises(RuntimeError, match="does not exist"):
+        save_cache(str(tmp_path / "nowhere"), remote, KEY)
+    TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY))
+    with pytest.raises(RuntimeError, match="does not exist"):
+        save_cache(local, remote, KEY2)
+    alter(os.path.join(local, KEY, "meta.txt"))
+    with pytest.raises(RuntimeError, match="incomplete or corrupt"):
+        save_cache(local, remote, KEY)
+    assert open_store(remote).published(KEY) is None
+    with pytest.raises(ValueError):
+        save_cache(local, remote, "not-a-key")
+
+
+def test_save_cache_publishes_once_then_is_a_no_op(tmp_path, compile_fn):
+    local, remote = str(tmp_path / "local"), str(tmp_path / "remote")
+    TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY))
+    seen: list[tuple[int, int]] = []
+    assert save_cache(local, remote, KEY, progress=lambda d, t: seen.append((d, t))) is True
+    assert save_cache(local, remote, KEY) is False
+    assert seen[-1][0] == seen[-1][1] > 4 * 4096  # every byte, entry record included
+    assert entry_is_right(os.path.join(remote, KEY), KEY) is None
+    assert os.listdir(os.path.join(remote, ".staging")) == []
+    assert read_stats(local).promotions == 1
+
+
+# -------------------------------------------------------------------------- modes
+
+
+def test_disabled_cache_compiles_every_time_and_publishes_nothing(tmp_path, compile_fn):
+    local = str(tmp_path)
+    cache = TwoTierCache(local, disabled=True)
+    fn = Counter(compile_fn, KEY)
+    paths = {cache.get_or_compile(KEY, fn).path for _ in range(2)}
+    paths.add(TwoTierCache(local, disabled=True).get_or_compile(KEY, fn).path)
+    assert fn.calls == 3
+    assert len(paths) == 3
+    for p in paths:
+        assert p is not None and entry_is_right(p, KEY) is None
+    assert cache.entries() == []
+    assert not os.path.exists(os.path.join(local, KEY))
+    assert read_stats(local).compiles == 3
+
+
+def test_precompiled_only_miss_raises_naming_the_variable(tmp_path, compile_fn):
+    fn = Counter(compile_fn, KEY)
+    cache = TwoTierCache(str(tmp_path / "local"), remote=str(tmp_path / "remote"),
+                         precompiled_only=True)
+    with pytest.raises(RuntimeError, match="VLLM_NEURON_DISABLE_WARMUP_COMPILE") as info:
+        cache.get_or_compile(KEY, fn)
+    assert isinstance(info.value, PrecompiledOnlyMiss)
+    assert KEY in str(info.value) and str(tmp_path / "remote") in str(info.value)
+    assert fn.calls == 0
+    assert cache.entries() == []
+
+
+def test_precompiled_only_serves_local_and_remote_hits(tmp_path, compile_fn):
+    builder, remote = str(tmp_path / "builder"), str(tmp_path / "remote")
+    TwoTierCache(builder).get_or_compile(KEY, compile_fn(KEY))
+    save_cache(builder, remote, KEY)
+
+    consumer = str(tmp_path / "consumer")
+    fn = Counter(compile_fn, KEY)
+    fetched = TwoTierCache(consumer, remote=remote, precompiled_only=True).get_or_compile(KEY, fn)
+    assert fetched.source == "remote"
+    assert entry_is_right(fetched.path, KEY) is None
+    again = TwoTierCache(consumer, precompiled_only=True).get_or_compile(KEY, fn)
+    assert again.source == "local"
+    assert fn.calls == 0
+
+
+def test_precompiled_only_with_the_cache_disabled_is_a_startup_error(tmp_path):
+    with pytest.raises(ValueError, match="NEURON_LIBTORCH_DISABLE_COMPILE_CACHE"):
+        TwoTierCache(str(tmp_path), disabled=True, precompiled_only=True)
+
+
+def test_precompiled_only_from_the_environment(tmp_path, monkeypatch, compile_fn):
+    from vllm_neuron import envs
+    from vllm_neuron.compile.runtime import build_runtime
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setenv("VLLM_NEURON_TOOLCHAIN", "host")
+    monkeypatch.setenv("VLLM_NEURON_DISABLE_WARMUP_COMPILE", "1")
+    monkeypatch.delenv("NEURON_LIBTORCH_REMOTE_CACHE", raising=False)
+    monkeypatch.delenv("NEURON_LIBTORCH_DISABLE_COMPILE_CACHE", raising=False)
+    envs.reset_for_tests()
+    try:
+        runtime = build_runtime()
+        assert runtime.cache.precompiled_only
+        assert runtime.cache.local_dir == os.path.join(str(tmp_path), "neuron", "compile_cache")
+        with pytest.raises(RuntimeError, match="VLLM_NEURON_DISABLE_WARMUP_COMPILE=1"):
+            runtime.cache.get_or_compile(KEY, compile_fn(KEY))
+
+        monkeypatch.setenv("NEURON_LIBTORCH_DISABLE_COMPILE_CACHE", "1")
+        envs.reset_for_tests()
+        with pytest.raises(ValueError) as info:
+            build_runtime()
+        assert "VLLM_NEURON_DISABLE_WARMUP_COMPILE" in str(info.value)
+        assert "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE" in str(info.value)
+    finally:
+        envs.reset_for_tests()
+
+
+def test_disabled_cache_from_the_environment(tmp_path, monkeypatch):
+    from vllm_neuron import envs
+    from vllm_neuron.compile.runtime import build_runtime
+
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    monkeypatch.setenv("VLLM_NEURON_TOOLCHAIN", "host")
+    monkeypatch.setenv("NEURON_LIBTORCH_DISABLE_COMPILE_CACHE", "1")
+    monkeypatch.setenv("NEURON_LIBTORCH_COMPILATION_TIMEOUT", "42")
+    monkeypatch.setenv("NEURON_LIBTORCH_REMOTE_CACHE", str(tmp_path / "remote"))
+    monkeypatch.delenv("VLLM_NEURON_DISABLE_WARMUP_COMPILE", raising=False)
+    envs.reset_for_tests()
+    try:
+        cache = build_runtime().cache
+    finally:
+        envs.reset_for_tests()
+    assert cache.disabled and not cache.precompiled_only
+    assert cache.timeout == 42.0
+    assert cache.remote_url == str(tmp_path / "remote")
+
+
+# ------------------------------------------------------------ memory local tier
+
+
+def test_a_memory_local_tier_runs_the_same_flow(compile_fn):
+    import uuid
+
+    local = open_store("memory://")
+    remote_url = f"memory://remote-{uuid.uuid4().hex}"
+    cache = TwoTierCache(local, remote=remote_url)
+    result = cache.get_or_compile(KEY, compile_fn(KEY))
+    assert result.source == "compiled" and result.path is None
+    assert result.prefix.startswith(f"{KEY}/")
+    for name in FILE_NAMES:
+        assert local.read(f"{result.prefix}/{name}") == content_for(KEY, name)
+    assert TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY)).source == "local"
+    assert cache.verify(KEY) is None
+    assert cache.read_entry(KEY).key == KEY
+
+
+# ------------------------------------------------------------ large-file fetches
+
+BIG = 20 << 20  # several copy chunks: damage past the first chunk must be caught too
+
+
+def _big_entry(tmp_path) -> tuple[str, str]:
+    """A remote entry with one large file (and a small one), promoted from a builder."""
+    builder, remote = str(tmp_path / "builder"), str(tmp_path / "remote")
+
+    def compile_into(out: str) -> dict[str, str]:
+        block = hashlib.sha256(b"big").digest() * (1 << 15)  # 1 MiB
+        with open(os.path.join(out, "model.neff"), "wb") as f:
+            for i in range(BIG // len(block)):
+                f.write(block[i:] + block[:i])
+        with open(os.path.join(out, "small.txt"), "wb") as f:
+            f.write(b"small")
+        return {}
+
+    TwoTierCache(builder).get_or_compile(KEY, compile_into)
+    assert save_cache(builder, remote, KEY)
+    return builder, os.path.join(remote, KEY, "model.neff")
+
+
+def test_a_large_file_is_fetched_intact(tmp_path):
+    builder, _ = _big_entry(tmp_path)
+    cache = TwoTierCache(str(tmp_path / "node"), remote=str(tmp_path / "remote"))
+    result = cache.fetch_remote(KEY)
+    assert result is not None and result.source == "remote"
+    with open(os.path.join(result.path, "model.neff"), "rb") as a, \
+            open(os.path.join(builder, KEY, "model.neff"), "rb") as b:
+        assert a.read() == b.read()
+    assert cache.verify(KEY) is None
+
+
+@pytest.mark.parametrize("damage", ["middle-byte", "truncated", "extended"])
+def test_damage_anywhere_in_a_large_remote_file_is_caught(tmp_path, cache_warnings, damage):
+    _, big = _big_entry(tmp_path)
+    with open(big, "r+b") as f:
+        if damage == "middle-byte":
+            f.seek(BIG // 2 + 12345)
+            byte = f.read(1)
+            f.seek(BIG // 2 + 12345)
+            f.write(bytes([byte[0] ^ 0x10]))
+        elif damage == "truncated":
+            f.truncate(BIG - 1)
+        else:
+            f.seek(0, os.SEEK_END)
+            f.write(b"\0" * 4096)
+    node = str(tmp_path / "node")
+    cache = TwoTierCache(node, remote=str(tmp_path / "remote"))
+    assert cache.fetch_remote(KEY) is None
+    warnings = cache_warnings()
+    assert len(warnings) == 1 and "model.neff" in warnings[0]
+    assert not os.path.exists(os.path.join(node, KEY))
+    assert os.listdir(os.path.join(node, ".staging")) == []
+    assert open_store(str(tmp_path / "remote")).published(KEY) is None
+
+
+def test_a_remote_file_missing_from_a_published_entry_quarantines_it(
+    tmp_path, compile_fn, cache_warnings
+):
+    builder, remote = str(tmp_path / "builder"), str(tmp_path / "remote")
+    TwoTierCache(builder).get_or_compile(KEY, compile_fn(KEY))
+    save_cache(builder, remote, KEY)
+    os.unlink(os.path.join(remote, KEY, "weights", "w0.bin"))
+    result = TwoTierCache(str(tmp_path / "node"), remote=remote).get_or_compile(
+        KEY, compile_fn(KEY))
+    assert result.source == "compiled"
+    warnings = cache_warnings()
+    assert len(warnings) == 1 and "w0.bin is missing" in warnings[0]
+    assert open_store(remote).published(KEY) is None

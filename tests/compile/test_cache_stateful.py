@@ -1,0 +1,243 @@
+"""A stateful model of the two-tier cache: several nodes, one shared remote, all in memory.
+
+Hypothesis interleaves lookups, compiles, promotions, corruptions, crashes and restarts
+across nodes (each node: its own memory store as the local tier and its own
+`TwoTierCache`; all nodes share one memory remote, which has S3's semantics: commit
+records, no rename). The model predicts where each artifact comes from, and checks after
+every step:
+
+* never a partial entry: what a store publishes is exactly what the model says (a
+  complete, record-matching entry, or a corruption the model itself injected);
+* never a wrong artifact: every artifact handed out has the key's own bytes;
+* at most one compile per key per node, plus one per corruption that could force a
+  recompile on that node.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import uuid
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+)
+
+from vllm_neuron.backends import Store, join, open_store
+from vllm_neuron.backends._memory import forget_memory_store
+from vllm_neuron.compile.cache import TwoTierCache
+from vllm_neuron.compile.entry import ENTRY_RECORD, decode_record
+from vllm_neuron.compile.promote import promote_entry
+
+NODES = 3
+KEYS = [hashlib.md5(f"key-{i}".encode()).hexdigest() for i in range(3)]
+FILES = ("graph.bin", "weights/w.bin")
+
+ABSENT, GOOD, CORRUPT = "absent", "good", "corrupt"
+
+
+def expected(key: str, name: str) -> bytes:
+    return hashlib.sha256(f"{key}:{name}".encode()).digest() * (1 + len(name))
+
+
+class TwoTierModel(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.remote_name = f"model-remote-{uuid.uuid4().hex}"
+        self.remote_url = f"memory://{self.remote_name}"
+        self.remote = open_store(self.remote_url)
+        self.locals: list[Store] = [open_store("memory://") for _ in range(NODES)]
+        self.caches = [self._boot(n) for n in range(NODES)]
+        # The model.
+        self.local_state = {(n, k): ABSENT for n in range(NODES) for k in KEYS}
+        self.remote_state = dict.fromkeys(KEYS, ABSENT)
+        self.loaded: list[set[str]] = [set() for _ in range(NODES)]
+        self.compiles = {(n, k): 0 for n in range(NODES) for k in KEYS}
+        self.budget = {(n, k): 1 for n in range(NODES) for k in KEYS}
+
+    def teardown(self) -> None:
+        forget_memory_store(self.remote_name)
+
+    def _boot(self, node: int) -> TwoTierCache:
+        return TwoTierCache(self.locals[node], remote=self.remote_url, lease_duration=5.0)
+
+    def _compile_fn(self, node: int, key: str):  # noqa: ANN202 - a CompileFn
+        def compile_into(out_dir: str) -> dict[str, str]:
+            self.compiles[(node, key)] += 1
+            for name in FILES:
+                path = os.path.join(out_dir, name)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(expected(key, name))
+            return {"key": key}
+
+        return compile_into
+
+    # ------------------------------------------------------------------- rules
+    @rule(node=st.integers(0, NODES - 1), key=st.sampled_from(KEYS))
+    def get(self, node: int, key: str) -> None:
+        state, remote = self.local_state[(node, key)], self.remote_state[key]
+        if key in self.loaded[node]:
+            want = "memory"
+        elif state == GOOD:
+            want = "local"
+        elif remote == GOOD:
+            want = "remote"
+        else:
+            want = "compiled"
+        result = self.caches[node].get_or_compile(key, self._compile_fn(node, key))
+        assert result.source == want, (result.source, want, state, remote)
+        if want != "memory":
+            local = self.locals[node]
+            for name in FILES:
+                assert local.read(join(result.prefix, name)) == expected(key, name)
+            self.local_state[(node, key)] = GOOD
+            if want == "compiled" and remote == CORRUPT:
+                self.remote_state[key] = ABSENT  # quarantined by the failed fetch
+        self.loaded[node].add(key)
+
+    @rule(node=st.integers(0, NODES - 1), key=st.sampled_from(KEYS))
+    def promote(self, node: int, key: str) -> None:
+        state = self.local_state[(node, key)]
+        if state != GOOD:
+            with pytest.raises(RuntimeError):
+                promote_entry(self.locals[node], self.remote, key)
+            return
+        published = promote_entry(self.locals[node], self.remote, key)
+        assert published == (self.remote_state[key] == ABSENT)
+        if published:
+            self.remote_state[key] = GOOD
+
+    @precondition(lambda self: any(s != ABSENT for s in self.local_state.values()))
+    @rule(data=st.data())
+    def corrupt_local(self, data: st.DataObject) -> None:
+        """Overwrite a file of a local entry with wrong bytes of another length."""
+        node, key = data.draw(st.sampled_from(
+            sorted(nk for nk, s in self.local_state.items() if s != ABSENT)))
+        name = data.draw(st.sampled_from(FILES))
+        junk = data.draw(st.binary(min_size=0, max_size=64))
+        prefix = self.locals[node].published(key)
+        assert prefix is not None
+        good = expected(key, name)
+        if len(junk) == len(good):
+            junk += b"!"
+        self.locals[node].write(join(prefix, name), junk)
+        self.local_state[(node, key)] = CORRUPT
+        self.budget[(node, key)] += 1
+
+    @precondition(lambda self: any(s != ABSENT for s in self.local_state.values()))
+    @rule(data=st.data())
+    def bitrot_then_verify(self, data: st.DataObject) -> None:
+        """Same-size damage passes the hit's size check; a verification finds it."""
+        node, key = data.draw(st.sampled_from(
+            sorted(nk for nk, s in self.local_state.items() if s != ABSENT)))
+        name = data.draw(st.sampled_from(FILES))
+        local = self.locals[node]
+        prefix = local.published(key)
+        assert prefix is not None
+        data_now = local.read(join(prefix, name)) or b""
+        flipped = bytes([data_now[0] ^ 0x01]) + data_now[1:] if data_now else b"x"
+        local.write(join(prefix, name), flipped)
+        problem = self.caches[node].verify(key)
+        assert problem is not None and key in problem
+        assert local.published(key) is None
+        self.local_state[(node, key)] = ABSENT
+        self.loaded[node].discard(key)
+        self.budget[(node, key)] += 1
+
+    @precondition(lambda self: any(s != ABSENT for s in self.remote_state.values()))
+    @rule(data=st.data())
+    def corrupt_remote(self, data: st.DataObject) -> None:
+        """Overwrite a file of a remote entry with any wrong bytes (same size allowed)."""
+        key = data.draw(st.sampled_from(
+            sorted(k for k, s in self.remote_state.items() if s != ABSENT)))
+        name = data.draw(st.sampled_from(FILES))
+        good = expected(key, name)
+        junk = data.draw(st.one_of(
+            st.binary(min_size=len(good), max_size=len(good)), st.binary(max_size=64)))
+        if junk == good:
+            junk = bytes([good[0] ^ 0xFF]) + good[1:]
+        prefix = self.remote.published(key)
+        assert prefix is not None
+        self.remote.write(join(prefix, name), junk)
+        self.remote_state[key] = CORRUPT
+        for n in range(NODES):
+            self.budget[(n, key)] += 1
+
+    @rule(node=st.integers(0, NODES - 1), key=st.sampled_from(KEYS),
+          where=st.sampled_from(["local", "remote"]))
+    def crash(self, node: int, key: str, where: str) -> None:
+        """A process died mid-compile (or mid-promotion): half a staging, an expired lease."""
+        store = self.locals[node] if where == "local" else self.remote
+        staging = store.stage(key)
+        staging.write(FILES[0], expected(key, FILES[0])[:7])  # never committed
+        if where == "local":
+            locks = join(".locks", key)
+            gens = [int(g) for g in store.list_dir(locks) if g.isdigit()]
+            gen = max(gens, default=0) + 1
+            record = {"owner": "dead-host:1:0", "generation": gen,
+                      "expires": time.time() - 1, "released": False}
+            assert store.create(join(locks, f"{gen:012d}"), json.dumps(record).encode())
+
+    @rule(node=st.integers(0, NODES - 1))
+    def restart(self, node: int) -> None:
+        self.caches[node] = self._boot(node)
+        self.loaded[node] = set()
+
+    @rule(node=st.integers(0, NODES - 1))
+    def verify_all(self, node: int) -> None:
+        cache = self.caches[node]
+        for key in KEYS:
+            state = self.local_state[(node, key)]
+            if state == ABSENT:
+                continue
+            problem = cache.verify(key)
+            assert (problem is not None) == (state == CORRUPT), problem
+            if state == CORRUPT:
+                self.local_state[(node, key)] = ABSENT
+                self.loaded[node].discard(key)
+
+    # -------------------------------------------------------------- invariants
+    def _check_store(self, store: Store, states: dict[str, str]) -> None:
+        for key in KEYS:
+            prefix = store.published(key)
+            assert (prefix is None) == (states[key] == ABSENT), (store, key, states[key])
+            if prefix is None:
+                continue
+            record = decode_record(store.read(join(prefix, ENTRY_RECORD)) or b"")
+            assert record.key == key
+            assert sorted(record.files) == sorted(FILES)
+            if states[key] == GOOD:
+                for name, digest in record.files.items():
+                    data = store.read(join(prefix, name))
+                    assert data == expected(key, name)  # never a wrong artifact
+                    assert len(data) == digest.size
+                    assert hashlib.sha256(data).hexdigest() == digest.sha256
+
+    @invariant()
+    def stores_publish_exactly_what_the_model_says(self) -> None:
+        for n in range(NODES):
+            self._check_store(self.locals[n], {k: self.local_state[(n, k)] for k in KEYS})
+        self._check_store(self.remote, self.remote_state)
+
+    @invariant()
+    def at_most_one_compile_per_key_per_node(self) -> None:
+        for nk, count in self.compiles.items():
+            assert count <= self.budget[nk], (nk, count, self.budget[nk])
+
+
+TwoTierModel.TestCase.settings = settings(
+    max_examples=40,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestTwoTierModel = TwoTierModel.TestCase

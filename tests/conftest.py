@@ -1,0 +1,90 @@
+"""Fixtures shared by the whole suite.
+
+S3: `s3_server` starts moto's real S3 HTTP API on 127.0.0.1 once per session (never a
+mocked client); `s3_store_url` gives each test a fresh bucket. Subprocesses reach the
+same server through the ``AWS_ENDPOINT_URL`` environment variable, which `open_store`
+honours (see `s3_env`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+_S3_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    # Not region_name in client_kwargs: bucket creation then fails (FACTS.md).
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+}
+_S3_ENV_UNSET = (
+    "AWS_PROFILE",
+    "AWS_SESSION_TOKEN",
+    "AWS_SECURITY_TOKEN",
+    "AWS_ENDPOINT_URL",
+    "AWS_ENDPOINT_URL_S3",
+)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """The endpoint URL of a moto S3 server on loopback, with test credentials in the env."""
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
+    with pytest.MonkeyPatch.context() as mp:
+        for name, value in _S3_ENV.items():
+            mp.setenv(name, value)
+        for name in _S3_ENV_UNSET:
+            mp.delenv(name, raising=False)
+        port = free_port()
+        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()
+        try:
+            yield f"http://127.0.0.1:{port}"
+        finally:
+            server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3_admin(s3_server: str) -> Any:
+    """A boto3 S3 client on the moto server, for setting up what a test needs."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=s3_server)
+
+
+@pytest.fixture
+def s3_bucket(s3_admin: Any) -> str:
+    """A fresh, empty bucket on the moto server."""
+    name = f"test-{uuid.uuid4().hex[:16]}"
+    s3_admin.create_bucket(Bucket=name)
+    return name
+
+
+@pytest.fixture
+def s3_store_url(s3_bucket: str) -> str:
+    """``s3://<fresh bucket>/prefix``; open it with ``open_store(url, endpoint_url=s3_server)``."""
+    return f"s3://{s3_bucket}/prefix"
+
+
+@pytest.fixture
+def s3_env(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Point ``AWS_ENDPOINT_URL`` at the moto server for this test and its subprocesses."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
+    assert os.environ["AWS_ACCESS_KEY_ID"] == "testing"
+    return s3_server

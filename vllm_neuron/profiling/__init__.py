@@ -1,0 +1,68 @@
+"""Profile capture: prefill-only and decode-only traces from a running vLLM server.
+
+See seeds/profiling-capture.md. The modules, one job each:
+
+- `layout`     where a run's files go (``$NEURON_PROJECT_ROOT/agent_artifacts/...``)
+- `run_spec`   the input contract (``run_spec.json``) and the server command derived from it
+- `lifecycle`  launch in an own process group, readiness, guarded group teardown
+- `recipes`    prefill isolation and decode isolation (with `workload` and `client`)
+- `stats`      the stats-line decode trigger and the no-prefill-free-tick fallback detector
+- `artifacts`  discovery of what the profiler wrote; `manifest` the output contract
+- `trace`      per-step annotations of vLLM torch-profiler traces; `validate` the checks
+- `capture`    one capture end to end
+"""
+
+from .capture import CaptureOptions, CaptureResult, run_capture
+from .layout import RunLayout
+from .lifecycle import ServerProcess, TeardownRecord, UnsafeSignal, check_signalable_group
+from .manifest import ProfileManifest, read_manifest, write_manifest
+from .run_spec import (
+    DECODE,
+    DECODE_ONLY_CONNECTOR,
+    PREFILL,
+    KVTransfer,
+    RunSpec,
+    ServeConfig,
+    Workload,
+    read_run_spec,
+    serve_command,
+    write_run_spec,
+)
+from .stats import FallbackDetector, StatsTick, Verdict, is_decode_steady, parse_stats_line
+from .trace import Step, check_decode_steps, check_prefill_steps, read_trace
+from .validate import ValidationReport, validate_run
+
+__all__ = [
+    "DECODE",
+    "DECODE_ONLY_CONNECTOR",
+    "PREFILL",
+    "CaptureOptions",
+    "CaptureResult",
+    "FallbackDetector",
+    "KVTransfer",
+    "ProfileManifest",
+    "RunLayout",
+    "RunSpec",
+    "ServeConfig",
+    "ServerProcess",
+    "StatsTick",
+    "Step",
+    "TeardownRecord",
+    "UnsafeSignal",
+    "ValidationReport",
+    "Verdict",
+    "Workload",
+    "check_decode_steps",
+    "check_prefill_steps",
+    "check_signalable_group",
+    "is_decode_steady",
+    "parse_stats_line",
+    "read_manifest",
+    "read_run_spec",
+    "read_trace",
+    "run_capture",
+    "serve_command",
+    "validate_run",
+    "write_manifest",
+    "write_run_spec",
+]

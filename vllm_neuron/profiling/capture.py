@@ -1,0 +1,563 @@
+"""One capture, end to end: run spec, launch, readiness, recipe, teardown, manifest.
+
+The order is the contract:
+
+1. ``run_spec.json`` is written (atomically, through the storage layer) **before** the
+   server is launched, so it survives a launch or compile failure;
+2. the server is launched in its own process group, logging to ``logs/serve.log``, and
+   polled on ``/v1/models``;
+3. the recipe runs (a decode capture may relaunch once with the decode-only connector);
+4. from a ``finally`` block, whatever happened (an error, Ctrl-C, SIGTERM): an owed
+   ``/stop_profile`` is sent, ``manifest.json`` is written, the server's process group is
+   torn down, and the manifest is rewritten with the teardown record, the artifacts found
+   and the validation result. A second Ctrl-C during that block is ignored, so a capture
+   cannot leak a device-holding server by being interrupted twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+import msgspec
+
+from vllm_neuron.backends import open_store
+from vllm_neuron.envs import ProfilingSettings, load_profiling_settings
+
+from . import artifacts as artifacts_mod
+from .client import HTTPFailure, VllmClient
+from .layout import RunLayout, default_run_name
+from .lifecycle import ReadyTimeout, ServerExited, ServerProcess
+from .manifest import (
+    Attempt,
+    ProfileManifest,
+    Teardown,
+    Validation,
+    profile_from_artifacts,
+    write_manifest,
+)
+from .recipes import (
+    NeedsFallback,
+    ProfilerControl,
+    RecipeFailed,
+    RecipeResult,
+    decode_isolation,
+    prefill_isolation,
+)
+from .run_spec import (
+    DECODE,
+    DECODE_ONLY_CONNECTOR,
+    DEFAULT_ACTIVITIES,
+    DEFAULT_ENTRYPOINT,
+    DEFAULT_MODEL_ENV,
+    PHASES,
+    PREFILL,
+    KVTransfer,
+    Launch,
+    RunSpec,
+    ServeConfig,
+    Workload,
+    normalize_recipe,
+    profiler_settings,
+    serve_command,
+    snapshot_model_env,
+    utc_now,
+    write_run_spec,
+)
+from .trace import TraceError, read_trace
+from .validate import validate_run
+
+FALLBACK_MODES = ("auto", "never", "always")
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+
+
+class Interrupted(BaseException):
+    """SIGTERM (or SIGINT) arrived: stop the capture, but still tear down and record."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(signal.Signals(signum).name)
+
+
+@dataclass
+class CaptureOptions:
+    """Everything a capture needs; `vllm-neuron profile capture` maps its flags onto it."""
+
+    recipe: str
+    model: str
+    project_root: str | None = None
+    run_name: str | None = None
+    profiler: str = "auto"
+    # serving
+    host: str = "127.0.0.1"
+    port: int = 8041
+    served_model_name: str | None = None
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    enforce_eager: bool = False
+    distributed_executor_backend: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    entrypoint: list[str] | None = None
+    server_env: dict[str, str] = field(default_factory=dict)
+    activities: list[str] = field(default_factory=lambda: list(DEFAULT_ACTIVITIES))
+    model_env: list[str] = field(default_factory=list)
+    # workload
+    input_len: int = 128
+    output_len: int | None = None
+    concurrency: int | None = None
+    num_requests: int | None = None
+    # decode trigger and fallback
+    stats_interval: float | None = None
+    decode_fallback: str = "auto"
+    decode_connector: dict[str, Any] = field(default_factory=lambda: dict(DECODE_ONLY_CONNECTOR))
+    fallback_patience: int = 12
+    # time limits (seconds)
+    ready_timeout: float = 3600.0
+    request_timeout: float = 600.0
+    start_profile_timeout: float = 60.0
+    stop_profile_timeout: float = 180.0
+    teardown_grace: float = 30.0
+
+
+@dataclass
+class CaptureResult:
+    run_dir: str
+    manifest: ProfileManifest
+    exit_code: int
+
+
+def detect_profiler() -> str:
+    """``neuron`` on a machine with Neuron devices, otherwise vLLM's ``torch`` profiler."""
+    if os.path.exists("/dev/neuron0") or shutil.which("neuron-ls"):
+        return artifacts_mod.NEURON
+    return artifacts_mod.TORCH
+
+
+def build_workload(opts: CaptureOptions, recipe: str) -> Workload:
+    if recipe == PREFILL:
+        if opts.output_len not in (None, 1):
+            raise ValueError("prefill isolation sends one request with output length 1")
+        if opts.concurrency not in (None, 1) or opts.num_requests not in (None, 1):
+            raise ValueError("prefill isolation sends exactly one request (concurrency 1)")
+        return Workload(input_len=opts.input_len, output_len=1, concurrency=1, num_requests=1)
+    concurrency = opts.concurrency or 4
+    workload = Workload(
+        input_len=opts.input_len,
+        output_len=opts.output_len or 256,
+        concurrency=concurrency,
+        num_requests=opts.num_requests or concurrency * 2,
+    )
+    if workload.output_len < 2:
+        raise ValueError("decode isolation needs an output length of at least 2")
+    if workload.num_requests < workload.concurrency:
+        raise ValueError("num_requests must be at least the concurrency")
+    return workload
+
+
+def build_serve_config(
+    opts: CaptureOptions, profiler: str, layout: RunLayout, recipe: str
+) -> ServeConfig:
+    profiler_config, additional = profiler_settings(
+        profiler, layout.output_dir, activities=opts.activities
+    )
+    env = dict(opts.server_env)
+    if opts.stats_interval is not None:
+        env["VLLM_LOG_STATS_INTERVAL"] = f"{opts.stats_interval:g}"
+    if profiler == artifacts_mod.NEURON:
+        # At the 5 s default, workers die before the runtime flushes its system traces.
+        env.setdefault("VLLM_NEURON_WORKER_TERMINATION_TIMEOUT", "60")
+    if (recipe == DECODE and opts.max_num_seqs is not None and opts.concurrency
+            and opts.max_num_seqs < opts.concurrency):
+            raise ValueError(
+                f"--max-num-seqs {opts.max_num_seqs} is below the concurrency "
+                f"{opts.concurrency}: Running can never reach the target"
+            )
+    return ServeConfig(
+        model=opts.model,
+        served_model_name=opts.served_model_name,
+        host=opts.host,
+        port=opts.port,
+        tensor_parallel_size=opts.tensor_parallel_size,
+        max_model_len=opts.max_model_len,
+        max_num_seqs=opts.max_num_seqs,
+        enforce_eager=opts.enforce_eager,
+        distributed_executor_backend=opts.distributed_executor_backend,
+        profiler_config=profiler_config,
+        additional_config=additional,
+        extra_args=list(opts.extra_args),
+        entrypoint=list(opts.entrypoint or DEFAULT_ENTRYPOINT),
+        env=env,
+    )
+
+
+def server_environment(
+    cfg: ServeConfig, settings: ProfilingSettings, base: dict[str, str] | None = None
+) -> tuple[dict[str, str], str | None]:
+    """The server's environment and the PATH prefix that was put first (if any)."""
+    env = dict(os.environ if base is None else base)
+    env.setdefault("HF_HOME", settings.hf_home)
+    prefix = None
+    if settings.venv_path:
+        prefix = os.path.join(settings.venv_path, "bin")
+        env["PATH"] = prefix + os.pathsep + env.get("PATH", "")
+        env["VIRTUAL_ENV"] = settings.venv_path
+    env.update(cfg.env)
+    return env, prefix
+
+
+class _Run:
+    """The mutable state of one capture, folded into the manifest at the end."""
+
+    def __init__(self, opts: CaptureOptions, log: Callable[[str], None]) -> None:
+        self.opts = opts
+        self.log = log
+        self.recipe = normalize_recipe(opts.recipe)
+        self.settings = load_profiling_settings(project_root=opts.project_root)
+        self.run_name = opts.run_name or default_run_name(PHASES[self.recipe])
+        self.layout = RunLayout.for_run(self.settings.project_root, self.run_name)
+        if os.path.exists(self.layout.run_dir) and os.listdir(self.layout.run_dir):
+            raise ValueError(
+                f"run directory {self.layout.run_dir} already exists; choose another --run-name"
+            )
+        self.profiler = opts.profiler if opts.profiler != "auto" else detect_profiler()
+        if opts.decode_fallback not in FALLBACK_MODES:
+            raise ValueError(f"decode_fallback must be one of {FALLBACK_MODES}")
+        self.workload = build_workload(opts, self.recipe)
+        self.serve_config = build_serve_config(opts, self.profiler, self.layout, self.recipe)
+        os.makedirs(self.layout.output_dir, exist_ok=True)
+        os.makedirs(os.path.dirname(self.layout.serve_log), exist_ok=True)
+        self.store = open_store(self.layout.run_dir)
+        self.started_at = utc_now()
+        self.t0 = time.monotonic()
+        self.status = "running"
+        self.error: str | None = None
+        self.failed_stage: str | None = None
+        self.stage = "setup"
+        self.server: ServerProcess | None = None
+        self.control: ProfilerControl | None = None
+        self.attempts: list[Attempt] = []
+        self.kv_transfer: KVTransfer | None = None
+        self.result = RecipeResult()
+        self.timings: dict[str, float] = {}
+        self.versions: dict[str, str | None] = {
+            "vllm_neuron": _own_version(),
+            "python": sys.version.split()[0],
+        }
+        self.teardowns: list[Teardown] = []
+        self.spec: RunSpec | None = None
+
+    # -- run spec and launch ------------------------------------------------------------
+    def write_spec(self, attempt: int) -> tuple[list[str], dict[str, str]]:
+        argv = serve_command(self.serve_config, self.kv_transfer)
+        env, prefix = server_environment(self.serve_config, self.settings)
+        executable = shutil.which(argv[0], path=env.get("PATH"))
+        self.spec = RunSpec(
+            run_name=self.run_name,
+            phase=PHASES[self.recipe],
+            recipe=self.recipe,
+            workload=self.workload,
+            serve_config=self.serve_config,
+            model_env=snapshot_model_env([*DEFAULT_MODEL_ENV, *self.opts.model_env]),
+            profiler=self.profiler,
+            kv_transfer=self.kv_transfer,
+            launch=Launch(
+                argv=argv,
+                cwd=self.settings.vllm_neuron_dir,
+                path_prefix=prefix,
+                executable=executable,
+                attempt=attempt,
+            ),
+            project_root=self.settings.project_root,
+            created_at=utc_now(),
+        )
+        write_run_spec(self.store, self.spec)
+        return argv, env
+
+    def launch(self, attempt: int) -> None:
+        argv, env = self.write_spec(attempt)
+        self.stage = "launch"
+        self.log(f"launching (attempt {attempt}): {' '.join(argv)}")
+        self.server = ServerProcess.launch(
+            argv, env=env, cwd=self.settings.vllm_neuron_dir, log_path=self.layout.serve_log
+        )
+        self.log(f"server pid {self.server.pid}, process group {self.server.pgid}; "
+                 f"log {self.layout.serve_log}")
+        self.stage = "ready"
+        client = VllmClient(self.serve_config.base_url, self.serve_config.request_model)
+        waited = self.server.wait_ready(client.models_url, timeout=self.opts.ready_timeout)
+        self.timings[f"ready_s_attempt{attempt}"] = round(waited, 3)
+        self.versions["vllm"] = client.version()
+        self.log(f"server ready after {waited:.1f} s")
+        self.control = ProfilerControl(
+            client,
+            start_timeout=self.opts.start_profile_timeout,
+            stop_timeout=self.opts.stop_profile_timeout,
+        )
+
+    # -- the recipe ------------------------------------------------------------------------
+    def run(self) -> None:
+        attempt = 1
+        if self.recipe == DECODE and self.opts.decode_fallback == "always":
+            self.kv_transfer = KVTransfer(
+                config=dict(self.opts.decode_connector),
+                reason="requested (--decode-fallback always)",
+            )
+        while True:
+            self.launch(attempt)
+            assert self.server is not None and self.control is not None
+            self.stage = "capture"
+            t = time.monotonic()
+            try:
+                if self.recipe == PREFILL:
+                    self.result = prefill_isolation(
+                        self.control.client, self.control, self.workload,
+                        request_timeout=self.opts.request_timeout,
+                    )
+                else:
+                    self.result = decode_isolation(
+                        self.control.client,
+                        self.control,
+                        self.workload,
+                        log_path=self.layout.serve_log,
+                        connector_mode=self.kv_transfer is not None,
+                        patience=self.opts.fallback_patience,
+                        tick_seconds=self.opts.stats_interval,
+                        request_timeout=self.opts.request_timeout,
+                        log=self.log,
+                        on_armed=self._armed,
+                    )
+            except NeedsFallback as exc:
+                if self.opts.decode_fallback == "never" or self.kv_transfer is not None:
+                    raise RecipeFailed(f"decode arming never fired: {exc.reason}") from None
+                self.log(f"decode trigger cannot fire ({exc.reason}); falling back to the "
+                         f"decode-only connector {self.opts.decode_connector}")
+                self.finish_attempt(attempt, "fallback", exc.reason)
+                self.kv_transfer = KVTransfer(config=dict(self.opts.decode_connector),
+                                              reason=exc.reason)
+                attempt += 1
+                continue
+            self.timings["capture_s"] = round(time.monotonic() - t, 3)
+            self.attempts.append(self._attempt_record(attempt, "captured", ""))
+            self.status = "ok"
+            return
+
+    def _armed(self, trigger: dict[str, Any]) -> None:
+        self.result.trigger = trigger
+
+    def _attempt_record(self, attempt: int, outcome: str, reason: str) -> Attempt:
+        return Attempt(
+            attempt=attempt,
+            kv_transfer=self.kv_transfer.config if self.kv_transfer else None,
+            outcome=outcome,
+            reason=reason,
+            serve_log=self.layout.serve_log,
+            pgid=self.server.pgid if self.server else None,
+        )
+
+    def finish_attempt(self, attempt: int, outcome: str, reason: str) -> None:
+        """Tear down a failed attempt's server and keep its log beside the next one."""
+        kept = os.path.join(os.path.dirname(self.layout.serve_log), f"serve.attempt{attempt}.log")
+        with _shielded(self.log, reraise=True):  # a Ctrl-C here ends the run after teardown
+            self.teardown()
+        with contextlib.suppress(OSError):
+            os.replace(self.layout.serve_log, kept)
+        record = self._attempt_record(attempt, outcome, reason)
+        self.attempts.append(msgspec.structs.replace(record, serve_log=kept))
+        # Nothing was armed in this attempt, but clear the output so only one session
+        # (the fallback's) can be found there.
+        for name in os.listdir(self.layout.output_dir):
+            path = os.path.join(self.layout.output_dir, name)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
+
+    # -- the finally block -----------------------------------------------------------------
+    def stop_owed_profile(self) -> None:
+        if self.control is None or not self.control.active:
+            return
+        if self.server is None or self.server.returncode() is not None:
+            self.control.active = False
+            return
+        try:
+            self.control.stop(timeout=min(self.opts.stop_profile_timeout, 60.0))
+        except HTTPFailure as exc:
+            self.log(f"stop_profile during cleanup failed: {exc}")
+
+    def write_early_manifest(self) -> None:
+        write_manifest(self.store, self.manifest(final=False))
+
+    def teardown(self) -> None:
+        if self.server is None:
+            return
+        rec = self.server.teardown(grace=self.opts.teardown_grace)
+        self.teardowns.append(
+            Teardown(pgid=rec.pgid, signals=rec.signals, exit_code=rec.exit_code,
+                     seconds=rec.seconds, survivors=rec.survivors, error=rec.error,
+                     clean=rec.clean)
+        )
+        self.log(f"teardown of process group {rec.pgid}: signals {rec.signals or 'none'}, "
+                 f"exit code {rec.exit_code}, {rec.seconds:.1f} s"
+                 + (f", SURVIVORS {rec.survivors}" if rec.survivors else ""))
+        self.server = None
+
+    def manifest(self, *, final: bool, validation: Validation | None = None) -> ProfileManifest:
+        found = artifacts_mod.collect(self.layout.output_dir, self.profiler)
+        executed: list[str] = []
+        if self.profiler == artifacts_mod.TORCH and found.device_trace and final:
+            with contextlib.suppress(TraceError, OSError):
+                executed = [s.name for s in read_trace(found.device_trace).steps]
+        timings = dict(self.timings)
+        if self.control is not None:
+            timings.update(self.control.timings)
+        timings["total_s"] = round(time.monotonic() - self.t0, 3)
+        return ProfileManifest(
+            run_name=self.run_name,
+            recipe=self.recipe,
+            phase=PHASES[self.recipe],
+            status=self.status,
+            error=self.error,
+            failed_stage=self.failed_stage,
+            run_dir=self.layout.run_dir,
+            run_spec=self.layout.run_spec,
+            serve_log=self.layout.serve_log,
+            profile=profile_from_artifacts(
+                found,
+                list(self.opts.activities) if self.profiler == artifacts_mod.NEURON else [],
+            ),
+            neff_hashes=found.neff_hashes,
+            executed_graphs=executed,
+            trigger=self.result.trigger,
+            fallback=(
+                {"kv_transfer_config": self.kv_transfer.config, "reason": self.kv_transfer.reason}
+                if self.kv_transfer is not None
+                else None
+            ),
+            attempts=list(self.attempts),
+            requests=self.result.requests,
+            timings=timings,
+            versions=dict(self.versions),
+            teardown=self.teardowns[-1] if self.teardowns else None,
+            validation=validation,
+            started_at=self.started_at,
+            finished_at=utc_now() if final else "",
+        )
+
+    def fail(self, status: str, error: str) -> None:
+        self.status = status
+        self.error = error
+        self.failed_stage = self.stage
+
+
+def _own_version() -> str:
+    from vllm_neuron import __version__
+
+    return __version__
+
+
+@contextlib.contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM raises `Interrupted` in the main thread (SIGINT stays KeyboardInterrupt)."""
+    if not _main_thread():
+        yield
+        return
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        raise Interrupted(signum)
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _shielded(log: Callable[[str], None], *, reraise: bool = False) -> Iterator[None]:
+    """Defer SIGINT/SIGTERM while a teardown runs: it must not be cut short.
+
+    With ``reraise``, the first deferred signal is raised when the block ends (as
+    KeyboardInterrupt or `Interrupted`); otherwise it is only logged.
+    """
+    if not _main_thread():
+        yield
+        return
+    pending: list[int] = []
+
+    def handler(signum: int, frame: FrameType | None) -> None:
+        pending.append(signum)
+        log(f"{signal.Signals(signum).name} deferred: tearing the server down, please wait")
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    if reraise and pending:
+        if pending[0] == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise Interrupted(pending[0])
+
+
+def _main_thread() -> bool:
+    import threading
+
+    return threading.current_thread() is threading.main_thread()
+
+
+def run_capture(
+    opts: CaptureOptions, *, log: Callable[[str], None] | None = None
+) -> CaptureResult:
+    """Run one capture; always returns with a manifest written (see the module docstring)."""
+    say = log or (lambda msg: print(f"vllm-neuron profile: {msg}", file=sys.stderr, flush=True))
+    run = _Run(opts, say)
+    say(f"run directory {run.layout.run_dir} (profiler {run.profiler})")
+    exit_code = EXIT_FAILED
+    try:
+        with _sigterm_interrupts():
+            try:
+                run.run()
+                exit_code = EXIT_OK
+            except (KeyboardInterrupt, Interrupted) as exc:
+                name = "SIGINT" if isinstance(exc, KeyboardInterrupt) else str(exc)
+                run.fail("interrupted", f"interrupted by {name}")
+                exit_code = EXIT_INTERRUPTED
+            except ServerExited as exc:
+                tail = "\n".join(exc.log_tail.strip().splitlines()[-5:])
+                run.fail("failed", f"{exc}; last lines of {run.layout.serve_log}:\n{tail}")
+            except ReadyTimeout as exc:
+                run.fail("failed", str(exc))
+            except (RecipeFailed, HTTPFailure, OSError, ValueError) as exc:
+                run.fail("failed", f"{type(exc).__name__}: {exc}")
+    finally:
+        with _shielded(say):
+            if run.status == "running":  # an unexpected exception is propagating
+                run.fail("failed", f"unexpected error in stage {run.stage}")
+            for step in (run.stop_owed_profile, run.write_early_manifest):
+                try:
+                    step()
+                except Exception as exc:  # noqa: BLE001 - teardown must still happen
+                    say(f"cleanup step {step.__name__} failed: {exc}")
+            # Written before cleanup (above), so even a teardown that never returns leaves one.
+            run.teardown()
+            write_manifest(run.store, run.manifest(final=True))
+            report = validate_run(run.layout.run_dir)
+            validation = Validation(ok=report.ok, failures=report.failures, notes=report.notes)
+            manifest = run.manifest(final=True, validation=validation)
+            write_manifest(run.store, manifest)
+    if exit_code == EXIT_OK and not report.ok:
+        exit_code = EXIT_FAILED
+    say(f"manifest {run.layout.manifest}: status {manifest.status}, validation "
+        f"{'ok' if report.ok else 'FAILED'}")
+    return CaptureResult(run.layout.run_dir, manifest, exit_code)

@@ -1,0 +1,79 @@
+"""Where a capture's files go: one knob, ``NEURON_PROJECT_ROOT``, and no override.
+
+    <project_root>/agent_artifacts/
+        profiles/<run_name>/      run_spec.json, manifest.json, logs/serve.log, output/
+        bench/<run_name>/         benchmark results of the same run name
+        models/                   weights (the default HF_HOME)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import time
+from dataclasses import dataclass
+
+ARTIFACTS_DIR = "agent_artifacts"
+RUN_SPEC_FILE = "run_spec.json"
+MANIFEST_FILE = "manifest.json"
+SERVE_LOG = "logs/serve.log"
+OUTPUT_DIR = "output"
+
+_RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+
+
+def validate_run_name(name: str) -> str:
+    """A run name is one path component: letters, digits, ``.``, ``_`` and ``-``."""
+    if not _RUN_NAME.match(name) or name in (".", ".."):
+        raise ValueError(
+            f"run name {name!r} must be 1-128 characters of letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def default_run_name(recipe: str, now: float | None = None) -> str:
+    """``<recipe>-<UTC timestamp>-<pid>``: unique per launch, sortable by time."""
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(time.time() if now is None else now))
+    return f"{recipe}-{stamp}-{os.getpid()}"
+
+
+def artifacts_root(project_root: str) -> str:
+    return os.path.join(os.path.abspath(project_root), ARTIFACTS_DIR)
+
+
+def models_dir(project_root: str) -> str:
+    return os.path.join(artifacts_root(project_root), "models")
+
+
+def bench_dir(project_root: str, run_name: str) -> str:
+    return os.path.join(artifacts_root(project_root), "bench", validate_run_name(run_name))
+
+
+@dataclass(frozen=True)
+class RunLayout:
+    """The absolute paths of one capture run."""
+
+    run_dir: str
+
+    @classmethod
+    def for_run(cls, project_root: str, run_name: str) -> RunLayout:
+        return cls(
+            os.path.join(artifacts_root(project_root), "profiles", validate_run_name(run_name))
+        )
+
+    @property
+    def run_spec(self) -> str:
+        return os.path.join(self.run_dir, RUN_SPEC_FILE)
+
+    @property
+    def manifest(self) -> str:
+        return os.path.join(self.run_dir, MANIFEST_FILE)
+
+    @property
+    def serve_log(self) -> str:
+        return os.path.join(self.run_dir, SERVE_LOG)
+
+    @property
+    def output_dir(self) -> str:
+        return os.path.join(self.run_dir, OUTPUT_DIR)

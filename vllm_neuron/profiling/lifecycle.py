@@ -1,0 +1,234 @@
+"""A profiling server's lifecycle: launch in its own process group, readiness, teardown.
+
+A profiling server holds devices; one that is not torn down makes the next launch fail.
+So the server is started in a **new session** (its own process group, whose id is its
+pid), every process it forks stays in that group, and teardown signals the recorded group
+id: SIGTERM, a grace period, then SIGKILL. Teardown refuses to signal the launching
+process's own group (or the init/kernel groups): a bare background launch shares its
+group with whatever started it, which is what makes a group kill hit the wrong processes.
+Never tear a server down by name (``pkill -f``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+
+class UnsafeSignal(RuntimeError):
+    """Teardown was asked to signal a process group it must never touch."""
+
+
+class ServerExited(RuntimeError):
+    """The server process died before it became ready."""
+
+    def __init__(self, returncode: int, log_tail: str) -> None:
+        self.returncode = returncode
+        self.log_tail = log_tail
+        super().__init__(f"server exited with code {returncode} before it was ready")
+
+
+class ReadyTimeout(TimeoutError):
+    """The server did not answer readiness polls in time."""
+
+
+def check_signalable_group(pgid: int) -> None:
+    """Raise `UnsafeSignal` unless signalling group `pgid` cannot reach this process."""
+    if pgid <= 1:
+        raise UnsafeSignal(f"refusing to signal process group {pgid}")
+    own = os.getpgrp()
+    if pgid == own:
+        raise UnsafeSignal(
+            f"refusing to signal process group {pgid}: it is the launching process's own group"
+        )
+    with contextlib.suppress(OSError):
+        if pgid == os.getpgid(os.getppid()):
+            raise UnsafeSignal(
+                f"refusing to signal process group {pgid}: it is the launching session's group"
+            )
+
+
+def group_members(pgid: int, *, include_zombies: bool = False) -> list[int]:
+    """Pids of the processes whose process group is `pgid` (from /proc)."""
+    members = []
+    try:
+        entries = os.listdir("/proc")
+    except OSError:  # pragma: no cover - no /proc: fall back to "is the leader alive"
+        return [pgid] if _alive(pgid) else []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # comm (field 2) may contain spaces and parentheses: split after the last ')'.
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) < 3:
+            continue
+        state, group = fields[0], int(fields[2])
+        if group == pgid and (include_zombies or state != b"Z"):
+            members.append(int(entry))
+    return sorted(members)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@dataclass
+class TeardownRecord:
+    """What teardown did; recorded separately from the capture's own result."""
+
+    pgid: int | None
+    signals: list[str] = field(default_factory=list)
+    exit_code: int | None = None
+    seconds: float = 0.0
+    survivors: list[int] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def clean(self) -> bool:
+        return self.error is None and not self.survivors
+
+
+class ServerProcess:
+    """A server launched in its own process group, with its output in a log file."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], pgid: int, log_path: str) -> None:
+        self.proc = proc
+        self.pgid = pgid
+        self.log_path = log_path
+        self.teardown_record: TeardownRecord | None = None
+
+    @classmethod
+    def launch(
+        cls,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str],
+        cwd: str | None,
+        log_path: str,
+    ) -> ServerProcess:
+        os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen(
+                list(argv),
+                env=dict(env),
+                cwd=cwd,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # own session => own process group, pgid == pid
+            )
+        try:
+            pgid = os.getpgid(proc.pid)
+        except ProcessLookupError:  # already gone and reaped
+            pgid = proc.pid
+        if pgid == os.getpgrp():  # pragma: no cover - start_new_session guarantees otherwise
+            raise UnsafeSignal(f"server {proc.pid} shares the launcher's process group")
+        return cls(proc, pgid, log_path)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def log_tail(self, max_bytes: int = 4000) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                f.seek(max(0, size - max_bytes))
+                return f.read().decode("utf-8", "replace")
+        except OSError:
+            return ""
+
+    def wait_ready(
+        self, url: str, *, timeout: float, interval: float = 0.5, request_timeout: float = 5.0
+    ) -> float:
+        """Poll `url` (e.g. ``.../v1/models``) until it answers 200; returns seconds waited.
+
+        Raises `ServerExited` as soon as the process dies, `ReadyTimeout` after `timeout`.
+        """
+        start = time.monotonic()
+        deadline = start + timeout
+        while True:
+            code = self.returncode()
+            if code is not None:
+                raise ServerExited(code, self.log_tail())
+            try:
+                with urllib.request.urlopen(url, timeout=request_timeout) as resp:
+                    if resp.status == 200:
+                        return time.monotonic() - start
+            except (urllib.error.URLError, OSError, ValueError):
+                pass
+            if time.monotonic() >= deadline:
+                raise ReadyTimeout(f"server did not answer {url} within {timeout:g} s")
+            time.sleep(interval)
+
+    def teardown(self, *, grace: float = 30.0, kill_wait: float = 10.0) -> TeardownRecord:
+        """SIGTERM the group, wait up to `grace`, SIGKILL what is left.
+
+        Idempotent once it has completed; a teardown cut short by an exception is not
+        remembered, so calling it again finishes the job.
+        """
+        if self.teardown_record is not None:
+            return self.teardown_record
+        record = TeardownRecord(pgid=self.pgid)
+        start = time.monotonic()
+        try:
+            check_signalable_group(self.pgid)
+            if self._signal(signal.SIGTERM, record):
+                self._wait_group_gone(grace)
+            if self._group_alive():
+                self._signal(signal.SIGKILL, record)
+                self._wait_group_gone(kill_wait)
+        except UnsafeSignal as exc:
+            record.error = str(exc)
+        # Reap the leader so it is not left as a zombie in our process table.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            record.exit_code = self.proc.wait(timeout=1.0)
+        record.survivors = group_members(self.pgid)
+        record.seconds = round(time.monotonic() - start, 3)
+        self.teardown_record = record
+        return record
+
+    def _signal(self, sig: signal.Signals, record: TeardownRecord) -> bool:
+        if not self._group_alive():
+            return False
+        check_signalable_group(self.pgid)
+        try:
+            os.killpg(self.pgid, sig)
+        except ProcessLookupError:
+            return False
+        record.signals.append(sig.name)
+        return True
+
+    def _group_alive(self) -> bool:
+        self.proc.poll()  # reap the leader if it exited, so it stops counting
+        return bool(group_members(self.pgid))
+
+    def _wait_group_gone(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while self._group_alive():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.1)
+        return True

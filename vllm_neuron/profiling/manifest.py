@@ -1,0 +1,148 @@
+"""The output manifest (``manifest.json``): every artifact of a capture by absolute path.
+
+It is the entry point for analysis: the session directory's name cannot be known in
+advance, so readers take paths from here, never from a guess. It is written from a
+``finally`` block, so a failed or interrupted run still has one saying what happened, and
+it back-references ``run_spec.json``. Teardown is recorded in its own field, separately
+from the capture's result: cleanup can neither rescue a failed capture nor erase a
+successful one.
+
+``profile`` keeps the seed's keys for a Neuron capture (``device_ntff``,
+``system_trace_pb``, ``trace_info_pb``, ``neff_dir``, ``cpu_util_pb``, ``host_mem_pb``); a
+torch-profiler capture uses the same structure with ``profiler: "torch"``, its worker
+traces in ``traces`` and the rank-0 trace as ``device_trace`` (the trace whose absence or
+emptiness is the failure to look for, whatever the profiler).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from vllm_neuron.backends import Store
+
+from .artifacts import Artifacts
+from .layout import MANIFEST_FILE
+
+SCHEMA_VERSION = 1
+STATUSES = ("running", "ok", "failed", "interrupted")
+
+
+class TraceEntry(msgspec.Struct, frozen=True, kw_only=True):
+    path: str
+    size: int
+    worker: str = ""
+
+
+class ProfileArtifacts(msgspec.Struct, frozen=True, kw_only=True):
+    profiler: str
+    output_dir: str
+    device_trace: str | None = None
+    device_ntff: str | None = None
+    system_trace_pb: str | None = None
+    trace_info_pb: str | None = None
+    neff_dir: str | None = None
+    cpu_util_pb: str | None = None
+    host_mem_pb: str | None = None
+    session_dir: str | None = None
+    activities: list[str] = msgspec.field(default_factory=list)
+    traces: list[TraceEntry] = msgspec.field(default_factory=list)
+
+
+class Attempt(msgspec.Struct, frozen=True, kw_only=True):
+    """One server launch; the decode fallback makes a second one."""
+
+    attempt: int
+    kv_transfer: dict[str, Any] | None = None
+    outcome: str = ""
+    reason: str = ""
+    serve_log: str = ""
+    pgid: int | None = None
+
+
+class Teardown(msgspec.Struct, frozen=True, kw_only=True):
+    pgid: int | None = None
+    signals: list[str] = msgspec.field(default_factory=list)
+    exit_code: int | None = None
+    seconds: float = 0.0
+    survivors: list[int] = msgspec.field(default_factory=list)
+    error: str | None = None
+    clean: bool = True
+
+
+class Validation(msgspec.Struct, frozen=True, kw_only=True):
+    ok: bool
+    failures: list[str] = msgspec.field(default_factory=list)
+    notes: list[str] = msgspec.field(default_factory=list)
+
+
+class ProfileManifest(msgspec.Struct, frozen=True, kw_only=True):
+    schema_version: int = SCHEMA_VERSION
+    run_name: str
+    recipe: str
+    phase: str
+    status: str = "running"
+    error: str | None = None
+    failed_stage: str | None = None
+    run_dir: str
+    run_spec: str
+    serve_log: str
+    profile: ProfileArtifacts
+    neff_hashes: list[str] = msgspec.field(default_factory=list)
+    executed_graphs: list[str] = msgspec.field(default_factory=list)
+    trigger: dict[str, Any] | None = None
+    fallback: dict[str, Any] | None = None
+    attempts: list[Attempt] = msgspec.field(default_factory=list)
+    requests: dict[str, Any] = msgspec.field(default_factory=dict)
+    timings: dict[str, float] = msgspec.field(default_factory=dict)
+    versions: dict[str, str | None] = msgspec.field(default_factory=dict)
+    teardown: Teardown | None = None
+    validation: Validation | None = None
+    started_at: str = ""
+    finished_at: str = ""
+
+
+def profile_from_artifacts(found: Artifacts, activities: list[str]) -> ProfileArtifacts:
+    return ProfileArtifacts(
+        profiler=found.profiler,
+        output_dir=found.output_dir,
+        device_trace=found.device_trace,
+        device_ntff=found.device_ntff,
+        system_trace_pb=found.system_trace_pb,
+        trace_info_pb=found.trace_info_pb,
+        neff_dir=found.neff_dir,
+        cpu_util_pb=found.cpu_util_pb,
+        host_mem_pb=found.host_mem_pb,
+        session_dir=found.session_dir,
+        activities=list(activities),
+        traces=[TraceEntry(path=t.path, size=t.size, worker=t.worker) for t in found.traces],
+    )
+
+
+_ENCODER = msgspec.json.Encoder()
+
+
+def encode_manifest(manifest: ProfileManifest) -> bytes:
+    return msgspec.json.format(_ENCODER.encode(manifest), indent=2) + b"\n"
+
+
+def decode_manifest(data: bytes) -> ProfileManifest:
+    raw = msgspec.json.decode(data)
+    if not isinstance(raw, dict) or raw.get("schema_version") != SCHEMA_VERSION:
+        version = raw.get("schema_version") if isinstance(raw, dict) else None
+        raise ValueError(
+            f"profile manifest schema_version {version!r} is not supported "
+            f"(this version reads {SCHEMA_VERSION})"
+        )
+    return msgspec.convert(raw, ProfileManifest)
+
+
+def write_manifest(store: Store, manifest: ProfileManifest) -> None:
+    """Atomically write ``manifest.json`` at the root of the run's store."""
+    store.write(MANIFEST_FILE, encode_manifest(manifest))
+
+
+def read_manifest(store: Store) -> ProfileManifest | None:
+    data = store.read(MANIFEST_FILE)
+    return None if data is None else decode_manifest(data)

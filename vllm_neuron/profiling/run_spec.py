@@ -1,0 +1,236 @@
+"""The run specification (``run_spec.json``): the input contract of one capture.
+
+Written at **launch**, before the server starts compiling, so it survives a failed launch.
+``serve_config`` is the source of truth: the server's command line is derived from it by
+`serve_command` and never built separately, so what is recorded cannot drift from what
+ran. The decode-only fallback's KV-transfer connector is recorded next to it
+(``kv_transfer``), never merged into it, so a drift check still sees the pinned serving
+configuration served unmodified.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import msgspec
+
+from vllm_neuron.backends import Store
+
+from .artifacts import NEURON, TORCH
+from .layout import RUN_SPEC_FILE
+
+SCHEMA_VERSION = 1
+PREFILL = "prefill_isolation"
+DECODE = "decode_isolation"
+RECIPES = (PREFILL, DECODE)
+PHASES = {PREFILL: "prefill", DECODE: "decode"}
+RECIPE_ALIASES = {"prefill": PREFILL, "decode": DECODE, PREFILL: PREFILL, DECODE: DECODE}
+
+DEFAULT_ENTRYPOINT = ("python", "-m", "vllm.entrypoints.openai.api_server")
+# The smallest window that keeps collective-operation analysis possible (seed: at 1 the
+# CcOp table is empty), and the correct value for both recipes.
+MAX_ITERATIONS = 2
+DEFAULT_ACTIVITIES = ("device_profile", "system_profile")
+
+# Environment variables that change the compiled graphs or what a capture records; their
+# values at launch are snapshotted into ``model_env`` (unset ones as null).
+DEFAULT_MODEL_ENV = (
+    "XLA_IR_DEBUG",
+    "XLA_HLO_DEBUG",
+    "NEURON_FRAMEWORK_DEBUG",
+    "NEURON_CC_FLAGS",
+    "NEURON_RT_ENABLE_DGE_NOTIFICATIONS",
+    "VLLM_NEURON_RESERVED_HEADROOM_GIB",
+    "VLLM_NEURON_MIN_KV_BUDGET_GIB",
+    "VLLM_NEURON_WORKER_TERMINATION_TIMEOUT",
+)
+
+# vLLM's decode-benchmark connector fills every prompt's KV cache except the last token
+# with dummy values, so no real prefill is ever computed (vLLM 0.32:
+# vllm/distributed/kv_transfer/kv_connector/v1/decode_bench_connector.py).
+DECODE_ONLY_CONNECTOR: dict[str, Any] = {
+    "kv_connector": "DecodeBenchConnector",
+    "kv_role": "kv_both",
+}
+
+
+class Workload(msgspec.Struct, frozen=True, kw_only=True):
+    """What the recipe drives. Prefill isolation uses one request of ``output_len`` 1."""
+
+    endpoint: str = "/v1/chat/completions"
+    input_len: int = 128
+    output_len: int = 1
+    concurrency: int = 1
+    num_requests: int = 1
+    ignore_eos: bool = True
+
+
+class ServeConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """The structured serving configuration; `serve_command` derives the command line."""
+
+    model: str
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    port: int = 8041
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    enforce_eager: bool = False
+    distributed_executor_backend: str | None = None
+    profiler_config: dict[str, Any] = msgspec.field(default_factory=dict)
+    additional_config: dict[str, Any] | None = None
+    extra_args: list[str] = msgspec.field(default_factory=list)
+    entrypoint: list[str] = msgspec.field(default_factory=lambda: list(DEFAULT_ENTRYPOINT))
+    env: dict[str, str] = msgspec.field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::", "") else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def request_model(self) -> str:
+        """The ``model`` field requests must carry."""
+        return self.served_model_name or self.model
+
+
+class KVTransfer(msgspec.Struct, frozen=True, kw_only=True):
+    """The decode-only fallback's connector, recorded next to ``serve_config``."""
+
+    config: dict[str, Any]
+    reason: str = ""
+
+
+class Launch(msgspec.Struct, frozen=True, kw_only=True):
+    """How the server process was started (resolved at launch)."""
+
+    argv: list[str]
+    cwd: str | None = None
+    path_prefix: str | None = None
+    executable: str | None = None
+    attempt: int = 1
+
+
+class RunSpec(msgspec.Struct, frozen=True, kw_only=True):
+    schema_version: int = SCHEMA_VERSION
+    run_name: str
+    phase: str
+    recipe: str
+    workload: Workload
+    serve_config: ServeConfig
+    model_env: dict[str, str | None] = msgspec.field(default_factory=dict)
+    profiler: str = TORCH
+    kv_transfer: KVTransfer | None = None
+    launch: Launch | None = None
+    project_root: str = ""
+    created_at: str = ""
+
+
+def normalize_recipe(name: str) -> str:
+    try:
+        return RECIPE_ALIASES[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown recipe {name!r}; use one of prefill, decode ({', '.join(RECIPES)})"
+        ) from None
+
+
+def profiler_settings(
+    profiler: str, output_dir: str, *, activities: Iterable[str] = DEFAULT_ACTIVITIES
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """``(profiler_config, additional_config)`` arming ``profiler`` into `output_dir`.
+
+    Both recipes use ``delay_iterations 0`` (armed on the next iteration) and
+    ``max_iterations 2``. On Neuron, ``"profiler": "cuda"`` is the slot the plugin
+    reinterprets as the Neuron profiler, configured by the ``neuron_profiler`` block; with
+    vLLM's torch profiler the traces go to ``torch_profiler_dir`` and the API server's own
+    CPU trace (which ignores the iteration window) is left out.
+    """
+    output_dir = os.path.abspath(output_dir)
+    window = {"delay_iterations": 0, "max_iterations": MAX_ITERATIONS}
+    if profiler == TORCH:
+        return (
+            {"profiler": "torch", "torch_profiler_dir": output_dir, "ignore_frontend": True,
+             **window},
+            None,
+        )
+    if profiler == NEURON:
+        block = {
+            "activities": list(activities),
+            "neuron_cores": [0],  # worker ranks, not physical cores: one rank of one replica
+            "output_dir": output_dir,
+        }
+        return {"profiler": "cuda", **window}, {"neuron_profiler": block}
+    raise ValueError(f"unknown profiler {profiler!r}; use torch or neuron")
+
+
+def _json_arg(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def serve_command(cfg: ServeConfig, kv_transfer: KVTransfer | None = None) -> list[str]:
+    """The server's argv, derived from `cfg` (plus the fallback connector, if any)."""
+    argv = [*cfg.entrypoint, "--model", cfg.model, "--host", cfg.host, "--port", str(cfg.port)]
+    if cfg.served_model_name:
+        argv += ["--served-model-name", cfg.served_model_name]
+    argv += ["--tensor-parallel-size", str(cfg.tensor_parallel_size)]
+    if cfg.max_model_len is not None:
+        argv += ["--max-model-len", str(cfg.max_model_len)]
+    if cfg.max_num_seqs is not None:
+        argv += ["--max-num-seqs", str(cfg.max_num_seqs)]
+    if cfg.enforce_eager:
+        argv.append("--enforce-eager")
+    if cfg.distributed_executor_backend:
+        argv += ["--distributed-executor-backend", cfg.distributed_executor_backend]
+    if cfg.profiler_config:
+        argv += ["--profiler-config", _json_arg(cfg.profiler_config)]
+    if cfg.additional_config:
+        argv += ["--additional-config", _json_arg(cfg.additional_config)]
+    argv += list(cfg.extra_args)
+    if kv_transfer is not None:
+        argv += ["--kv-transfer-config", _json_arg(kv_transfer.config)]
+    return argv
+
+
+def snapshot_model_env(
+    names: Iterable[str], environ: Mapping[str, str] | None = None
+) -> dict[str, str | None]:
+    """The launch-time values of the declared variables (null when unset)."""
+    env = os.environ if environ is None else environ
+    return {name: env.get(name) for name in sorted(set(names))}
+
+
+def utc_now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+_ENCODER = msgspec.json.Encoder()
+
+
+def encode_run_spec(spec: RunSpec) -> bytes:
+    return msgspec.json.format(_ENCODER.encode(spec), indent=2) + b"\n"
+
+
+def decode_run_spec(data: bytes) -> RunSpec:
+    raw = msgspec.json.decode(data)
+    if not isinstance(raw, dict) or raw.get("schema_version") != SCHEMA_VERSION:
+        version = raw.get("schema_version") if isinstance(raw, dict) else None
+        raise ValueError(
+            f"run_spec.json schema_version {version!r} is not supported "
+            f"(this version reads {SCHEMA_VERSION})"
+        )
+    return msgspec.convert(raw, RunSpec)
+
+
+def write_run_spec(store: Store, spec: RunSpec) -> None:
+    """Atomically write ``run_spec.json`` at the root of the run's store."""
+    store.write(RUN_SPEC_FILE, encode_run_spec(spec))
+
+
+def read_run_spec(store: Store) -> RunSpec | None:
+    data = store.read(RUN_SPEC_FILE)
+    return None if data is None else decode_run_spec(data)
