@@ -524,12 +524,15 @@ class StoreContractTests:
         assert generations == sorted(set(generations))
 
     def test_lease_heartbeat_keeps_it(self, store: Store) -> None:
-        holder = self.lease(store, "hb")
+        # At least 1 s, so a heartbeat delayed by a loaded machine does not look like a
+        # crash; the sleep outlasts the lease 1.5 times: only heartbeats can keep it.
+        duration = max(self.lease_duration, 1.0)
+        holder = self.lease(store, "hb", lease_duration=duration)
         holder.acquire(timeout=5)
         try:
-            time.sleep(self.lease_duration * 2)
+            time.sleep(duration * 1.5)
             with pytest.raises(LockTimeout):
-                self.lease(store, "hb").acquire(timeout=0)
+                self.lease(store, "hb", lease_duration=duration).acquire(timeout=0)
             holder.check()
             assert holder.held
         finally:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -40,6 +41,29 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _make_moto_conditional_puts_atomic(mp: pytest.MonkeyPatch) -> None:
+    """Serialize moto's conditional PUTs, as S3 itself makes them atomic.
+
+    moto 5.2.5 (`S3Response.put_object`) checks ``If-None-Match: *`` / ``If-Match`` and
+    stores the object later in the same handler, with no lock in between, and its server
+    runs one thread per request: two racing creates can both pass the check. Real S3
+    decides conditional writes atomically; without this, a race test on moto could see
+    two winners that S3 would never produce.
+    """
+    from moto.s3.responses import S3Response
+
+    original = S3Response.put_object
+    lock = threading.Lock()
+
+    def put_object(self: Any) -> Any:
+        if "If-None-Match" in self.headers or "If-Match" in self.headers:
+            with lock:
+                return original(self)
+        return original(self)
+
+    mp.setattr(S3Response, "put_object", put_object)
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """The endpoint URL of a moto S3 server on loopback, with test credentials in the env."""
@@ -47,6 +71,7 @@ def s3_server() -> Iterator[str]:
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
     with pytest.MonkeyPatch.context() as mp:
+        _make_moto_conditional_puts_atomic(mp)
         for name, value in _S3_ENV.items():
             mp.setenv(name, value)
         for name in _S3_ENV_UNSET:

@@ -1,6 +1,8 @@
 """The store contract on local disk, in each of its profiles (forced, so they run here)."""
 
+import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -71,3 +73,16 @@ def test_atomic_write_leaves_no_temp_files(tmp_path: Path) -> None:
     names = sorted(p.name for p in (tmp_path / "store" / "a").iterdir())
     assert names == sorted(["b", *[f"c{i}" for i in range(20)]])
     assert [p.name for p in (tmp_path / "store" / "a" / "b").iterdir()] == ["k"]
+
+
+def test_read_goes_on_to_the_end_of_a_file_that_grew(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`read` sizes its buffer with fstat; a file appended to since (a log segment) or a
+    short read must still come back whole, never truncated."""
+    store = open_store(tmp_path / "store")
+    data = os.urandom(300_000)
+    store.write("segment.jsonl", data)
+    stale = SimpleNamespace(st_size=1000)  # the size before the appends
+    monkeypatch.setattr(os, "fstat", lambda fd: stale)
+    assert store.read("segment.jsonl") == data

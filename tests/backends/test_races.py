@@ -27,12 +27,16 @@ def target(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, Store]:
     return url, open_store(url)
 
 
-def _expect_one_winner_per_key(results: list[list[str]], keys: list[str]) -> dict[str, int]:
+def _expect_one_winner_per_key(
+    results: list[list[str]], keys: list[str], store: Store
+) -> dict[str, int]:
     winners: dict[str, list[int]] = {key: [] for key in keys}
     for worker_id, won in enumerate(results):
         for key in won:
             winners[key].append(worker_id)
-    assert {key: len(ids) for key, ids in winners.items()} == {key: 1 for key in keys}, winners
+    wrong = {key: ids for key, ids in winners.items() if len(ids) != 1}
+    # On failure, show who each such key's stored content says won.
+    assert wrong == {}, {key: (ids, store.read(key)) for key, ids in wrong.items()}
     return {key: ids[0] for key, ids in winners.items()}
 
 
@@ -44,7 +48,7 @@ def test_create_if_absent_race_has_exactly_one_winner(
     keys = [f"race/k{i}" for i in range(20 if store.capabilities.local_paths else 3)]
     racers = workers.start_many(16, "create", url, keys=keys)
     workers.release()
-    winners = _expect_one_winner_per_key(workers.results(racers), keys)
+    winners = _expect_one_winner_per_key(workers.results(racers), keys, store)
     for key, worker_id in winners.items():
         assert store.read(key) == b"winner-%d" % worker_id
     assert store.list("") == sorted(keys)  # no temp files left behind
@@ -58,7 +62,7 @@ def test_publish_race_has_exactly_one_complete_winner(
     finals = [f"entries/e{i}" for i in range(3 if store.capabilities.local_paths else 2)]
     racers = workers.start_many(8, "publish", url, finals=finals)
     workers.release()
-    winners = _expect_one_winner_per_key(workers.results(racers), finals)
+    winners = _expect_one_winner_per_key(workers.results(racers), finals, store)
     for final, w in winners.items():
         assert published_files(store, final) == {
             "a": b"%d" % w * 1000,

@@ -30,7 +30,8 @@ class Worker:
             env=dict(os.environ),
         )
         self._lines: queue.Queue[bytes] = queue.Queue()
-        threading.Thread(target=self._pump, daemon=True).start()
+        self._pump_thread = threading.Thread(target=self._pump, daemon=True)
+        self._pump_thread.start()
 
     def _pump(self) -> None:
         assert self.proc.stdout is not None
@@ -42,14 +43,20 @@ class Worker:
         try:
             line = self._lines.get(timeout=timeout)
         except queue.Empty:
-            raise AssertionError(f"worker {self.args['cmd']} silent for {timeout} s") from None
+            raise AssertionError(
+                f"worker {self.args['cmd']} silent for {timeout} s: {self.stderr_tail()}"
+            ) from None
         if not line:
             self.proc.wait(timeout=10)
             raise AssertionError(
                 f"worker {self.args['cmd']} exited with {self.proc.returncode}: "
-                + self.stderr_path.read_text(errors="replace")[-2000:]
+                + self.stderr_tail()
             )
         return json.loads(line)  # type: ignore[no-any-return]
+
+    def stderr_tail(self) -> str:
+        self._stderr.flush()
+        return self.stderr_path.read_text(errors="replace")[-2000:]
 
     def go(self) -> None:
         assert self.proc.stdin is not None
@@ -63,6 +70,7 @@ class Worker:
 
     def close(self) -> None:
         self.kill()
+        self._pump_thread.join(timeout=10)  # it ends at EOF, before its pipe is closed
         for stream in (self.proc.stdin, self.proc.stdout):
             if stream is not None:
                 stream.close()
