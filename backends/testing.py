@@ -501,15 +501,20 @@ class StoreContractTests:
         with store.lock("a", timeout=5), store.lock("b", timeout=5) as b:
             assert b.held
 
-    def test_kernel_lock_lives_in_the_store(self, store: Store) -> None:
-        if not store.capabilities.kernel_locks:
-            pytest.skip("store uses leases, not kernel locks")
-        lock = store.lock("dir/n")
-        assert isinstance(lock, KernelLock)
-        lock_path = store.local_path(join(".locks", "dir/n.lock"))
-        assert lock.path == lock_path
-        with lock:
-            assert os.path.exists(lock.path)
+    def test_lock_kind_follows_the_capabilities_and_lives_in_the_store(
+        self, store: Store
+    ) -> None:
+        lock = store.lock("dir/n", timeout=5)
+        if store.capabilities.kernel_locks:
+            assert isinstance(lock, KernelLock)
+            assert lock.path == store.local_path(join(".locks", "dir/n.lock"))
+            with lock:
+                assert os.path.exists(lock.path)
+        else:
+            assert isinstance(lock, LeaseLock)
+            with lock:
+                # the lease is a generation record inside the store itself
+                assert store.list_dir(join(".locks", "dir/n")) == [f"{lock.generation:012d}"]
 
     # ------------------------------------------------------------- leases
     def test_lease_generation_increases(self, store: Store) -> None:

@@ -7,12 +7,11 @@ import logging
 import os
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from vllm_neuron import envs  # noqa: E402
-from vllm_neuron.compile.runtime import get_runtime, reset_runtime  # noqa: E402
-from vllm_neuron.manifest import ManifestConfig, emit_for_this_engine  # noqa: E402
+from vllm_neuron import envs
+from vllm_neuron.compile.runtime import get_runtime, reset_runtime
+from vllm_neuron.manifest import ManifestConfig, emit_for_this_engine
 
 
 class Tiny(torch.nn.Module):

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import CapturerFactory
 from snapshot_helpers import HASH, ctx, make_config
 
 from vllm_neuron.backends import Store, open_store
@@ -20,6 +19,7 @@ from vllm_neuron.snapshot import (
     NeuronRuntimeWriter,
     RankInfo,
     SnapshotCaptureError,
+    SnapshotCapturer,
     SnapshotConfig,
     SnapshotEncodingError,
     SnapshotForwardContext,
@@ -31,6 +31,8 @@ from vllm_neuron.snapshot import (
 from vllm_neuron.snapshot.capture import neuron_serialize_op
 from vllm_neuron.snapshot.encoding import FORMATS
 from vllm_neuron.snapshot.replay import list_bundles, load_bundle
+
+CapturerFactory = Callable[..., SnapshotCapturer]  # the capturer_for fixture
 
 W = torch.randn(4, 4, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
 

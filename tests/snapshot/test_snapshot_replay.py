@@ -4,19 +4,21 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 import torch.fx
-from conftest import CapturerFactory
 from snapshot_helpers import HASH, ctx, make_config
 
 from vllm_neuron.backends import open_store
 from vllm_neuron.cli import main
-from vllm_neuron.snapshot import RankInfo, SnapshotConfig, forward_context
+from vllm_neuron.snapshot import RankInfo, SnapshotCapturer, SnapshotConfig, forward_context
 from vllm_neuron.snapshot.encoding import encode_tensor
 from vllm_neuron.snapshot.replay import compare_outputs, locate
+
+CapturerFactory = Callable[..., SnapshotCapturer]  # the capturer_for fixture
 
 
 class Shard(torch.nn.Module):

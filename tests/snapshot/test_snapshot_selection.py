@@ -5,11 +5,11 @@ from __future__ import annotations
 import dataclasses
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
-from conftest import CapturerFactory
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from snapshot_helpers import ctx, make_config
@@ -19,6 +19,7 @@ from vllm_neuron.snapshot import (
     CaptureBudget,
     CaptureSelector,
     RankInfo,
+    SnapshotCapturer,
     SnapshotConfig,
     SnapshotForwardContext,
     forward_context,
@@ -27,6 +28,8 @@ from vllm_neuron.snapshot import (
     set_current_forward,
 )
 from vllm_neuron.snapshot.replay import list_bundles
+
+CapturerFactory = Callable[..., SnapshotCapturer]  # the capturer_for fixture
 
 X = torch.arange(6, dtype=torch.float32).reshape(2, 3)
 
