@@ -22,11 +22,15 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 RESULT_PREFIX = "VLLM_NEURON_DEMO_RESULT "
 
 
-def build_model() -> object:
+def build_model() -> torch.nn.Module:
     """A small two-block MLP with a residual and a norm: one graph, real weights."""
     import torch
 
@@ -54,7 +58,7 @@ def worker() -> int:
     model = build_model()
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        expected = model(x)  # type: ignore[operator]
+        expected = model(x)
         compiled = torch.compile(model, backend="vllm_neuron", dynamic=False)
         start = time.perf_counter()
         actual = compiled(x)

@@ -9,8 +9,8 @@ import sys
 import msgspec
 import pytest
 from manifest_fixtures import SEED_KEY
-from vllm_neuron.backends import open_store
 
+from vllm_neuron.backends import open_store
 from vllm_neuron.cli import main
 from vllm_neuron.manifest import (
     LedgerWriter,

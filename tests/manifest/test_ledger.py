@@ -7,8 +7,8 @@ import logging
 import os
 
 import pytest
-from vllm_neuron.backends import open_store
 
+from vllm_neuron.backends import open_store
 from vllm_neuron.manifest import LedgerEntry, LedgerWriter, ManifestConfig, emit_manifest
 from vllm_neuron.manifest.emit import read_ledger
 from vllm_neuron.manifest.ledger import format_shape, sanitize_compiler_flags

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from vllm_neuron.backends import open_store
 
+from vllm_neuron.backends import open_store
 from vllm_neuron.manifest import LedgerWriter, ManifestConfig, emit_manifest
 
 KEYS = [f"{i:032x}" for i in range(6)]
