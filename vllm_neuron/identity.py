@@ -19,6 +19,7 @@ logger = logging.getLogger("vllm_neuron")
 NO_DEVICE = "nodev"
 _RANGE = re.compile(r"^(\d+)\s*-\s*(\d+)$")
 _warned: set[str] = set()
+_prefixes: dict[str, str] = {}
 
 
 class DeviceListError(ValueError):
@@ -60,6 +61,15 @@ def get_server_prefix(environ: Mapping[str, str] | None = None) -> str:
     raw = env.get("NEURON_VISIBLE_DEVICES", "").strip()
     if not raw:
         return NO_DEVICE
+    cached = _prefixes.get(raw)
+    if cached is not None:  # read on every ledger line: parse each distinct value once
+        return cached
+    prefix = _prefix_of(raw)
+    _prefixes[raw] = prefix
+    return prefix
+
+
+def _prefix_of(raw: str) -> str:
     try:
         cores = parse_visible_devices(raw)
     except DeviceListError as exc:

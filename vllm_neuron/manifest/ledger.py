@@ -9,6 +9,7 @@ contend. Everything here is best-effort: a failure is logged once and swallowed.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -23,6 +24,8 @@ logger = logging.getLogger("vllm_neuron.manifest")
 
 LEDGER_DIR = "ledger"
 _TRUNCATED: set[tuple[str, str, int]] = set()
+_forks = [0]  # bumped in every forked child, so a writer re-resolves its segment there
+os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
 
 
 class LedgerEntry(Record, frozen=True, tag="ledger"):
@@ -70,9 +73,14 @@ def _is_machine_path(value: str) -> bool:
 
 
 def sanitize_compiler_flags(flags: Sequence[str] | str) -> str:
-    """The flags as one string, with machine-specific paths removed.
+    """The flags as one string, with machine-specific paths removed (memoised: a process
+    compiles many graphs with the same flags, and this runs on every ledger line)."""
+    return _sanitize(flags if isinstance(flags, str) else tuple(str(f) for f in flags))
 
-    A flag whose value is an absolute path (``--logfile=/tmp/x`` or ``--workdir /tmp/x``)
+
+@functools.lru_cache(maxsize=256)
+def _sanitize(flags: str | tuple[str, ...]) -> str:
+    """A flag whose value is an absolute path (``--logfile=/tmp/x`` or ``--workdir /tmp/x``)
     is dropped with its value; a bare absolute path argument is dropped.
     """
     tokens = flags.split() if isinstance(flags, str) else [str(t) for t in flags]
@@ -104,6 +112,10 @@ class LedgerWriter:
         self._logs: dict[tuple[str, int], EventLog] = {}
         self._failed = False
         self._lock = threading.Lock()
+        # The segment this process writes, resolved at its first write (by then init_device
+        # has narrowed NEURON_VISIBLE_DEVICES) and again in a forked child.
+        self._current: EventLog | None = None
+        self._current_fork = -1
 
     @property
     def store(self) -> Store:
@@ -141,11 +153,17 @@ class LedgerWriter:
                 key=key,
                 rank=rank,
                 input_shapes=input_shapes,
-                compiler_flags=sanitize_compiler_flags(compiler_flags),
+                compiler_flags=_sanitize(compiler_flags)
+                if isinstance(compiler_flags, str)
+                else sanitize_compiler_flags(compiler_flags),
                 global_rank=global_rank,
             )
-            with self._lock:
-                self._log().append(entry)
+            log = self._current
+            if log is None or self._current_fork != _forks[0]:
+                with self._lock:
+                    log = self._current = self._log()
+                    self._current_fork = _forks[0]
+            log.append(entry)
             return True
         except Exception as exc:  # noqa: BLE001 - the manifest never breaks a compile
             if not self._failed:

@@ -1,0 +1,63 @@
+"""Manifest ledger append (`LedgerWriter.record`) vs `json.dumps` + `write` + `flush`.
+
+What a rank does per traced graph: build the ledger line (key, TP rank, input shapes,
+sanitised compiler flags) and make it reach the kernel before returning (the baseline by
+flushing, the ledger by one `os.write`), so both survive `os._exit()`.
+Target (issue 4): >= 3x the baseline and >= 300k lines/s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+
+from vllm_neuron.manifest import LedgerEntry, LedgerWriter
+
+from ._harness import machine, measure
+
+TARGET_RATIO, TARGET_RATE = 3.0, 300_000
+KEY = "fc5c06b7" * 4
+SHAPES = ["4,", "4,", "4, 128"]
+FLAGS = "--framework XLA --target trn2 --auto-cast=none --model-type=transformer -O1"
+
+
+def main(argv: list[str] | None = None) -> int:
+    n, rounds = 200_000, 5
+    print(machine())
+    with tempfile.TemporaryDirectory(prefix="bench-ledger-") as directory:
+        os.environ.setdefault("NEURON_VISIBLE_DEVICES", "0-7")
+        writer = LedgerWriter(os.path.join(directory, "manifests"))
+        baseline = open(os.path.join(directory, "baseline.jsonl"), "w")  # noqa: SIM115
+
+        def ledger_record(count: int) -> None:
+            record = writer.record
+            for _ in range(count):
+                record(KEY, rank=3, input_shapes=SHAPES, compiler_flags=FLAGS)
+
+        def json_write_flush(count: int) -> None:
+            write, flush, dumps = baseline.write, baseline.flush, json.dumps
+            for _ in range(count):
+                line = {"key": KEY, "rank": 3, "input_shapes": SHAPES, "compiler_flags": FLAGS}
+                write(dumps(line) + "\n")
+                flush()
+
+        timings = measure({"LedgerWriter.record": ledger_record,
+                           "json.dumps + f.write + f.flush": json_write_flush}, n, rounds)
+        baseline.close()
+        decoded = writer.store.log(f"ledger/{os.environ['NEURON_VISIBLE_DEVICES'] and 'dev0_7'}")
+        lines = decoded.read([LedgerEntry])
+        assert lines.skipped == 0 and len(lines.records) == n // 10 + n * rounds
+    ours, base = timings.values()
+    ratio = ours.best / base.best
+    for timing in timings.values():
+        print(timing.line())
+    ok = ratio >= TARGET_RATIO and ours.best >= TARGET_RATE
+    print(f"  ratio (best/best) {ratio:.2f}x; target >= {TARGET_RATIO:.0f}x and "
+          f">= {TARGET_RATE:,} lines/s: " + ("met" if ok else "MISSED"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
