@@ -19,7 +19,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends import Store, join, open_store
+from vllm_neuron.backends import RecordCodec, Store, join, open_store
 from vllm_neuron.identity import get_server_prefix
 
 from .ledger import LEDGER_DIR, LedgerEntry
@@ -41,17 +41,41 @@ def environment_snapshot() -> dict[str, str]:
     return {"python": platform.python_version(), **dict(sorted(versions.items()))}
 
 
+class LedgerLine(msgspec.Struct, frozen=True, gc=False):
+    """The fold's view of a ledger line: what grouping needs, decoded lazily.
+
+    ``input_shapes`` and ``compiler_flags`` stay raw JSON until a key's first line is kept,
+    so a fold over 100,000 lines builds 100,000 small objects, not 100,000 lists.
+    """
+
+    key: str
+    rank: int
+    global_rank: int | None = None
+    input_shapes: msgspec.Raw = msgspec.Raw(b"[]")
+    compiler_flags: msgspec.Raw = msgspec.Raw(b'""')
+    type: str = "ledger"
+
+
+_LEDGER_CODEC = RecordCodec([LedgerLine])  # type: ignore[list-item]
+_SHAPES = msgspec.json.Decoder(list[str])
+_FLAGS = msgspec.json.Decoder(str)
+
+
 class _Graph:
     __slots__ = ("input_shapes", "compiler_flags", "ranks")
 
-    def __init__(self, entry: LedgerEntry) -> None:
-        self.input_shapes = entry.input_shapes
-        self.compiler_flags = entry.compiler_flags
+    def __init__(self, entry: LedgerEntry | LedgerLine) -> None:
+        if isinstance(entry, LedgerLine):
+            self.input_shapes = _SHAPES.decode(entry.input_shapes)
+            self.compiler_flags = _FLAGS.decode(entry.compiler_flags)
+        else:
+            self.input_shapes = entry.input_shapes
+            self.compiler_flags = entry.compiler_flags
         self.ranks: set[int] = set()
 
 
 def group_ledger(
-    entries: Sequence[LedgerEntry], tp_ranks: Sequence[int] | None = None
+    entries: Sequence[LedgerEntry | LedgerLine], tp_ranks: Sequence[int] | None = None
 ) -> dict[str, _Graph]:
     """Lines grouped by key, each with the union of the global ranks that traced it.
 
@@ -79,53 +103,66 @@ def _iso(mtime: float) -> str:
     return datetime.fromtimestamp(mtime, tz=timezone.utc).isoformat()
 
 
+class _ArtifactMeta(msgspec.Struct, gc=False):
+    files: list[str] = []
+    output_shapes: list[str] = []
+    hlo_file: str | None = None
+
+
+class _EntryView(msgspec.Struct, gc=False):
+    """What enrichment reads of a cache entry's record (the rest is skipped, not built)."""
+
+    meta: _ArtifactMeta = msgspec.field(default_factory=_ArtifactMeta)
+
+
+_ENTRY_VIEW = msgspec.json.Decoder(_EntryView)
+
+
 def enrich(key: str, graph: _Graph, cache_root: str | None) -> GraphEntry:
     """A graph entry, with paths, size, timestamp and output shapes from its cache entry."""
-    base = GraphEntry(
-        graph_hash=key,
-        input_shapes=list(graph.input_shapes),
-        compiler_flags=graph.compiler_flags,
-        ranks=sorted(graph.ranks),
-    )
     if cache_root is None:
-        return base
-    entry_dir = os.path.join(cache_root, key)
-    with open(os.path.join(entry_dir, ENTRY_RECORD), "rb") as f:
-        record = msgspec.json.decode(f.read())
-    meta: Mapping[str, Any] = record.get("meta") or {}
-    files = list(meta.get("files") or [])
-    if not files:
+        return GraphEntry(graph_hash=key, input_shapes=list(graph.input_shapes),
+                          compiler_flags=graph.compiler_flags, ranks=sorted(graph.ranks))
+    entry_dir = f"{cache_root}/{key}"
+    with open(f"{entry_dir}/{ENTRY_RECORD}", "rb") as f:
+        meta = _ENTRY_VIEW.decode(f.read()).meta
+    if not meta.files:
         raise ValueError(f"compile cache entry {entry_dir} names no artifact")
-    artifact = files[0]
-    st = os.stat(os.path.join(entry_dir, artifact))  # the one stat: size and compile time
-    hlo_file = meta.get("hlo_file")
-    output_shapes = list(meta.get("output_shapes") or [])
+    artifact = meta.files[0]
+    st = os.stat(f"{entry_dir}/{artifact}")  # the one stat: size and compile time
+    hlo_file = meta.hlo_file
+    output_shapes = meta.output_shapes
     if hlo_file:
         from vllm_neuron.compile.toolchains.neuron import parse_hlo_entry_result_shapes
 
-        with open(os.path.join(entry_dir, hlo_file), encoding="utf-8", errors="replace") as f:
+        with open(f"{entry_dir}/{hlo_file}", encoding="utf-8", errors="replace") as f:
             output_shapes = parse_hlo_entry_result_shapes(f.read())
-    return msgspec.structs.replace(
-        base,
+    return GraphEntry(
+        graph_hash=key,
         hlo_path=f"{key}/{hlo_file}" if hlo_file else None,
         neff_path=f"{key}/{artifact}",
         neff_size=st.st_size,
         created_timestamp=_iso(st.st_mtime),
-        output_shapes=output_shapes,
+        input_shapes=list(graph.input_shapes),
+        output_shapes=list(output_shapes),
+        compiler_flags=graph.compiler_flags,
+        ranks=sorted(graph.ranks),
     )
 
 
-def read_ledger(store: Store, prefix: str) -> tuple[list[LedgerEntry], int]:
+def read_ledger(store: Store, prefix: str) -> tuple[list[LedgerLine], int]:
     """Every decodable ledger line of the engine `prefix`, and how many were skipped."""
-    decoded = store.log(join(LEDGER_DIR, prefix)).read([LedgerEntry])
-    if decoded.skipped:
+    decoded = store.log(join(LEDGER_DIR, prefix)).read(_LEDGER_CODEC)
+    lines = [line for line in decoded.records if line.type == "ledger"]
+    skipped = decoded.skipped + len(decoded.records) - len(lines)
+    if skipped:
         logger.warning(
             "manifest: skipped %d undecodable ledger line(s) for %s (%s)",
-            decoded.skipped,
+            skipped,
             prefix,
-            "; ".join(decoded.errors[:3]),
+            "; ".join(decoded.errors[:3]) or "not ledger records",
         )
-    return decoded.records, decoded.skipped
+    return lines, skipped
 
 
 def emit_manifest(
