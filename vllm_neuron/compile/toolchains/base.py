@@ -57,6 +57,10 @@ class CompiledArtifact(msgspec.Struct, frozen=True, kw_only=True):
     out_spec: str
     num_inputs: int
     hlo_file: str | None = None
+    # Positions of integer inputs (symbolic sizes, e.g. vLLM's token count) that the
+    # compiled program reads from its tensor inputs' shapes instead; the loaded callable
+    # takes all ``num_inputs`` and drops these.
+    derived_inputs: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (*self.files, *([self.hlo_file] if self.hlo_file else [])):

@@ -9,13 +9,23 @@ Flow: ``torch.export.export(gm, inputs)`` -> ``aoti_compile_and_package`` -> ``g
 Output shapes come from the exported program's fake-tensor metadata, so the model is never
 executed. The exported output pytree spec is recorded so ``load`` returns the graph's own
 output structure (tuple, list or a single tensor).
+
+Symbolic inputs (what vLLM's piecewise compiler hands over: fake tensors whose token
+dimension is a symbol, plus that symbol as an integer input) are exported as one dynamic
+program: each fake tensor becomes a zero-filled real tensor of its hinted size and strides,
+every symbolic dimension is marked dynamic, and each integer input that equals a tensor
+dimension is read from that dimension inside the program instead (AOTInductor ignores
+integer inputs at run time, measured with torch 2.13); the loaded callable drops those
+inputs (``CompiledArtifact.derived_inputs``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 from vllm_neuron.compile.toolchains.base import (
@@ -75,8 +85,12 @@ class HostToolchain(Toolchain):
         import torch.utils._pytree as pytree
 
         inputs = tuple(example_inputs)
+        plan = _export_plan(gm, inputs)
         try:
-            ep = torch.export.export(gm, inputs)
+            with _outside_tracing():
+                ep = torch.export.export(
+                    plan.gm, plan.args, dynamic_shapes=plan.dynamic_shapes
+                )
         except Exception as exc:
             raise ToolchainError(f"torch.export could not export the graph: {exc}") from exc
         out_spec = ep.call_spec.out_spec
@@ -91,11 +105,12 @@ class HostToolchain(Toolchain):
         os.makedirs(out_dir, exist_ok=True)
         package_path = os.path.join(out_dir, ARTIFACT_NAME)
         try:
-            torch._inductor.aoti_compile_and_package(
-                ep,
-                package_path=package_path,
-                inductor_configs=dict(self._inductor_configs) or None,
-            )
+            with _outside_tracing():
+                torch._inductor.aoti_compile_and_package(
+                    ep,
+                    package_path=package_path,
+                    inductor_configs=dict(self._inductor_configs) or None,
+                )
         except Exception as exc:
             raise ToolchainError(f"AOTInductor failed to compile the graph: {exc}") from exc
         return CompiledArtifact(
@@ -105,6 +120,7 @@ class HostToolchain(Toolchain):
             output_shapes=tuple(shapes),
             out_spec=pytree.treespec_dumps(out_spec),
             num_inputs=len(inputs),
+            derived_inputs=plan.derived,
         )
 
     def load(self, entry_dir: str, meta: CompiledArtifact) -> Callable[..., Any]:
@@ -115,15 +131,170 @@ class HostToolchain(Toolchain):
         try:
             runner = torch._inductor.aoti_load_package(path)
         except Exception as exc:
-            raise ToolchainError(f"cannot load AOTInductor package {path}: {exc}") from exc
+            hint = (
+                " (the graph calls a kernel whose library is not loaded in this process, "
+                "such as vLLM's own CPU kernels: it can only run inside that server)"
+                if "Could not find schema" in str(exc) else ""
+            )
+            raise ToolchainError(f"cannot load AOTInductor package {path}: {exc}{hint}") from exc
         num_outputs = len(meta.output_shapes)
+        derived = frozenset(meta.derived_inputs)
+        keep = [i for i in range(meta.num_inputs) if i not in derived]
 
         def run(*args: Any) -> Any:
             if len(args) != meta.num_inputs:
                 raise TypeError(f"compiled graph takes {meta.num_inputs} inputs, got {len(args)}")
+            if derived:
+                args = tuple(args[i] for i in keep)
             return restore_output_structure(runner(*args), meta.out_spec, num_outputs)
 
         return run
+
+
+# Symbolic inputs -----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _ExportPlan:
+    """What to hand torch.export: the graph, concrete arguments, which dims are dynamic."""
+
+    gm: Any
+    args: tuple[Any, ...]
+    dynamic_shapes: tuple[Any, ...] | None = None
+    derived: tuple[int, ...] = ()
+
+
+def _is_symbolic(value: Any) -> bool:
+    from torch.fx.experimental.symbolic_shapes import is_symbolic
+
+    return bool(is_symbolic(value))
+
+
+def _hint(value: Any) -> int:
+    """The concrete value a (possibly symbolic) size had when the graph was traced."""
+    if not _is_symbolic(value):
+        return int(value)
+    node = value.node
+    hint = node.hint
+    if hint is None and getattr(node, "shape_env", None) is not None:
+        hint = node.shape_env.size_hint(node.expr, allow_none=True)
+    if hint is None:
+        raise ToolchainError(f"symbolic size {value} has no example value to export with")
+    return int(hint)
+
+
+def _export_plan(gm: Any, inputs: tuple[Any, ...]) -> _ExportPlan:
+    """Concrete, exportable arguments for ``inputs``; unchanged when nothing is symbolic."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.export import Dim
+
+    def symbolic_tensor(x: Any) -> bool:
+        return isinstance(x, torch.Tensor) and (
+            isinstance(x, FakeTensor) or any(_is_symbolic(d) for d in x.shape)
+        )
+
+    if not any(symbolic_tensor(x) or isinstance(x, torch.SymInt) for x in inputs):
+        return _ExportPlan(gm, inputs)
+
+    # Integer inputs that some tensor input carries as a dimension: read them from there.
+    derived: dict[int, tuple[int, int]] = {}
+    for i, x in enumerate(inputs):
+        if not isinstance(x, torch.SymInt):
+            continue
+        source = next(
+            (
+                (j, d)
+                for j, t in enumerate(inputs)
+                if isinstance(t, torch.Tensor)
+                for d, size in enumerate(t.shape)
+                if _is_symbolic(size) and size.node.expr == x.node.expr  # type: ignore[attr-defined]
+            ),
+            None,
+        )
+        if source is None:
+            raise ToolchainError(
+                f"input {i} is the symbolic integer {x}, which is no dimension of a tensor "
+                "input; the host toolchain cannot compile it as a dynamic program"
+            )
+        derived[i] = source
+
+    args: list[Any] = []
+    dynamic: list[Any] = []
+    with _outside_tracing():
+        for i, x in enumerate(inputs):
+            if i in derived:
+                continue
+            if isinstance(x, torch.Tensor):
+                shape = [_hint(d) for d in x.shape]
+                stride = [_hint(s) for s in x.stride()]
+                real = torch.empty_strided(shape, stride, dtype=x.dtype, device="cpu")
+                args.append(real.zero_())
+                dims = {d: Dim.AUTO for d, size in enumerate(x.shape) if _is_symbolic(size)}
+                dynamic.append(dims or None)
+            elif isinstance(x, torch.SymInt):  # pragma: no cover - all derived above
+                args.append(_hint(x))
+                dynamic.append(None)
+            else:
+                args.append(x)
+                dynamic.append(None)
+    # Always a fresh GraphModule: it also has an explicit forward signature, which export
+    # needs to match `dynamic_shapes` (a recompiled dynamo graph's is `*args, **kwargs`).
+    graph_module = _derive_integer_inputs(gm, derived)
+    return _ExportPlan(graph_module, tuple(args), tuple(dynamic), tuple(sorted(derived)))
+
+
+def _derive_integer_inputs(gm: Any, derived: Mapping[int, tuple[int, int]]) -> Any:
+    """A copy of ``gm`` prepared for export: placeholder ``i`` becomes
+    ``sym_size(placeholder j, dim d)`` for each ``i -> (j, d)`` of ``derived``, plus the
+    rewrites below.
+
+    The caller's graph is left alone (vLLM keeps it for other compile ranges). These
+    rewrites change the compiled program but not the cache key: a change to them must
+    also change a key component (e.g. a version in `HostToolchain.versions`).
+    """
+    import torch
+    import torch.fx
+
+    graph = torch.fx.Graph()
+    value_map: dict[Any, Any] = {}
+    out = graph.graph_copy(gm.graph, value_map)
+    graph.output(out)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    last = placeholders[-1]
+    for i, (j, d) in sorted(derived.items()):
+        with graph.inserting_after(last):
+            size = graph.call_function(torch.ops.aten.sym_size.int, (placeholders[j], d))
+        placeholders[i].replace_all_uses_with(size)
+        graph.erase_node(placeholders[i])
+    empty_to_zeros = {torch.empty: torch.zeros, torch.empty_like: torch.zeros_like}
+    for node in list(graph.nodes):
+        if node.op != "call_function":
+            continue
+        if node.target is torch._C._autograd._get_data_attr:  # type: ignore[attr-defined]
+            # `param.data` is the parameter itself in an inference graph; traced by
+            # export it would become an untraceable fake constant.
+            node.replace_all_uses_with(node.args[0])
+            graph.erase_node(node)
+        elif node.target in empty_to_zeros:
+            # Uninitialised buffers (vLLM's attention output, allocated in one piece,
+            # returned through a view and filled by the attention op before the next):
+            # zeros are one valid content, and make the program deterministic, so a
+            # snapshot's reference outputs replay exactly. The cost is one memset.
+            node.target = empty_to_zeros[node.target]
+    graph.lint()
+    return torch.fx.GraphModule(gm, graph)
+
+
+@contextlib.contextmanager
+def _outside_tracing() -> Iterator[None]:
+    """Leave the fake-tensor mode and tracing context of a caller that compiles while
+    dynamo traces (vLLM compiles its pieces from inside the dynamo backend call)."""
+    from torch._guards import tracing
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily(), tracing(None):
+        yield
 
 
 def _user_output_shapes(ep: Any) -> list[str]:

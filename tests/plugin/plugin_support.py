@@ -1,0 +1,182 @@
+"""Helpers of the plugin tests: start a real `vllm serve`, talk to it, read its log.
+
+Shared by the module-scoped server sequence in test_vllm_serve.py; imported by name (the
+tests directory is on sys.path through pytest's rootdir conftest handling).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm_neuron.profiling.lifecycle import ServerExited, ServerProcess
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+# The same prompts in every run, so outputs compare across platforms and runs.
+PROMPTS = (
+    "the quick brown fox",
+    "seven tired engineers measure every kernel on the device",
+    "decode profile trace token batch",
+)
+MAX_TOKENS = 8
+
+# What a test server must not inherit from the developer's shell.
+_STRIP = (
+    "VLLM_NEURON_HOST_MODE", "VLLM_NEURON_MANIFEST_DIR", "VLLM_NEURON_TOOLCHAIN",
+    "NEURON_LIBTORCH_REMOTE_CACHE", "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE",
+    "NEURON_LIBTORCH_COMPILATION_TIMEOUT", "VLLM_NEURON_DISABLE_WARMUP_COMPILE",
+    "VLLM_CACHE_ROOT", "VLLM_PLUGINS", "VLLM_TARGET_DEVICE", "VLLM_USE_AOT_COMPILE",
+    "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME",
+)
+SNAPSHOT_PREFIX = "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_env(overrides: Mapping[str, str]) -> dict[str, str]:
+    """The parent's environment minus every setting a test decides, plus `overrides`."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _STRIP and not k.startswith(SNAPSHOT_PREFIX)}
+    env.update(overrides)
+    return env
+
+
+@dataclass
+class Completion:
+    tokens: list[str]
+    logprobs: list[float]
+    text: str
+    prompt_tokens: int = 0
+
+
+@dataclass
+class ServerRun:
+    """One server start: its log, timing and what it answered."""
+
+    name: str
+    log_path: Path
+    ready_seconds: float = 0.0
+    completions: list[Completion] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def server_argv(python: Path, model: str, port: int, *extra: str) -> list[str]:
+    return [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", model, "--served-model-name", "tiny",
+        "--host", "127.0.0.1", "--port", str(port),
+        "--max-model-len", "512", "--max-num-seqs", "4",
+        # The CPU KV cache is sized from host memory unless given; keep it small so a
+        # loaded shared machine does not refuse to start.
+        "--kv-cache-memory-bytes", str(64 << 20),
+        "--seed", "0",
+        *extra,
+    ]
+
+
+def chat(port: int, prompt: str, *, request_id: str | None = None,
+         max_tokens: int = MAX_TOKENS, timeout: float = 300.0) -> Completion:
+    body = {
+        "model": "tiny",
+        "messages": [{"role": "user", "content": prompt}],
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "logprobs": True,
+        "top_logprobs": 1,
+    }
+    headers = {"Content-Type": "application/json"}
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/v1/chat/completions",
+        data=json.dumps(body).encode(), headers=headers, method="POST",
+    )
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        data = json.loads(resp.read())
+    choice = data["choices"][0]
+    content = choice["logprobs"]["content"]
+    return Completion(
+        tokens=[c["token"] for c in content],
+        logprobs=[float(c["logprob"]) for c in content],
+        text=choice["message"]["content"] or "",
+        prompt_tokens=int(data.get("usage", {}).get("prompt_tokens", 0)),
+    )
+
+
+def run_server(
+    name: str,
+    python: Path,
+    model: str,
+    log_dir: Path,
+    env: Mapping[str, str],
+    *,
+    extra_args: Sequence[str] = (),
+    requests: Sequence[tuple[str, str | None]] = tuple((p, None) for p in PROMPTS),
+    ready_timeout: float = 900.0,
+) -> ServerRun:
+    """Start a server, wait until it serves, send `requests` in order, stop it."""
+    port = free_port()
+    run = ServerRun(name=name, log_path=log_dir / f"{name}.log")
+    server = ServerProcess.launch(
+        server_argv(python, model, port, *extra_args),
+        env=server_env(env), cwd=str(log_dir), log_path=str(run.log_path),
+    )
+    started = time.monotonic()
+    try:
+        run.ready_seconds = server.wait_ready(
+            f"http://127.0.0.1:{port}/v1/models", timeout=ready_timeout
+        )
+        for prompt, request_id in requests:
+            run.completions.append(chat(port, prompt, request_id=request_id))
+    except ServerExited as exc:
+        raise AssertionError(f"{name}: server exited with {exc}\n{server.log_tail(8000)}") from exc
+    except (urllib.error.URLError, TimeoutError, OSError) as exc:
+        raise AssertionError(f"{name}: {exc}\n{server.log_tail(8000)}") from exc
+    finally:
+        record = server.teardown(grace=30.0)
+        run.extra["teardown"] = record
+        run.extra["total_seconds"] = round(time.monotonic() - started, 1)
+    return run
+
+
+def run_until_exit(name: str, python: Path, model: str, log_dir: Path,
+                   env: Mapping[str, str], *, timeout: float = 600.0) -> tuple[int, str]:
+    """Start a server that is expected to fail; its exit code and log."""
+    log_path = log_dir / f"{name}.log"
+    server = ServerProcess.launch(
+        server_argv(python, model, free_port()),
+        env=server_env(env), cwd=str(log_dir), log_path=str(log_path),
+    )
+    try:
+        code = server.proc.wait(timeout=timeout)
+    finally:
+        server.teardown(grace=10.0)
+    return code, log_path.read_text(errors="replace")
+
+
+_ADAPTOR_LINE = re.compile(
+    r"vllm_neuron: vLLM (compile|load)\(\) .* -> graph ([0-9a-f]{32}) from (\w[\w-]*) in"
+)
+
+
+def adaptor_calls(log: str) -> list[tuple[str, str, str]]:
+    """(vLLM call, our cache key, where the artifact came from) per compiler-adaptor call."""
+    return [(m.group(1), m.group(2), m.group(3)) for m in _ADAPTOR_LINE.finditer(log)]

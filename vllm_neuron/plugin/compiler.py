@@ -1,0 +1,131 @@
+"""vLLM's ``CompilerInterface`` for this package: every piecewise graph goes through the cache.
+
+vLLM splits the model at its attention ops and hands each piece to the platform's compiler
+(``get_compile_backend()``). :class:`NeuronCompilerAdaptor` sends each one to the process's
+:class:`~vllm_neuron.compile.runtime.CompileRuntime`: key the graph, get its artifact from
+the local tier, the remote tier or a compile, load it, and let the listeners (manifest
+ledger) and wrappers (snapshot capture) see it.
+
+vLLM keeps its own per-model cache of *handles*: ``compile()`` returns
+``(callable, handle)`` and on a warm restart vLLM calls ``load(handle, graph, ...)`` instead.
+The handle is ``(cache_key, toolchain)``, two strings as vLLM's cache file requires
+(``ast.literal_eval``, FACTS.md). ``load()`` recomputes the key from the graph it is given
+and fetches through the same two-tier cache: a warm restart is a local hit, and a handle
+left by another version of the graph cannot load a stale artifact. (vLLM's own AOT
+artifact, which would skip both calls, is turned off in host mode by the general plugin.)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from vllm.compilation.compiler_interface import CompilerInterface
+
+__all__ = ["NeuronCompilerAdaptor"]
+
+logger = logging.getLogger("vllm_neuron.plugin")
+
+
+def _toolchain_id() -> str:
+    from vllm_neuron.compile.runtime import get_runtime
+
+    toolchain = get_runtime().toolchain
+    return f"vllm_neuron/{toolchain.name}/{toolchain.target}"
+
+
+class NeuronCompilerAdaptor(CompilerInterface):
+    """Compiles and loads vLLM's piecewise graphs through this package's two-tier cache."""
+
+    name = "vllm_neuron"
+
+    def __init__(self) -> None:
+        self.cache_dir: str | None = None
+        self.prefix = ""
+        self.calls = 0
+
+    def initialize_cache(
+        self, cache_dir: str, disable_cache: bool = False, prefix: str = ""
+    ) -> None:
+        # vLLM's directory holds only its handle file; the artifacts live in this
+        # package's cache, whose location is VLLM_CACHE_ROOT/neuron/compile_cache.
+        self.cache_dir = cache_dir
+        self.prefix = prefix
+
+    def compute_hash(self, vllm_config: Any) -> str:
+        """What decides this compiler's output beyond vLLM's own hash: package, key schema,
+        toolchain, target, versions and flags (part of vLLM's cache directory name)."""
+        import vllm_neuron
+        from vllm_neuron.compile.key import KEY_SCHEMA_VERSION
+        from vllm_neuron.compile.runtime import get_runtime
+
+        toolchain = get_runtime().toolchain
+        material = {
+            "package": vllm_neuron.__version__,
+            "key_schema": KEY_SCHEMA_VERSION,
+            "toolchain": toolchain.name,
+            "target": toolchain.target,
+            "versions": toolchain.versions(),
+            "flags": toolchain.compiler_args(),
+        }
+        blob = json.dumps(material, sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:10]
+
+    def _through_cache(self, what: str, graph: Any, example_inputs: list[Any],
+                       label: str) -> tuple[Callable[..., Any], str]:
+        from vllm_neuron.compile.runtime import get_runtime
+
+        self.calls += 1
+        fn, compiled = get_runtime().compile(graph, example_inputs)
+        result = compiled.result
+        logger.info(
+            "vllm_neuron: vLLM %s() %s -> graph %s from %s in %.2f s",
+            what, label, compiled.key, result.source, result.seconds,
+        )
+        return fn, compiled.key
+
+    def compile(
+        self,
+        graph: Any,
+        example_inputs: list[Any],
+        compiler_config: dict[str, Any],
+        compile_range: Any,
+        key: str | None = None,
+    ) -> tuple[Callable[..., Any] | None, Any | None]:
+        label = f"{self.prefix + ' ' if self.prefix else ''}{key or ''} range {compile_range}"
+        fn, cache_key = self._through_cache("compile", graph, example_inputs, label.strip())
+        return fn, (cache_key, _toolchain_id())
+
+    def load(
+        self,
+        handle: Any,
+        graph: Any,
+        example_inputs: list[Any],
+        graph_index: int,
+        compile_range: Any,
+    ) -> Callable[..., Any]:
+        if not (
+            isinstance(handle, tuple)
+            and len(handle) == 2
+            and all(isinstance(h, str) for h in handle)
+        ):
+            raise ValueError(f"vllm_neuron: not a handle of this compiler: {handle!r}")
+        handle_key, toolchain = handle
+        current = _toolchain_id()
+        if toolchain != current:
+            raise ValueError(
+                f"vllm_neuron: handle {handle!r} was made by {toolchain}, this process "
+                f"compiles with {current}"
+            )
+        label = f"{self.prefix + ' ' if self.prefix else ''}subgraph {graph_index} " \
+                f"range {compile_range}"
+        fn, cache_key = self._through_cache("load", graph, example_inputs, label.strip())
+        if cache_key != handle_key:
+            logger.warning(
+                "vllm_neuron: vLLM's handle names graph %s but the graph it passed is %s; "
+                "used %s", handle_key, cache_key, cache_key,
+            )
+        return fn
