@@ -164,10 +164,19 @@ def ensure_project(python: Path, checkout: Path = ROOT) -> None:
         old.unlink()
     _run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q",
           "--no-deps", "-e", str(checkout)])
-    if PROJECT_EXTRAS:
+    needed = [*core_dependencies(pyproject), *PROJECT_EXTRAS]
+    if needed:
         _run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q",
-              *PROJECT_EXTRAS])
+              *needed])
     stamp.touch()
+
+
+def core_dependencies(pyproject: bytes) -> list[str]:
+    """The checkout's own runtime dependencies (``[project] dependencies``), so a new one
+    (e.g. a hash library) reaches vLLM's processes without rebuilding the environment."""
+    import tomllib
+
+    return list(tomllib.loads(pyproject.decode())["project"].get("dependencies", []))
 
 
 def main(argv: list[str] | None = None) -> int:
