@@ -11,18 +11,26 @@ import os
 import time
 from collections.abc import Callable
 
+import msgspec
 import pytest
+from blake3 import blake3
 from cache_workers import FILE_NAMES, content_for, entry_is_right
 
 from vllm_neuron.backends import open_store
-from vllm_neuron.compile import save_cache
+from vllm_neuron.compile import entry, save_cache
 from vllm_neuron.compile.cache import (
     STAGING_MAX_AGE,
     CompileError,
     PrecompiledOnlyMiss,
     TwoTierCache,
 )
-from vllm_neuron.compile.entry import ENTRY_RECORD, EntryProblem
+from vllm_neuron.compile.entry import (
+    ENTRY_RECORD,
+    EntryProblem,
+    FileDigest,
+    decode_record,
+    encode_record,
+)
 from vllm_neuron.compile.events import read_stats
 from vllm_neuron.compile.quarantine import QUARANTINE_DIR
 
@@ -275,6 +283,8 @@ def test_corrupt_remote_entry_is_quarantined_and_compiled_locally(
     warnings = cache_warnings()
     assert len(warnings) == 1, warnings
     assert remote in warnings[0] and KEY in warnings[0] and "graph.bin" in warnings[0]
+    if damage is alter:  # a 4 KiB file: the streaming path, checking BLAKE3
+        assert "fails its BLAKE3 check" in warnings[0]
     assert open_store(remote).published(KEY) is None  # withdrawn from the remote too
     assert not os.listdir(os.path.join(node_b, ".staging"))  # the bad copy was not kept
     assert read_stats(node_b).verification_failures == 1
@@ -519,6 +529,8 @@ def test_damage_anywhere_in_a_large_remote_file_is_caught(tmp_path, cache_warnin
     assert cache.fetch_remote(KEY) is None
     warnings = cache_warnings()
     assert len(warnings) == 1 and "model.neff" in warnings[0]
+    if damage == "middle-byte":  # caught by the kernel-copy path's BLAKE3 of the copy
+        assert "fails its BLAKE3 check" in warnings[0]
     assert not os.path.exists(os.path.join(node, KEY))
     assert os.listdir(os.path.join(node, ".staging")) == []
     assert open_store(str(tmp_path / "remote")).published(KEY) is None
@@ -537,3 +549,237 @@ def test_a_remote_file_missing_from_a_published_entry_quarantines_it(
     warnings = cache_warnings()
     assert len(warnings) == 1 and "w0.bin is missing" in warnings[0]
     assert open_store(remote).published(KEY) is None
+
+
+# ------------------------------------------------------- BLAKE3 and older records
+
+
+def rewrite_record(entry_dir: str, change: Callable[[str, FileDigest], FileDigest]) -> None:
+    """Rewrite the entry's commit record, passing every file's digest through `change`."""
+    path = os.path.join(entry_dir, ENTRY_RECORD)
+    with open(path, "rb") as f:
+        record = decode_record(f.read())
+    files = {rel: change(rel, digest) for rel, digest in record.files.items()}
+    with open(path, "wb") as f:
+        f.write(encode_record(msgspec.structs.replace(record, files=files)))
+
+
+def without_blake3(_rel: str, digest: FileDigest) -> FileDigest:
+    """The digest as a record written before BLAKE3 was added has it."""
+    return FileDigest(size=digest.size, sha256=digest.sha256)
+
+
+def test_records_carry_sha256_and_blake3_of_every_file(tmp_path, compile_fn):
+    cache = TwoTierCache(str(tmp_path))
+    result = cache.get_or_compile(KEY, compile_fn(KEY))
+    for name in FILE_NAMES:
+        digest = result.record.files[name]
+        data = content_for(KEY, name)
+        assert digest.sha256 == hashlib.sha256(data).hexdigest()
+        assert digest.blake3 == blake3(data).hexdigest()
+
+
+def test_a_large_file_gets_both_digests_from_one_read(tmp_path):
+    data = os.urandom(3 * entry.DIGEST_CHUNK + 12345)  # several chunks, the last partial
+    path = tmp_path / "big.bin"
+    path.write_bytes(data)
+    assert entry.file_digest(str(path)) == FileDigest(
+        size=len(data), sha256=hashlib.sha256(data).hexdigest(),
+        blake3=blake3(data).hexdigest())
+
+
+def test_a_record_without_blake3_encodes_and_decodes_as_before():
+    old = (b'{"schema":1,"key":"%s","toolchain":"host","target":"cpu","created":1.0,'
+           b'"compile_seconds":2.0,"files":{"a.bin":{"size":3,"sha256":"%s"}}}'
+           % (KEY.encode(), b"ab" * 32))
+    record = decode_record(old)
+    assert record.files["a.bin"] == FileDigest(size=3, sha256="ab" * 32)
+    assert record.files["a.bin"].blake3 is None
+    assert b"blake3" not in encode_record(record)
+
+
+@pytest.mark.parametrize("damage", [None, "altered"])
+@pytest.mark.parametrize("big", [True, False], ids=["large-file", "small-files"])
+def test_an_old_record_without_blake3_fetches_and_verifies_with_sha256(
+    tmp_path, compile_fn, cache_warnings, damage, big
+):
+    remote = str(tmp_path / "remote")
+    if big:
+        _, path = _big_entry(tmp_path)
+    else:
+        TwoTierCache(str(tmp_path / "builder")).get_or_compile(KEY, compile_fn(KEY))
+        save_cache(str(tmp_path / "builder"), remote, KEY)
+        path = os.path.join(remote, KEY, "graph.bin")
+    rewrite_record(os.path.join(remote, KEY), without_blake3)
+    if damage:
+        with open(path, "r+b") as f:
+            f.seek(os.path.getsize(path) - 1)
+            byte = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([byte[0] ^ 0x01]))
+
+    cache = TwoTierCache(str(tmp_path / "node"), remote=remote)
+    result = cache.fetch_remote(KEY)
+    if damage:
+        assert result is None
+        warnings = cache_warnings()
+        assert len(warnings) == 1 and os.path.basename(path) in warnings[0]
+        assert "fails its SHA-256 check" in warnings[0]
+        assert open_store(remote).published(KEY) is None
+        return
+    assert result is not None and result.source == "remote"
+    assert all(d.blake3 is None for d in result.record.files.values())
+    with open(path, "rb") as a, open(os.path.join(result.path, os.path.relpath(
+            path, os.path.join(remote, KEY))), "rb") as b:
+        assert a.read() == b.read()
+    assert cache.verify(KEY) is None  # SHA-256 only, as the record has
+    assert cache_warnings() == []
+
+
+def test_a_wrong_sha256_with_a_right_blake3_is_fetched_but_verify_catches_it(
+    tmp_path, cache_warnings
+):
+    """A fetch checks BLAKE3 only; `verify` checks SHA-256 (and BLAKE3) and finds it."""
+    _big_entry(tmp_path)
+    remote = str(tmp_path / "remote")
+    rewrite_record(os.path.join(remote, KEY), lambda rel, d: msgspec.structs.replace(
+        d, sha256="0" * 64) if rel == "model.neff" else d)
+    cache = TwoTierCache(str(tmp_path / "node"), remote=remote)
+    assert cache.fetch_remote(KEY) is not None
+    problem = cache.verify(KEY)
+    assert problem is not None and "model.neff fails its SHA-256 check" in problem
+    assert cache.lookup_local(KEY) is None  # quarantined
+
+
+def test_a_wrong_blake3_with_a_right_sha256_is_caught_by_fetch_and_by_verify(
+    tmp_path, compile_fn, cache_warnings
+):
+    _big_entry(tmp_path)
+    remote = str(tmp_path / "remote")
+    rewrite_record(os.path.join(remote, KEY), lambda rel, d: msgspec.structs.replace(
+        d, blake3="0" * 64) if rel == "model.neff" else d)
+    assert TwoTierCache(str(tmp_path / "node"), remote=remote).fetch_remote(KEY) is None
+    warnings = cache_warnings()
+    assert len(warnings) == 1 and "model.neff fails its BLAKE3 check" in warnings[0]
+
+    local = str(tmp_path / "local")
+    TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY))
+    rewrite_record(os.path.join(local, KEY), lambda rel, d: msgspec.structs.replace(
+        d, blake3="0" * 64) if rel == "meta.txt" else d)
+    problem = TwoTierCache(local).verify(KEY)
+    assert problem is not None and "meta.txt fails its BLAKE3 check" in problem
+
+
+def _entry_with_one_file(tmp_path, size: int) -> tuple[bytes, str]:
+    """A remote entry holding one file of `size` bytes; returns its bytes and remote path."""
+    data = (hashlib.sha256(str(size).encode()).digest() * (size // 32 + 1))[:size]
+    data = data[:size // 3] + os.urandom(64) + data[size // 3 + 64:]
+    builder, remote = str(tmp_path / "builder"), str(tmp_path / "remote")
+
+    def compile_into(out: str) -> dict[str, str]:
+        with open(os.path.join(out, "model.neff"), "wb") as f:
+            f.write(data)
+        return {}
+
+    TwoTierCache(builder).get_or_compile(KEY, compile_into)
+    assert save_cache(builder, remote, KEY)
+    return data, os.path.join(remote, KEY, "model.neff")
+
+
+SIZES = {
+    "below-kernel-copy": entry.KERNEL_COPY_MIN - 1,
+    "kernel-copy": entry.KERNEL_COPY_MIN,
+    "below-pipeline": entry.PIPELINE_MIN - 1,
+    "pipeline": entry.PIPELINE_MIN,
+    "pipeline-partial-step": entry.PIPELINE_MIN + entry.KERNEL_COPY_STEP + 4097,
+}
+
+
+@pytest.mark.parametrize("size", SIZES.values(), ids=SIZES.keys())
+@pytest.mark.parametrize("where", ["first", "last"])
+def test_every_copy_path_copies_intact_and_catches_a_flipped_byte(
+    tmp_path, cache_warnings, size, where
+):
+    data, path = _entry_with_one_file(tmp_path, size)
+    node = TwoTierCache(str(tmp_path / "node"), remote=str(tmp_path / "remote"))
+    result = node.fetch_remote(KEY)
+    assert result is not None
+    with open(os.path.join(result.path, "model.neff"), "rb") as f:
+        assert f.read() == data
+
+    with open(path, "r+b") as f:
+        f.seek(0 if where == "first" else size - 1)
+        f.write(bytes([data[0 if where == "first" else -1] ^ 0x80]))
+    other = TwoTierCache(str(tmp_path / "other"), remote=str(tmp_path / "remote"))
+    assert other.fetch_remote(KEY) is None
+    warnings = cache_warnings()
+    assert len(warnings) == 1 and "model.neff fails its BLAKE3 check" in warnings[0]
+    assert os.listdir(os.path.join(str(tmp_path / "other"), ".staging")) == []
+
+
+@pytest.mark.parametrize("refuse", [["copy_file_range"], ["copy_file_range", "sendfile"]])
+def test_the_kernel_copy_falls_back_when_refused(tmp_path, monkeypatch, refuse):
+    """EXDEV (e.g. NFS -> ext4) from copy_file_range: sendfile; refused too: pread/pwrite."""
+    import errno
+
+    builder, _ = _big_entry(tmp_path)
+    calls = {"pwrite": 0}
+    real_pwrite = os.pwrite
+
+    def refused(*_args: object) -> int:
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    def counting_pwrite(*args: object) -> int:
+        calls["pwrite"] += 1
+        return real_pwrite(*args)  # type: ignore[arg-type]
+
+    for name in refuse:
+        monkeypatch.setattr(os, name, refused)
+    monkeypatch.setattr(os, "pwrite", counting_pwrite)
+    cache = TwoTierCache(str(tmp_path / "node"), remote=str(tmp_path / "remote"))
+    result = cache.fetch_remote(KEY)
+    assert result is not None
+    with open(os.path.join(result.path, "model.neff"), "rb") as a, \
+            open(os.path.join(builder, KEY, "model.neff"), "rb") as b:
+        assert a.read() == b.read()
+    assert (calls["pwrite"] > 0) == ("sendfile" in refuse)
+
+
+def test_a_copy_error_mid_file_stops_the_copier_and_keeps_nothing(
+    tmp_path, monkeypatch, cache_warnings
+):
+    import errno
+    import threading
+
+    _big_entry(tmp_path)
+    real = os.copy_file_range
+    calls = {"n": 0}
+
+    def failing(*args: int) -> int:
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.EIO, "Input/output error")
+        return real(*args)
+
+    monkeypatch.setattr(os, "copy_file_range", failing)
+    node = str(tmp_path / "node")
+    cache = TwoTierCache(node, remote=str(tmp_path / "remote"))
+    assert cache.fetch_remote(KEY) is None  # a remote failure, not a corrupt entry
+    assert open_store(str(tmp_path / "remote")).published(KEY) == KEY  # not quarantined
+    assert os.listdir(os.path.join(node, ".staging")) == []
+    assert not any(t.name == "vllm-neuron-fetch-copy" for t in threading.enumerate())
+    assert "Input/output error" in cache_warnings()[0]
+
+
+def test_a_source_shorter_than_its_copy_range_is_reported(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.write_bytes(b"x" * 1000)
+    src_fd = os.open(src, os.O_RDONLY)
+    dst_fd = os.open(dst, os.O_RDWR | os.O_CREAT)
+    try:
+        with pytest.raises(entry._SourceShrank):
+            entry._KernelCopy(src_fd, dst_fd).copy(0, 2000)
+    finally:
+        os.close(src_fd)
+        os.close(dst_fd)
+    assert dst.read_bytes() == b"x" * 1000

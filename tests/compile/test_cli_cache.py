@@ -92,6 +92,33 @@ def test_verify_exit_status_and_quarantine(capsys, cache_dir):
     assert run(capsys, "cache", "--cache-dir", cache_dir, "verify")[0] == 0
 
 
+def test_verify_catches_a_wrong_sha256_even_when_blake3_matches(capsys, cache_dir, tmp_path):
+    """A fetch checks BLAKE3 only; `cache verify` still checks every SHA-256."""
+    import msgspec
+
+    from vllm_neuron.compile.entry import ENTRY_RECORD, decode_record, encode_record
+
+    remote = str(tmp_path / "remote")
+    assert run(capsys, "cache", "--cache-dir", cache_dir, "promote", "--to", remote,
+               "--key", KEY_B)[0] == 0
+    path = os.path.join(remote, KEY_B, ENTRY_RECORD)
+    with open(path, "rb") as f:
+        record = decode_record(f.read())
+    files = dict(record.files)
+    files["graph.bin"] = msgspec.structs.replace(files["graph.bin"], sha256="f" * 64)
+    with open(path, "wb") as f:
+        f.write(encode_record(msgspec.structs.replace(record, files=files)))
+
+    node = str(tmp_path / "node")
+    fetched = TwoTierCache(node, remote=remote).fetch_remote(KEY_B)
+    assert fetched is not None  # BLAKE3 matches: the fetch accepts it
+    code, out, _ = run(capsys, "cache", "--cache-dir", node, "verify", "--keep")
+    assert code == 1
+    assert f"CORRUPT {KEY_B}" in out and "graph.bin fails its SHA-256 check" in out
+    code, out, _ = run(capsys, "cache", "verify", remote, "--keep")
+    assert code == 1 and "graph.bin fails its SHA-256 check" in out
+
+
 def test_verify_a_remote_url(capsys, cache_dir, tmp_path):
     remote = str(tmp_path / "remote")
     assert run(capsys, "cache", "--cache-dir", cache_dir, "promote", "--to", remote,
