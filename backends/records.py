@@ -141,3 +141,41 @@ def _union(types: tuple[type[Record], ...]) -> Any:
     from typing import Union
 
     return Union[types]  # noqa: UP007 - a runtime union over a tuple of classes
+
+
+# ------------------------------------------------------------------ documents
+# Whole JSON documents (manifests, run specs) rather than event lines: indented for people,
+# versioned by a named field, refused rather than misread when the version is unknown.
+
+_DOC = TypeVar("_DOC")
+
+
+def encode_document(value: Any, *, indent: int = 2) -> bytes:
+    """A human-readable JSON document, newline-terminated."""
+    return msgspec.json.format(_ENCODER.encode(value), indent=indent) + b"\n"
+
+
+def decode_document(
+    data: bytes,
+    type_: type[_DOC],
+    *,
+    version_field: str,
+    supported: object,
+    what: str,
+    error: type[ValueError] = ValueError,
+) -> _DOC:
+    """Decode a versioned document; `error` names `what` and the field on any mismatch."""
+    try:
+        raw = msgspec.json.decode(data)
+    except msgspec.DecodeError as exc:
+        raise error(f"{what}: not JSON: {exc}") from exc
+    version = raw.get(version_field) if isinstance(raw, dict) else None
+    if version != supported:
+        raise error(
+            f"{what}: {version_field} {version!r} is not supported "
+            f"(this version reads {supported!r})"
+        )
+    try:
+        return msgspec.convert(raw, type_)
+    except msgspec.ValidationError as exc:
+        raise error(f"{what}: {exc}") from exc

@@ -11,6 +11,8 @@ from typing import Any
 
 import msgspec
 
+from vllm_neuron.backends.records import decode_document, encode_document
+
 MANIFEST_VERSION = "1"
 MANIFEST_FILE = "manifest.json"
 
@@ -58,29 +60,14 @@ class Manifest(msgspec.Struct, frozen=True, kw_only=True):
     environment: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-_ENCODER = msgspec.json.Encoder()
-
-
 class ManifestError(ValueError):
     """A manifest file that cannot be read as this schema."""
 
 
 def encode_manifest(manifest: Manifest, *, indent: int = 2) -> bytes:
-    return msgspec.json.format(_ENCODER.encode(manifest), indent=indent) + b"\n"
+    return encode_document(manifest, indent=indent)
 
 
 def decode_manifest(data: bytes, *, source: str = "manifest") -> Manifest:
-    try:
-        raw = msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
-        raise ManifestError(f"{source}: not JSON: {exc}") from exc
-    version = raw.get("manifest_version") if isinstance(raw, dict) else None
-    if version != MANIFEST_VERSION:
-        raise ManifestError(
-            f"{source}: manifest_version {version!r} is not supported (this reader knows "
-            f"{MANIFEST_VERSION!r})"
-        )
-    try:
-        return msgspec.convert(raw, Manifest)
-    except msgspec.ValidationError as exc:
-        raise ManifestError(f"{source}: {exc}") from exc
+    return decode_document(data, Manifest, version_field="manifest_version",
+                           supported=MANIFEST_VERSION, what=source, error=ManifestError)

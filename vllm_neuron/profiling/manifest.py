@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from vllm_neuron.backends import Store
+from vllm_neuron.backends.records import decode_document, encode_document
 
 from .artifacts import Artifacts
 from .layout import MANIFEST_FILE
@@ -120,22 +121,13 @@ def profile_from_artifacts(found: Artifacts, activities: list[str]) -> ProfileAr
     )
 
 
-_ENCODER = msgspec.json.Encoder()
-
-
-def encode_manifest(manifest: ProfileManifest) -> bytes:
-    return msgspec.json.format(_ENCODER.encode(manifest), indent=2) + b"\n"
+def encode_manifest(value: ProfileManifest) -> bytes:
+    return encode_document(value)
 
 
 def decode_manifest(data: bytes) -> ProfileManifest:
-    raw = msgspec.json.decode(data)
-    if not isinstance(raw, dict) or raw.get("schema_version") != SCHEMA_VERSION:
-        version = raw.get("schema_version") if isinstance(raw, dict) else None
-        raise ValueError(
-            f"profile manifest schema_version {version!r} is not supported "
-            f"(this version reads {SCHEMA_VERSION})"
-        )
-    return msgspec.convert(raw, ProfileManifest)
+    return decode_document(data, ProfileManifest, version_field="schema_version",
+                           supported=SCHEMA_VERSION, what="profile manifest")
 
 
 def write_manifest(store: Store, manifest: ProfileManifest) -> None:

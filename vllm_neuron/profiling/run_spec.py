@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 
 from vllm_neuron.backends import Store
+from vllm_neuron.backends.records import decode_document, encode_document
 
 from .artifacts import NEURON, TORCH
 from .layout import RUN_SPEC_FILE
@@ -208,22 +209,13 @@ def utc_now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-_ENCODER = msgspec.json.Encoder()
-
-
-def encode_run_spec(spec: RunSpec) -> bytes:
-    return msgspec.json.format(_ENCODER.encode(spec), indent=2) + b"\n"
+def encode_run_spec(value: RunSpec) -> bytes:
+    return encode_document(value)
 
 
 def decode_run_spec(data: bytes) -> RunSpec:
-    raw = msgspec.json.decode(data)
-    if not isinstance(raw, dict) or raw.get("schema_version") != SCHEMA_VERSION:
-        version = raw.get("schema_version") if isinstance(raw, dict) else None
-        raise ValueError(
-            f"run_spec.json schema_version {version!r} is not supported "
-            f"(this version reads {SCHEMA_VERSION})"
-        )
-    return msgspec.convert(raw, RunSpec)
+    return decode_document(data, RunSpec, version_field="schema_version",
+                           supported=SCHEMA_VERSION, what="run_spec.json")
 
 
 def write_run_spec(store: Store, spec: RunSpec) -> None:
