@@ -13,6 +13,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 logger = logging.getLogger("vllm_neuron")
 
@@ -80,3 +81,48 @@ def _prefix_of(raw: str) -> str:
     if not cores:
         return NO_DEVICE
     return f"dev{cores[0]}_{cores[-1]}"
+
+
+# Ranks -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where this worker sits: global rank (unique per process), and its tp/dp ranks."""
+
+    global_rank: int = 0
+    tp_rank: int = 0
+    dp_rank: int = 0
+
+
+def _env_int(name: str) -> int | None:
+    raw = os.environ.get(name, "").strip()
+    return int(raw) if raw.isdigit() else None
+
+
+def detect_ranks() -> RankInfo:
+    """The ranks of this process: torch.distributed and vLLM's groups when initialised,
+    else the launcher's ``RANK``/``VLLM_DP_RANK`` variables, else 0."""
+    global_rank: int | None = None
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            global_rank = int(dist.get_rank())
+    except Exception:  # noqa: BLE001 - torch may be absent or half-initialised
+        global_rank = None
+    if global_rank is None:
+        global_rank = _env_int("RANK") or 0
+    tp_rank, dp_rank = global_rank, _env_int("VLLM_DP_RANK") or 0
+    try:
+        from vllm.distributed.parallel_state import get_tp_group
+
+        tp_rank = int(get_tp_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - not inside vLLM, or its groups are not set up
+        pass
+    try:
+        from vllm.distributed.parallel_state import get_dp_group
+
+        dp_rank = int(get_dp_group().rank_in_group)
+    except Exception:  # noqa: BLE001
+        pass
+    return RankInfo(global_rank=global_rank, tp_rank=tp_rank, dp_rank=dp_rank)

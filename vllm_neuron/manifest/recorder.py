@@ -7,8 +7,9 @@ toolchains share.
 
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING
+
+from vllm_neuron.identity import detect_ranks
 
 from .ledger import LedgerWriter, input_shapes_of
 
@@ -16,30 +17,10 @@ if TYPE_CHECKING:
     from vllm_neuron.compile.runtime import CompiledGraph, CompileRuntime
 
 
-def current_ranks() -> tuple[int, int | None]:
-    """(TP-group-relative rank, global rank) of this process, as far as it can be known.
-
-    Inside vLLM the TP group says; under torch.distributed alone the TP group is the world;
-    otherwise the launcher's RANK variable, or 0 for a single process.
-    """
-    global_rank: int | None = None
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            global_rank = int(dist.get_rank())
-    except Exception:  # noqa: BLE001 - torch may be absent or half-initialised
-        global_rank = None
-    try:
-        from vllm.distributed.parallel_state import get_tp_group
-
-        return int(get_tp_group().rank_in_group), global_rank
-    except Exception:  # noqa: BLE001 - not inside vLLM, or its groups are not set up
-        pass
-    if global_rank is not None:
-        return global_rank, global_rank
-    rank = int(os.environ.get("RANK", "0") or 0) if os.environ.get("RANK", "").isdigit() else 0
-    return rank, None
+def current_ranks() -> tuple[int, int]:
+    """(TP-group-relative rank, global rank) of this process (see `detect_ranks`)."""
+    ranks = detect_ranks()
+    return ranks.tp_rank, ranks.global_rank
 
 
 class ManifestRecorder:
