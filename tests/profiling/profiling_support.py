@@ -12,7 +12,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 DATA = HERE / "data"
 FAKE_VLLM = HERE / "fake_vllm.py"
-TINY_MODEL_NAME = "tiny-llama-h128-l2-v1"
 
 
 def free_port() -> int:
