@@ -4,6 +4,7 @@ Get a store with `open_store(url)`; see `base.Store` for the operations and
 `base.Capabilities` for what each backend promises.
 """
 
+from ._local import read_local_file
 from .base import Capabilities, FileInfo, Staging, Store
 from .errors import (
     InvalidKey,
@@ -48,6 +49,7 @@ __all__ = [
     "encode_line",
     "join",
     "open_store",
+    "read_local_file",
     "register_upcaster",
     "validate_hex",
     "validate_key",

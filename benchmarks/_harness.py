@@ -19,6 +19,7 @@ class Timing:
     ops: int
     best: float
     median: float
+    rates: tuple[float, ...] = ()  # every round's rate, in round order
 
     def line(self) -> str:
         return f"  {self.name:<48} {self.best:>11,.0f} ops/s  (median {self.median:,.0f})"
@@ -39,7 +40,15 @@ def measure(cases: dict[str, Callable[[int], None]], ops: int, rounds: int) -> d
             start = time.perf_counter()
             fn(ops)
             rates[name].append(ops / (time.perf_counter() - start))
-    return {name: Timing(name, ops, max(r), statistics.median(r)) for name, r in rates.items()}
+    return {
+        name: Timing(name, ops, max(r), statistics.median(r), tuple(r)) for name, r in rates.items()
+    }
+
+
+def paired_ratio(ours: Timing, base: Timing) -> float:
+    """The median over rounds of ours/base within a round: the cases of a round ran back to
+    back, so load that slows a round slows both, and the ratio is steadier than best/best."""
+    return statistics.median(o / b for o, b in zip(ours.rates, base.rates, strict=True))
 
 
 def machine() -> str:

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from vllm_neuron.backends import open_store
+from vllm_neuron.backends import encode_line, open_store
 from vllm_neuron.manifest import LedgerEntry, LedgerWriter, ManifestConfig, emit_manifest
-from vllm_neuron.manifest.emit import read_ledger
+from vllm_neuron.manifest.fold import fold_ledger
 from vllm_neuron.manifest.ledger import format_shape, sanitize_compiler_flags
 
 KEY_A, KEY_B = "a" * 32, "b" * 32
@@ -53,8 +53,8 @@ def test_torn_last_line_is_skipped_and_counted(tmp_path, caplog):
     path = store.local_path(segment)
     with open(path, "ab") as f:
         f.write(b'{"type":"ledger","key":"' + KEY_B.encode() + b'","ra')  # a crash mid-write
-    entries, skipped = read_ledger(store, "nodev")
-    assert [e.key for e in entries] == [KEY_A] and skipped == 1
+    fold = fold_ledger(store, "nodev")
+    assert list(fold.graphs()) == [KEY_A] and fold.skipped == 1
     with caplog.at_level(logging.WARNING, logger="vllm_neuron.manifest"):
         manifest = emit_manifest(store, ManifestConfig(), cache_root=None, prefix="nodev",
                                  environment={})
@@ -99,7 +99,18 @@ def test_ledger_entry_keeps_the_seed_fields(tmp_path):
     LedgerWriter(store).record(KEY_A, rank=3, input_shapes=["4,"], compiler_flags="--x 1")
     (segment,) = store.log("ledger/nodev").segments()
     line = json.loads(store.read(segment) or b"")
-    assert {"key", "rank", "input_shapes", "compiler_flags"} <= set(line)
+    assert line == {"type": "ledger", "key": KEY_A, "rank": 3, "input_shapes": ["4,"],
+                    "compiler_flags": "--x 1"}
     decoded = store.log("ledger/nodev").read([LedgerEntry]).records
     assert decoded == [LedgerEntry(key=KEY_A, rank=3, input_shapes=["4,"],
                                    compiler_flags="--x 1")]
+
+
+def test_a_line_without_v_is_version_1_and_a_global_rank_is_written():
+    # Defaults are omitted from ledger lines, so "no v" must keep meaning version 1: a
+    # version bump has to write v explicitly instead of changing the default.
+    fields, defaults = LedgerEntry.__struct_fields__, LedgerEntry.__struct_defaults__
+    assert dict(zip(fields[len(fields) - len(defaults):], defaults, strict=True))["v"] == 1
+    line = json.loads(encode_line(LedgerEntry(key=KEY_A, rank=0, input_shapes=[],
+                                              compiler_flags="", global_rank=7)))
+    assert line["global_rank"] == 7 and "v" not in line

@@ -13,16 +13,23 @@ KEYS = [f"{i:032x}" for i in range(6)]
 
 
 @st.composite
-def ledgers(draw: st.DrawFn) -> tuple[int, list[int], list[tuple[int, int]]]:
+def ledgers(draw: st.DrawFn) -> tuple[int, list[int], list[tuple[int, int, int, int | None, int]]]:
     writers = draw(st.integers(1, 5))
-    # writer w is TP-local rank w of a TP group whose global ranks are tp_ranks[w]
+    # TP-local rank r maps to global rank tp_ranks[r]
     tp_ranks = draw(st.permutations(list(range(10, 10 + writers))))
-    lines = draw(st.lists(st.tuples(st.integers(0, writers - 1), st.integers(0, len(KEYS) - 1)),
-                          max_size=40))
+    # (writer, key, TP-local rank, global rank recorded by the writer or None, shapes):
+    # a writer usually keeps one rank, but the fold must not depend on it.
+    line = st.tuples(st.integers(0, writers - 1), st.integers(0, len(KEYS) - 1),
+                     st.integers(0, writers - 1), st.none() | st.integers(0, 30),
+                     st.integers(0, 2))
+    uniform = draw(st.booleans())
+    lines = draw(st.lists(line, max_size=40))
+    if uniform:  # every writer w writes as TP rank w (the common deployment)
+        lines = [(w, k, w, None, s) for w, k, _, _, s in lines]
     return writers, list(tp_ranks), lines
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(ledgers())
 def test_emit_groups_by_key_with_the_union_of_mapped_ranks(case):
     writers, tp_ranks, lines = case
@@ -31,15 +38,22 @@ def test_emit_groups_by_key_with_the_union_of_mapped_ranks(case):
     from vllm_neuron.manifest.ledger import LedgerEntry
 
     expected: dict[str, set[int]] = {}
-    for writer, key_index in lines:
+    for writer, key_index, rank, global_rank, shapes in lines:
         key = KEYS[key_index]
-        logs[writer].append(LedgerEntry(key=key, rank=writer, input_shapes=[], compiler_flags=""))
-        expected.setdefault(key, set()).add(tp_ranks[writer])
+        logs[writer].append(LedgerEntry(key=key, rank=rank, global_rank=global_rank,
+                                        input_shapes=[f"{shapes},"], compiler_flags=f"-O{shapes}"))
+        expected.setdefault(key, set()).add(tp_ranks[rank] if global_rank is None else global_rank)
+    # A key's details come from its first line: segment (writer) order, then line order.
+    first: dict[str, int] = {}
+    for writer, key_index, _, _, shapes in sorted(lines, key=lambda line: line[0]):
+        first.setdefault(KEYS[key_index], shapes)
     manifest = emit_manifest(store, ManifestConfig(), cache_root=None, prefix="nodev",
                              tp_ranks=tp_ranks, environment={})
     assert {g.graph_hash: set(g.ranks) for g in manifest.graphs} == expected
     assert len(manifest.graphs) == len(expected)
     assert all(g.ranks == sorted(g.ranks) for g in manifest.graphs)
+    assert {g.graph_hash: (g.input_shapes, g.compiler_flags) for g in manifest.graphs} == {
+        key: ([f"{shapes},"], f"-O{shapes}") for key, shapes in first.items()}
     assert store.list("ledger/nodev") == []
 
 

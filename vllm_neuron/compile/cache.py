@@ -39,6 +39,7 @@ from vllm_neuron.backends import (
     Store,
     join,
     open_store,
+    read_local_file,
     validate_hex,
 )
 
@@ -75,26 +76,6 @@ STAGING_MAX_AGE = 6 * 3600.0
 REMOTE_RETRY_AFTER = 60.0
 
 _KEY_RE = re.compile(r"[0-9a-f]{32}")
-
-
-def _read_small_file(path: str) -> bytes | None:
-    """The bytes of a (small) file, or None if it does not exist: plain os calls."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    try:
-        data = os.read(fd, 1 << 16)
-        while len(data) % (1 << 16) == 0 and data:  # a record above 64 KiB: read the rest
-            more = os.read(fd, 1 << 16)
-            if not more:
-                break
-            data += more
-        return data
-    except OSError:
-        return b""  # unreadable (a directory, an I/O error): a defective entry
-    finally:
-        os.close(fd)
 
 
 CompileFn = Callable[[str], Mapping[str, Any]]
@@ -205,7 +186,10 @@ class TwoTierCache:
             # directly; one read of the record and one stat per file.
             prefix: str | None = key
             entry_dir = self._disk_root + key
-            data = _read_small_file(entry_dir + "/" + ENTRY_RECORD)
+            try:
+                data = read_local_file(entry_dir + "/" + ENTRY_RECORD)
+            except OSError:
+                data = b""  # unreadable (an I/O error): a defective entry
         else:
             prefix = self.local.published(key)
             data = None if prefix is None else self.local.read(join(prefix, ENTRY_RECORD))

@@ -19,15 +19,15 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends import RecordCodec, Store, join, open_store
+from vllm_neuron.backends import Store, join, open_store, read_local_file
+from vllm_neuron.compile.entry import ENTRY_RECORD
 from vllm_neuron.identity import get_server_prefix
 
-from .ledger import LEDGER_DIR, LedgerEntry
+from .fold import FoldedGraph, fold_ledger
+from .ledger import LEDGER_DIR
 from .schema import MANIFEST_FILE, GraphEntry, Manifest, ManifestConfig, encode_manifest
 
 logger = logging.getLogger("vllm_neuron.manifest")
-
-ENTRY_RECORD = "entry.json"
 
 
 @functools.lru_cache(maxsize=1)
@@ -39,64 +39,6 @@ def environment_snapshot() -> dict[str, str]:
         if name:
             versions[str(name).lower()] = str(dist.version)
     return {"python": platform.python_version(), **dict(sorted(versions.items()))}
-
-
-class LedgerLine(msgspec.Struct, frozen=True, gc=False):
-    """The fold's view of a ledger line: what grouping needs, decoded lazily.
-
-    ``input_shapes`` and ``compiler_flags`` stay raw JSON until a key's first line is kept,
-    so a fold over 100,000 lines builds 100,000 small objects, not 100,000 lists.
-    """
-
-    key: str
-    rank: int
-    global_rank: int | None = None
-    input_shapes: msgspec.Raw = msgspec.Raw(b"[]")
-    compiler_flags: msgspec.Raw = msgspec.Raw(b'""')
-    type: str = "ledger"
-
-
-_LEDGER_CODEC = RecordCodec([LedgerLine])  # type: ignore[list-item]
-_SHAPES = msgspec.json.Decoder(list[str])
-_FLAGS = msgspec.json.Decoder(str)
-
-
-class _Graph:
-    __slots__ = ("input_shapes", "compiler_flags", "ranks")
-
-    def __init__(self, entry: LedgerEntry | LedgerLine) -> None:
-        if isinstance(entry, LedgerLine):
-            self.input_shapes = _SHAPES.decode(entry.input_shapes)
-            self.compiler_flags = _FLAGS.decode(entry.compiler_flags)
-        else:
-            self.input_shapes = entry.input_shapes
-            self.compiler_flags = entry.compiler_flags
-        self.ranks: set[int] = set()
-
-
-def group_ledger(
-    entries: Sequence[LedgerEntry | LedgerLine], tp_ranks: Sequence[int] | None = None
-) -> dict[str, _Graph]:
-    """Lines grouped by key, each with the union of the global ranks that traced it.
-
-    A line's rank is the writer's TP-local rank; it maps to a global rank through
-    ``tp_ranks`` (the TP group's global ranks, by local index) unless the writer recorded
-    its global rank itself.
-    """
-    graphs: dict[str, _Graph] = {}
-    lookup = graphs.get
-    mapping = list(tp_ranks) if tp_ranks is not None else None
-    for entry in entries:
-        graph = lookup(entry.key)
-        if graph is None:
-            graph = graphs[entry.key] = _Graph(entry)
-        rank = entry.global_rank
-        if rank is None:
-            rank = entry.rank
-            if mapping is not None and 0 <= rank < len(mapping):
-                rank = int(mapping[rank])
-        graph.ranks.add(rank)
-    return graphs
 
 
 def _iso(mtime: float) -> str:
@@ -118,14 +60,25 @@ class _EntryView(msgspec.Struct, gc=False):
 _ENTRY_VIEW = msgspec.json.Decoder(_EntryView)
 
 
-def enrich(key: str, graph: _Graph, cache_root: str | None) -> GraphEntry:
+def bare_entry(key: str, graph: FoldedGraph) -> GraphEntry:
+    """A graph entry from the ledger alone (no cache to enrich it from)."""
+    return GraphEntry(
+        graph_hash=key,
+        input_shapes=graph.input_shapes,
+        compiler_flags=graph.compiler_flags,
+        ranks=graph.ranks,
+    )
+
+
+def enrich(key: str, graph: FoldedGraph, cache_root: str | None) -> GraphEntry:
     """A graph entry, with paths, size, timestamp and output shapes from its cache entry."""
     if cache_root is None:
-        return GraphEntry(graph_hash=key, input_shapes=list(graph.input_shapes),
-                          compiler_flags=graph.compiler_flags, ranks=sorted(graph.ranks))
+        return bare_entry(key, graph)
     entry_dir = f"{cache_root}/{key}"
-    with open(f"{entry_dir}/{ENTRY_RECORD}", "rb") as f:
-        meta = _ENTRY_VIEW.decode(f.read()).meta
+    record = read_local_file(f"{entry_dir}/{ENTRY_RECORD}")
+    if record is None:
+        raise FileNotFoundError(f"compile cache entry {entry_dir} has no {ENTRY_RECORD}")
+    meta = _ENTRY_VIEW.decode(record).meta
     if not meta.files:
         raise ValueError(f"compile cache entry {entry_dir} names no artifact")
     artifact = meta.files[0]
@@ -143,26 +96,11 @@ def enrich(key: str, graph: _Graph, cache_root: str | None) -> GraphEntry:
         neff_path=f"{key}/{artifact}",
         neff_size=st.st_size,
         created_timestamp=_iso(st.st_mtime),
-        input_shapes=list(graph.input_shapes),
-        output_shapes=list(output_shapes),
+        input_shapes=graph.input_shapes,
+        output_shapes=output_shapes,
         compiler_flags=graph.compiler_flags,
-        ranks=sorted(graph.ranks),
+        ranks=graph.ranks,
     )
-
-
-def read_ledger(store: Store, prefix: str) -> tuple[list[LedgerLine], int]:
-    """Every decodable ledger line of the engine `prefix`, and how many were skipped."""
-    decoded = store.log(join(LEDGER_DIR, prefix)).read(_LEDGER_CODEC)
-    lines = [line for line in decoded.records if line.type == "ledger"]
-    skipped = decoded.skipped + len(decoded.records) - len(lines)
-    if skipped:
-        logger.warning(
-            "manifest: skipped %d undecodable ledger line(s) for %s (%s)",
-            skipped,
-            prefix,
-            "; ".join(decoded.errors[:3]) or "not ledger records",
-        )
-    return lines, skipped
 
 
 def emit_manifest(
@@ -178,24 +116,38 @@ def emit_manifest(
     """Build, write and return this engine's manifest (raises on failure)."""
     store = manifest_dir if isinstance(manifest_dir, Store) else open_store(manifest_dir)
     prefix = prefix or get_server_prefix()
-    entries, _skipped = read_ledger(store, prefix)
-    graphs = group_ledger(entries, tp_ranks)
+    fold = fold_ledger(store, prefix, tp_ranks)
+    if fold.skipped:
+        logger.warning(
+            "manifest: skipped %d undecodable ledger line(s) for %s (%s)",
+            fold.skipped,
+            prefix,
+            "; ".join(fold.errors[:3]),
+        )
+    graphs = fold.graphs()
+    if undetailed := [key for key, graph in graphs.items() if not graph.has_details]:
+        logger.warning(
+            "manifest: %d graph(s) of %s have no ledger line with readable shapes "
+            "and flags (listed without them): %s",
+            len(undetailed),
+            prefix,
+            ", ".join(sorted(undetailed)[:3]),
+        )
     enriched = []
     problems = []
     for key in sorted(graphs):
+        graph = graphs[key]
         try:
-            enriched.append(enrich(key, graphs[key], cache_root))
+            enriched.append(enrich(key, graph, cache_root))
         except Exception as exc:  # noqa: BLE001 - one bad entry must not lose the others
             problems.append(f"{key}: {exc}")
-            graph = graphs[key]
-            enriched.append(
-                GraphEntry(graph_hash=key, input_shapes=list(graph.input_shapes),
-                           compiler_flags=graph.compiler_flags, ranks=sorted(graph.ranks))
-            )
+            enriched.append(bare_entry(key, graph))
     if problems:
         logger.warning(
             "manifest: could not enrich %d graph(s) from the compile cache %s: %s",
-            len(problems), cache_root, "; ".join(problems[:3]),
+            len(problems),
+            cache_root,
+            "; ".join(problems[:3]),
         )
     manifest = Manifest(
         config=config,

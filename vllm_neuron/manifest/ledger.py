@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import threading
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,15 +25,29 @@ logger = logging.getLogger("vllm_neuron.manifest")
 
 LEDGER_DIR = "ledger"
 _TRUNCATED: set[tuple[str, str, int]] = set()
-_forks = [0]  # bumped in every forked child, so a writer re-resolves its segment there
-os.register_at_fork(after_in_child=lambda: _forks.__setitem__(0, _forks[0] + 1))
+_WRITERS: weakref.WeakSet[LedgerWriter] = weakref.WeakSet()
 
 
-class LedgerEntry(Record, frozen=True, tag="ledger"):
+def _forget_segments_in_child() -> None:
+    """In a forked child every writer re-resolves its segment (the child's own pid file)."""
+    for writer in list(_WRITERS):
+        writer._current = None
+        writer._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_segments_in_child)
+
+
+class LedgerEntry(Record, frozen=True, tag="ledger", omit_defaults=True):
     """`{key, rank, input_shapes, compiler_flags}` of the seed, plus the writer's global rank.
 
     ``rank`` is TP-group-relative; ``global_rank`` (when the writer knows it) lets the
     emitter attribute a graph correctly even when several TP groups share local ranks.
+
+    Fields at their default are not written (``omit_defaults``): the line is the seed's four
+    fields plus the record tag, ~20% less to encode on every traced graph and to decode at
+    emit. That includes ``v`` while it is 1, so a reader takes a line without ``v`` as
+    version 1; a version 2 must therefore always be written (tested), not become a default.
     """
 
     key: str
@@ -115,7 +130,11 @@ class LedgerWriter:
         # The segment this process writes, resolved at its first write (by then init_device
         # has narrowed NEURON_VISIBLE_DEVICES) and again in a forked child.
         self._current: EventLog | None = None
-        self._current_fork = -1
+        _WRITERS.add(self)
+        # The last flags string seen and its sanitised form (one attribute, so a thread never
+        # reads a pair from two calls): a process compiles every graph with the same flags
+        # object, so the common case is one identity check.
+        self._flags: tuple[object, str] = (None, "")
 
     @property
     def store(self) -> Store:
@@ -149,21 +168,24 @@ class LedgerWriter:
     ) -> bool:
         """Append one ledger line; False (logged once) if it could not be written."""
         try:
-            entry = LedgerEntry(
-                key=key,
-                rank=rank,
-                input_shapes=input_shapes,
-                compiler_flags=_sanitize(compiler_flags)
-                if isinstance(compiler_flags, str)
-                else sanitize_compiler_flags(compiler_flags),
-                global_rank=global_rank,
-            )
+            seen, flags = self._flags
+            if compiler_flags is not seen:
+                flags = sanitize_compiler_flags(compiler_flags)
+                if isinstance(compiler_flags, str):  # immutable: identity means equality
+                    self._flags = (compiler_flags, flags)
             log = self._current
-            if log is None or self._current_fork != _forks[0]:
+            if log is None:
                 with self._lock:
                     log = self._current = self._log()
-                    self._current_fork = _forks[0]
-            log.append(entry)
+            log.append(
+                LedgerEntry(
+                    key=key,
+                    rank=rank,
+                    input_shapes=input_shapes,
+                    compiler_flags=flags,
+                    global_rank=global_rank,
+                )
+            )
             return True
         except Exception as exc:  # noqa: BLE001 - the manifest never breaks a compile
             if not self._failed:

@@ -1,0 +1,136 @@
+"""Fold an engine's ledger: one graph per key, with the global ranks that traced it.
+
+The fold works a segment at a time, because a segment has exactly one writer and a
+writer's lines carry one TP rank: such a segment adds that one rank to every key it names.
+The ranks of a TP group trace the same graphs, so their segments name the same set of keys
+and are merged as one set operation per segment instead of one per line; decoding reads
+only ``key``/``rank``/``global_rank`` (the decoder skips the rest without building it), and
+a key's details (input shapes, compiler flags) are decoded only from the first segment
+that names it. A segment whose lines carry several ranks is folded line by line. Either
+way the result is the seed's: for every key, the union of the mapped ranks of its lines,
+and the details of its first line (segment order, then line order).
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from operator import countOf
+
+from vllm_neuron.backends import Record, RecordCodec, Store, join
+
+from .ledger import LEDGER_DIR, LedgerEntry
+
+
+class LedgerKey(Record, frozen=True, tag="ledger"):
+    """The fold's view of a ledger line: who traced which graph, nothing else."""
+
+    key: str
+    rank: int
+    global_rank: int | None = None
+
+
+_KEYS = RecordCodec([LedgerKey])
+_LINES = RecordCodec([LedgerEntry])
+_KEY_OF = operator.attrgetter("key")
+_RANK_OF = operator.attrgetter("rank")
+_GLOBAL_RANK_OF = operator.attrgetter("global_rank")
+
+
+@dataclass(frozen=True)
+class FoldedGraph:
+    """One key of the ledger: its first line's details and the sorted global ranks."""
+
+    input_shapes: list[str]
+    compiler_flags: str
+    ranks: list[int]
+    has_details: bool = True
+
+
+@dataclass
+class LedgerFold:
+    """The state of a fold; feed it segments with `add_segment`, then read `graphs()`."""
+
+    tp_ranks: Sequence[int] | None = None
+    skipped: int = 0
+    errors: list[str] = field(default_factory=list)
+    _by_keys: dict[frozenset[str], set[int]] = field(default_factory=dict)
+    _by_key: dict[str, set[int]] = field(default_factory=dict)
+    _details: dict[str, LedgerEntry] = field(default_factory=dict)
+
+    def global_rank(self, rank: int, global_rank: int | None) -> int:
+        """A line's global rank: the writer's own record of it, else its TP-local rank
+        mapped through the TP group's global ranks (unmapped when out of range)."""
+        if global_rank is not None:
+            return global_rank
+        mapping = self.tp_ranks
+        if mapping is not None and 0 <= rank < len(mapping):
+            return int(mapping[rank])
+        return rank
+
+    def add_segment(self, data: bytes, name: str = "") -> None:
+        """Fold one segment's bytes (every line of one writer)."""
+        decoded = _KEYS.decode_lines(data)
+        if decoded.skipped:
+            self.skipped += decoded.skipped
+            self.errors.extend(f"{name} {error}".strip() for error in decoded.errors[:3])
+        views: list[LedgerKey] = decoded.records
+        if not views:
+            return
+        keys = frozenset(map(_KEY_OF, views))
+        if not self._details.keys() >= keys:
+            self._add_details(data)
+        first, count = views[0], len(views)
+        if (
+            countOf(map(_RANK_OF, views), first.rank) == count
+            and countOf(map(_GLOBAL_RANK_OF, views), first.global_rank) == count
+        ):
+            # One writer, one rank (the usual segment): one set operation for all its keys.
+            rank = self.global_rank(first.rank, first.global_rank)
+            self._by_keys.setdefault(keys, set()).add(rank)
+            return
+        by_key, mapped = self._by_key, self.global_rank
+        for view in views:
+            ranks = by_key.get(view.key)
+            if ranks is None:
+                ranks = by_key[view.key] = set()
+            ranks.add(mapped(view.rank, view.global_rank))
+
+    def _add_details(self, data: bytes) -> None:
+        details = self._details
+        for entry in _LINES.decode_lines(data).records:
+            if entry.key not in details:
+                details[entry.key] = entry
+
+    def graphs(self) -> dict[str, FoldedGraph]:
+        """Every key folded so far (a key whose lines carried no decodable details keeps
+        its ranks, with empty shapes and flags and ``has_details`` False)."""
+        ranks: dict[str, set[int]] = {}
+        groups: list[tuple[frozenset[str] | tuple[str], set[int]]] = list(self._by_keys.items())
+        groups += [((key,), r) for key, r in self._by_key.items()]
+        for keys, group_ranks in groups:
+            for key in keys:
+                have = ranks.get(key)
+                # Shared until a second group names the key (never mutated in place).
+                ranks[key] = group_ranks if have is None else have | group_ranks
+        ordered: dict[int, list[int]] = {}  # id(set) -> sorted, once per distinct set
+        out: dict[str, FoldedGraph] = {}
+        for key, key_ranks in ranks.items():
+            sorted_ranks = ordered.get(id(key_ranks))
+            if sorted_ranks is None:
+                sorted_ranks = ordered[id(key_ranks)] = sorted(key_ranks)
+            entry = self._details.get(key)
+            if entry is None:
+                out[key] = FoldedGraph([], "", list(sorted_ranks), has_details=False)
+            else:
+                out[key] = FoldedGraph(entry.input_shapes, entry.compiler_flags, list(sorted_ranks))
+        return out
+
+
+def fold_ledger(store: Store, prefix: str, tp_ranks: Sequence[int] | None = None) -> LedgerFold:
+    """Fold every segment of the engine `prefix`'s ledger."""
+    fold = LedgerFold(tp_ranks=tp_ranks)
+    for name, data in store.log(join(LEDGER_DIR, prefix)).segment_data():
+        fold.add_segment(data, name)
+    return fold
