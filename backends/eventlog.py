@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from .keys import join, validate_key
-from .records import _ENCODER, Decoded, Record, RecordCodec, encode
+from .records import _ENCODER, Decoded, Record, RecordCodec, encode, encode_into
 
 if TYPE_CHECKING:
     from .base import Appender, Store
@@ -25,7 +25,7 @@ SEGMENT_SUFFIX = ".jsonl"
 
 # `append` is the hot path (the benchmark's target is >= 300k records/s): bind what it calls.
 _encode = _ENCODER.encode
-_encode_into = _ENCODER.encode_into
+_encode_into = encode_into
 _write = os.write
 _thread = threading.get_ident
 _NEWLINE = b"\n"
@@ -98,6 +98,15 @@ class EventLog:
             _write(self._fd, line_bytes)
         else:
             self._appender.write(line_bytes)  # type: ignore[union-attr]
+
+    def descriptor(self) -> int:
+        """This process's segment descriptor when each record is one `os.write` on it (local
+        disk), else -1 (S3, memory; or nothing appended yet in this process).
+
+        Appending a record yourself as one ``os.write(fd, encode_line(record))`` is exactly
+        `append`; the manifest ledger does so to stay at one Python frame per line.
+        """
+        return self._fd if self._pid == _pid else -1
 
     def append_many(self, records: Sequence[Record]) -> None:
         """Append several records with one write."""

@@ -31,6 +31,9 @@ class Record(msgspec.Struct, frozen=True, tag_field="type", kw_only=True, gc=Fal
 
 
 _ENCODER = msgspec.json.Encoder()
+encode_into = _ENCODER.encode_into
+"""Encode a record into a reused bytearray (truncated to the record): the hot paths that
+append a line per event (`EventLog.append`, the manifest ledger) avoid allocating it."""
 
 # (tag, version) -> function turning the raw dict of that version into the current one.
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]

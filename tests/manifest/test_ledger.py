@@ -114,3 +114,40 @@ def test_a_line_without_v_is_version_1_and_a_global_rank_is_written():
     line = json.loads(encode_line(LedgerEntry(key=KEY_A, rank=0, input_shapes=[],
                                               compiler_flags="", global_rank=7)))
     assert line["global_rank"] == 7 and "v" not in line
+
+
+def test_threads_and_a_forked_child_each_write_whole_lines(tmp_path):
+    # The first recording thread owns the writer's fast path (a reused line buffer); other
+    # threads must never share that buffer, and a forked child must write its own segment.
+    import threading
+
+    store = open_store(str(tmp_path))
+    writer = LedgerWriter(store)
+    per_thread = 2000
+
+    def work(rank: int) -> None:
+        for i in range(per_thread):
+            writer.record(f"{i % 7:032x}", rank=rank, input_shapes=[f"{rank}, {i}"],
+                          compiler_flags=f"--rank {rank}")
+
+    threads = [threading.Thread(target=work, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pid = os.fork()
+    if pid == 0:  # the child: one line, then an exit that skips every flush
+        writer.record(KEY_B, rank=9, input_shapes=[], compiler_flags="")
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    decoded = store.log("ledger/nodev").read([LedgerEntry])
+    assert decoded.skipped == 0
+    ours = [e for e in decoded.records if e.rank != 9]
+    assert len(ours) == 4 * per_thread
+    assert all(e.input_shapes[0].startswith(f"{e.rank}, ")
+               and e.compiler_flags == f"--rank {e.rank}" for e in ours)
+    segments = store.log("ledger/nodev").segments()
+    assert sorted(segments) == sorted([f"ledger/nodev/{os.getpid()}.jsonl",
+                                       f"ledger/nodev/{pid}.jsonl"])
+    child = store.read(f"ledger/nodev/{pid}.jsonl") or b""
+    assert json.loads(child)["key"] == KEY_B

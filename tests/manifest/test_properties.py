@@ -45,7 +45,7 @@ def test_emit_groups_by_key_with_the_union_of_mapped_ranks(case):
         expected.setdefault(key, set()).add(tp_ranks[rank] if global_rank is None else global_rank)
     # A key's details come from its first line: segment (writer) order, then line order.
     first: dict[str, int] = {}
-    for writer, key_index, _, _, shapes in sorted(lines, key=lambda line: line[0]):
+    for _writer, key_index, _, _, shapes in sorted(lines, key=lambda line: line[0]):
         first.setdefault(KEYS[key_index], shapes)
     manifest = emit_manifest(store, ManifestConfig(), cache_root=None, prefix="nodev",
                              tp_ranks=tp_ranks, environment={})

@@ -19,9 +19,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_neuron.backends import EventLog, Record, Store, join, open_store
+from vllm_neuron.backends.records import encode_into as _encode_into
 from vllm_neuron.identity import get_server_prefix
 
 logger = logging.getLogger("vllm_neuron.manifest")
+_thread = threading.get_ident
+_write = os.write
 
 LEDGER_DIR = "ledger"
 _TRUNCATED: set[tuple[str, str, int]] = set()
@@ -32,6 +35,7 @@ def _forget_segments_in_child() -> None:
     """In a forked child every writer re-resolves its segment (the child's own pid file)."""
     for writer in list(_WRITERS):
         writer._current = None
+        writer._fd = writer._owner = -1
         writer._lock = threading.Lock()
 
 
@@ -130,6 +134,11 @@ class LedgerWriter:
         # The segment this process writes, resolved at its first write (by then init_device
         # has narrowed NEURON_VISIBLE_DEVICES) and again in a forked child.
         self._current: EventLog | None = None
+        # The hot path (see `record`): the segment's descriptor, the thread that may use it
+        # and that thread's line buffer; -1 until the first line, and again after a fork.
+        self._fd = -1
+        self._owner = -1
+        self._line = bytearray()
         _WRITERS.add(self)
         # The last flags string seen and its sanitised form (one attribute, so a thread never
         # reads a pair from two calls): a process compiles every graph with the same flags
@@ -157,6 +166,18 @@ class LedgerWriter:
             self._logs[(prefix, pid)] = log
         return log
 
+    def _append(self, entry: LedgerEntry) -> None:
+        """The first line of this process (opens the segment), or a line from a thread
+        other than the one that owns the hot path."""
+        with self._lock:
+            log = self._current
+            if log is None:
+                log = self._current = self._log()
+            log.append(entry)
+            fd = log.descriptor()
+            if fd >= 0 and self._owner == -1:
+                self._fd, self._owner = fd, _thread()
+
     def record(
         self,
         key: str,
@@ -173,19 +194,18 @@ class LedgerWriter:
                 flags = sanitize_compiler_flags(compiler_flags)
                 if isinstance(compiler_flags, str):  # immutable: identity means equality
                     self._flags = (compiler_flags, flags)
-            log = self._current
-            if log is None:
-                with self._lock:
-                    log = self._current = self._log()
-            log.append(
-                LedgerEntry(
-                    key=key,
-                    rank=rank,
-                    input_shapes=input_shapes,
-                    compiler_flags=flags,
-                    global_rank=global_rank,
-                )
-            )
+            entry = LedgerEntry(key=key, rank=rank, input_shapes=input_shapes,
+                                compiler_flags=flags, global_rank=global_rank)
+            if self._owner == _thread():
+                # Hot path, one Python frame per traced graph: exactly what EventLog.append
+                # does on a descriptor (encode into a reused buffer, one os.write), inline,
+                # because the extra frame is ~10% of a line (benchmarks/RESULTS.md).
+                line = self._line
+                _encode_into(entry, line)
+                line.append(10)
+                _write(self._fd, line)
+            else:
+                self._append(entry)
             return True
         except Exception as exc:  # noqa: BLE001 - the manifest never breaks a compile
             if not self._failed:
