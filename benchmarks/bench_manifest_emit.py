@@ -20,7 +20,7 @@ from vllm_neuron.manifest.ledger import LedgerEntry
 
 from ._harness import machine
 
-KEYS, RANKS, ROUNDS = 1000, 100, 7
+KEYS, RANKS, ROUNDS = 1000, 100, 11
 FLAGS = "--framework XLA --target trn2 --auto-cast=none --model-type=transformer -O1"
 
 
@@ -127,8 +127,9 @@ def main() -> int:
         assert len(manifest.graphs) == count == KEYS
         assert all(g.ranks == list(range(RANKS)) for g in manifest.graphs)
         assert all(g.neff_size == 64 and g.output_shapes == ["4, 8"] for g in manifest.graphs)
-        ratio = min(base) / min(ours)
-        paired = statistics.median(b / o for o, b in zip(ours, base, strict=True))
+        # The verdict takes the median of per-round ratios (the two sides of a round run back
+        # to back, so load hits both alike); best/best is printed beside it.
+        ratio = statistics.median(b / o for o, b in zip(ours, base, strict=True))
         print(machine())
         print(
             f"  emit of {KEYS * RANKS:,} ledger lines + {KEYS} enrichments: best "
@@ -137,8 +138,8 @@ def main() -> int:
         print(f"  stdlib-json fold: best {min(base):.3f} s, median {statistics.median(base):.3f} s")
         ok = min(ours) <= 1.0 and ratio >= 5
         print(
-            f"  ratio (best/best) {ratio:.1f}x, median of per-round ratios {paired:.1f}x; "
-            f"goal <= 1 s and >= 5x: " + ("met" if ok else "MISSED")
+            f"  ratio: median of per-round ratios {ratio:.1f}x (best/best "
+            f"{min(base) / min(ours):.1f}x); goal <= 1 s and >= 5x: " + ("met" if ok else "MISSED")
         )
         return 0 if ok else 1
     finally:

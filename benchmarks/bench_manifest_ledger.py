@@ -13,6 +13,7 @@ import os
 import sys
 import tempfile
 
+from vllm_neuron.identity import get_server_prefix
 from vllm_neuron.manifest import LedgerEntry, LedgerWriter
 
 from ._harness import machine, measure, paired_ratio
@@ -24,7 +25,7 @@ FLAGS = "--framework XLA --target trn2 --auto-cast=none --model-type=transformer
 
 
 def main(argv: list[str] | None = None) -> int:
-    n, rounds = 50_000, 15
+    n, rounds = 30_000, 21
     print(machine())
     with tempfile.TemporaryDirectory(prefix="bench-ledger-") as directory:
         os.environ.setdefault("NEURON_VISIBLE_DEVICES", "0-7")
@@ -52,17 +53,19 @@ def main(argv: list[str] | None = None) -> int:
             rounds,
         )
         baseline.close()
-        decoded = writer.store.log(f"ledger/{os.environ['NEURON_VISIBLE_DEVICES'] and 'dev0_7'}")
+        decoded = writer.store.log(f"ledger/{get_server_prefix()}")
         lines = decoded.read([LedgerEntry])
         assert lines.skipped == 0 and len(lines.records) == n // 10 + n * rounds
     ours, base = timings.values()
-    ratio = ours.best / base.best
     for timing in timings.values():
         print(timing.line())
+    # The verdict takes the median of per-round ratios: both cases of a round run back to
+    # back, so it is steady on a loaded machine, where best/best swings by +-10%.
+    ratio = paired_ratio(ours, base)
     ok = ratio >= TARGET_RATIO and ours.best >= TARGET_RATE
     print(
-        f"  ratio (best/best) {ratio:.2f}x, median of per-round ratios "
-        f"{paired_ratio(ours, base):.2f}x; target >= {TARGET_RATIO:.0f}x and "
+        f"  ratio: median of per-round ratios {ratio:.2f}x (best/best "
+        f"{ours.best / base.best:.2f}x); target >= {TARGET_RATIO:.0f}x and "
         f">= {TARGET_RATE:,} lines/s: " + ("met" if ok else "MISSED")
     )
     return 0 if ok else 1
