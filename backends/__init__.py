@@ -18,7 +18,15 @@ from .errors import (
 from .eventlog import EventLog
 from .keys import join, validate_hex, validate_key
 from .locks import KernelLock, LeaseLock, Lock
-from .records import Decoded, Record, RecordCodec, encode, encode_line, register_upcaster
+from .records import (
+    Decoded,
+    Record,
+    RecordCodec,
+    encode,
+    encode_into,
+    encode_line,
+    register_upcaster,
+)
 from .router import open_store
 from .transfer import CopyResult, Progress, copy_file, copy_tree
 
@@ -46,6 +54,7 @@ __all__ = [
     "copy_file",
     "copy_tree",
     "encode",
+    "encode_into",
     "encode_line",
     "join",
     "open_store",

@@ -18,8 +18,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_neuron.backends import EventLog, Record, Store, join, open_store
-from vllm_neuron.backends.records import encode_into as _encode_into
+from vllm_neuron.backends import EventLog, Record, Store, encode_into, join, open_store
 from vllm_neuron.identity import get_server_prefix
 
 logger = logging.getLogger("vllm_neuron.manifest")
@@ -201,7 +200,7 @@ class LedgerWriter:
                 # does on a descriptor (encode into a reused buffer, one os.write), inline,
                 # because the extra frame is ~10% of a line (benchmarks/RESULTS.md).
                 line = self._line
-                _encode_into(entry, line)
+                encode_into(entry, line)
                 line.append(10)
                 _write(self._fd, line)
             else:
