@@ -221,6 +221,29 @@ def test_local_entry_failing_the_size_check_is_quarantined_and_recompiled(
     assert (stats.verification_failures, stats.compiles) == (1, 2)
 
 
+@pytest.mark.parametrize("damage", ["deleted", "a directory", "empty"])
+def test_local_entry_without_a_readable_record_is_quarantined_and_recompiled(
+    tmp_path, compile_fn, cache_warnings, damage
+):
+    # Not a miss: the defective entry's directory would block publishing the recompile.
+    local = str(tmp_path)
+    TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY))
+    record = os.path.join(local, KEY, "entry.json")
+    os.unlink(record)
+    if damage == "a directory":
+        os.mkdir(record)
+    elif damage == "empty":
+        open(record, "wb").close()
+
+    fn = Counter(compile_fn, KEY)
+    result = TwoTierCache(local).get_or_compile(KEY, fn)
+    assert (result.source, fn.calls) == ("compiled", 1)
+    assert entry_is_right(result.path, KEY) is None
+    warnings = cache_warnings()
+    assert len(warnings) == 1 and KEY in warnings[0] and "quarantined" in warnings[0], warnings
+    assert TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY)).source == "local"
+
+
 def test_altered_bytes_pass_the_size_check_but_verify_catches_them(
     tmp_path, compile_fn, cache_warnings
 ):

@@ -190,9 +190,15 @@ class TwoTierCache:
                 data = read_local_file(entry_dir + "/" + ENTRY_RECORD)
             except OSError:
                 data = b""  # unreadable (an I/O error): a defective entry
+            if data is None and os.path.isdir(entry_dir):
+                # A published entry without a readable record (deleted, or not a file): a
+                # defective entry to quarantine, not a miss, or its directory would block
+                # the recompiled entry from being published in its place.
+                data = b""
         else:
             prefix = self.local.published(key)
-            data = None if prefix is None else self.local.read(join(prefix, ENTRY_RECORD))
+            # Published but without a record: defective (b""), not a miss (see above).
+            data = None if prefix is None else (self.local.read(join(prefix, ENTRY_RECORD)) or b"")
         if data is None or prefix is None:
             return None
         try:
