@@ -34,7 +34,7 @@ from .base import Store
 from .errors import InvalidKey, LeaseLost, LockTimeout, StoreError
 from .keys import join
 from .locks import KernelLock, LeaseLock
-from .records import Record, RecordCodec
+from .records import Record, RecordCodec, encode_line
 from .router import open_store
 from .transfer import copy_tree
 
@@ -666,6 +666,22 @@ class StoreContractTests:
         assert skipped == 6
         codec = RecordCodec([ContractEvent])
         assert log.read(codec).skipped == 6
+
+    def test_eventlog_descriptor_appends_exactly_like_append(self, store: Store) -> None:
+        log = store.log("s", writer="w")
+        assert log.descriptor() == -1  # nothing opened yet in this process
+        log.append(ContractEvent(key="a", rank=0))
+        fd = log.descriptor()
+        # One os.write per record where the store appends natively (local disk), else none.
+        assert (fd >= 0) == (store.capabilities.native_append and store.capabilities.local_paths)
+        if fd >= 0:
+            os.write(fd, encode_line(ContractEvent(key="b", rank=1)))
+        else:
+            log.append(ContractEvent(key="b", rank=1))
+        log.close()
+        assert log.descriptor() == -1
+        assert [r.key for r in log.read([ContractEvent]).records] == ["a", "b"]
+        assert [key for key, _ in log.segment_data()] == ["s/w.jsonl"]
 
     def test_eventlog_delete(self, store: Store) -> None:
         log = store.log("s", writer="w")
