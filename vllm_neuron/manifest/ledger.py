@@ -127,7 +127,6 @@ class LedgerWriter:
     def __init__(self, manifest_dir: str | Store) -> None:
         self._target = manifest_dir
         self._store: Store | None = manifest_dir if isinstance(manifest_dir, Store) else None
-        self._logs: dict[tuple[str, int], EventLog] = {}
         self._failed = False
         self._lock = threading.Lock()
         # The segment this process writes, resolved at its first write (by then init_device
@@ -151,19 +150,17 @@ class LedgerWriter:
         return self._store
 
     def _log(self) -> EventLog:
-        # The prefix is read now (after init_device narrowed NEURON_VISIBLE_DEVICES), and a
-        # forked child gets a segment of its own pid.
+        """This process's segment, resolved once per process (and again in a forked child).
+
+        The prefix is read now (after init_device narrowed NEURON_VISIBLE_DEVICES). The
+        first write of a run discards a stale same-pid file, once per process and segment
+        however many writers the process has; later ones append.
+        """
         prefix, pid = get_server_prefix(), os.getpid()
-        log = self._logs.get((prefix, pid))
-        if log is None:
-            # Truncate once per process and segment, however many writers the process has:
-            # the first write of a run discards a stale file, later ones append.
-            segment = (self.store.url, prefix, pid)
-            first = segment not in _TRUNCATED
-            _TRUNCATED.add(segment)
-            log = self.store.log(join(LEDGER_DIR, prefix), writer=str(pid), truncate_first=first)
-            self._logs[(prefix, pid)] = log
-        return log
+        segment = (self.store.url, prefix, pid)
+        first = segment not in _TRUNCATED
+        _TRUNCATED.add(segment)
+        return self.store.log(join(LEDGER_DIR, prefix), writer=str(pid), truncate_first=first)
 
     def _append(self, entry: LedgerEntry) -> None:
         """The first line of this process (opens the segment), or a line from a thread
