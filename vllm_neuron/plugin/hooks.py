@@ -25,6 +25,7 @@ from vllm_neuron.snapshot.context import (
     clear_current_forward,
     set_current_forward,
 )
+from vllm_neuron.snapshot.kernel_handles import track_vllm_onednn_handles
 
 __all__ = [
     "COMPILER_ADAPTOR",
@@ -263,7 +264,9 @@ class ArtifactWorkerHooks:
 
     def init_device(self) -> None:
         super().init_device()  # type: ignore[misc]
-        install_forward_publisher(self.model_runner, self.vllm_config)
+        if install_forward_publisher(self.model_runner, self.vllm_config) is not None:
+            # Before the model loads: vLLM makes its oneDNN handles while loading weights.
+            track_vllm_onednn_handles()
 
     def compile_or_warm_up_model(self) -> Any:
         result = super().compile_or_warm_up_model()  # type: ignore[misc]

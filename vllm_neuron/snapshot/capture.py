@@ -29,7 +29,7 @@ import os
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -46,6 +46,12 @@ from .encoding import (
     encode_tensor,
     file_name,
     write_tensor_file,
+)
+from .kernel_handles import (
+    HandleSource,
+    KernelHandleError,
+    handle_input_indices,
+    resolve_handles,
 )
 from .meta import GRAPH_FILE, META_FILE, CallMeta, InputSpec, MatchRecord, write_call_meta
 
@@ -257,12 +263,37 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def _describe(values: Sequence[Any], stem: str, fmt: SnapshotFormat) -> list[InputSpec]:
+def _describe(
+    values: Sequence[Any],
+    stem: str,
+    fmt: SnapshotFormat,
+    handles: Mapping[int, HandleSource] | None = None,
+) -> list[InputSpec]:
     """Specs of the positional values; raises before anything is written if one cannot be
-    stored (an unsupported dtype, or a value that is neither a tensor nor a number)."""
+    stored (an unsupported dtype, or a value that is neither a tensor nor a number).
+
+    A kernel-handle input (``handles``) is described by the weight stored in its place."""
     specs: list[InputSpec] = []
     for i, value in enumerate(values):
-        if _is_tensor(value):
+        source = handles.get(i) if handles else None
+        if source is not None:
+            weight = source.weight
+            what = f"{stem}{i}"
+            check_encodable(weight.dtype, fmt, what=what)
+            specs.append(
+                InputSpec(
+                    index=i,
+                    kind="kernel-handle",
+                    file=file_name(f"{stem}{i}", fmt),
+                    dtype=dtype_name(weight.dtype),
+                    shape=[int(d) for d in weight.shape],
+                    stride=[int(s) for s in weight.stride()],
+                    nbytes=int(weight.numel() * weight.element_size()),
+                    device=str(weight.device),
+                    handle=source.handle,
+                )
+            )
+        elif _is_tensor(value):
             what = f"{stem}{i}"
             check_encodable(value.dtype, fmt, what=what)
             specs.append(
@@ -309,6 +340,7 @@ class SnapshotCapturer:
         self.captured: list[str] = []  # call prefixes written by this capturer
         self._graph_key: str | None = None
         self._graph_tried = False
+        self._handle_indices: dict[int, str] | None = None
         self._warned_budget = False
         selector = spec.config.selector
         self._all_calls = selector.all_calls
@@ -392,14 +424,23 @@ class SnapshotCapturer:
         spec = self.spec
         fmt = spec.format
         prefix = spec.call_prefix(call_index)
-        inputs = _describe(args, "tensor", fmt)  # raises before anything is written
+        try:
+            handles = resolve_handles(args, self._graph_handles())
+        except KernelHandleError as exc:
+            raise SnapshotCaptureError(
+                f"input snapshot of {prefix} is impossible: {exc}; the forward was aborted"
+            ) from exc
+        inputs = _describe(args, "tensor", fmt, handles)  # raises before anything is written
         store = spec.store()
         where = f"{store.url.rstrip('/')}/{prefix}"
         try:
             self._clear_previous(store, prefix)
             graph_key = self._ensure_graph(store)
             self.writer.write(
-                store, prefix, [(s.file, args[s.index]) for s in inputs if s.file], fmt
+                store, prefix,
+                [(s.file, handles[s.index].weight if s.index in handles else args[s.index])
+                 for s in inputs if s.file],
+                fmt,
             )
         except Exception as exc:
             self._cleanup(store, prefix)
@@ -458,6 +499,13 @@ class SnapshotCapturer:
         logger.info("vllm_neuron: captured input snapshot %s (selected by %s)", where,
                     ", ".join(selected_by))  # fmt: skip
         return out
+
+    def _graph_handles(self) -> dict[int, str]:
+        """Inputs the graph hands to a kernel as a process-local handle (once per graph)."""
+        if self._handle_indices is None:
+            gm = None if self.graph is None else self.graph.gm
+            self._handle_indices = handle_input_indices(gm)
+        return self._handle_indices
 
     def _clear_previous(self, store: Store, prefix: str) -> None:
         """A bundle (or leftovers) from an earlier run at the same call index is replaced:

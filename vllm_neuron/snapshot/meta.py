@@ -16,6 +16,8 @@ import msgspec
 
 from vllm_neuron.backends import Record, RecordCodec, Store, join
 
+from .kernel_handles import KernelHandle
+
 __all__ = [
     "META_FILE",
     "CallMeta",
@@ -38,8 +40,10 @@ class SnapshotMetaError(RuntimeError):
 class InputSpec(msgspec.Struct, frozen=True, kw_only=True):
     """One positional input (or output) of the captured call.
 
-    ``kind`` is ``"tensor"`` (stored in ``file``) or ``"scalar"`` (a Python number passed
-    positionally, e.g. a dynamic size; its ``value`` is kept here).
+    ``kind`` is ``"tensor"`` (stored in ``file``), ``"scalar"`` (a Python number passed
+    positionally, e.g. a dynamic size; its ``value`` is kept here) or ``"kernel-handle"``
+    (a pointer to a kernel object of the capturing process: ``file`` holds the weight it
+    was made from, ``handle`` how to rebuild it; see ``kernel_handles``).
     """
 
     index: int
@@ -51,6 +55,7 @@ class InputSpec(msgspec.Struct, frozen=True, kw_only=True):
     nbytes: int = 0
     device: str | None = None
     value: int | float | bool | None = None
+    handle: KernelHandle | None = None
 
 
 class MatchRecord(msgspec.Struct, frozen=True, kw_only=True):

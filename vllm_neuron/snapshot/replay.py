@@ -29,12 +29,14 @@ import math
 import os
 import re
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, cast
 
 from vllm_neuron.backends import Store, join, open_store
+from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
 
 from .encoding import SnapshotFormat, decode_tensor
+from .kernel_handles import KernelHandleError, rebuild_handle
 from .meta import GRAPH_FILE, META_FILE, CallMeta, InputSpec, read_call_meta
 
 __all__ = [
@@ -208,14 +210,35 @@ class Bundle:
     store: Store
     prefix: str
     meta: CallMeta
+    # Owners of the kernel handles rebuilt for this bundle's inputs: a handle's kernel
+    # memory is released when its owner is collected, so they live as long as the bundle.
+    handle_owners: list[Any] = field(default_factory=list, repr=False)
 
     @property
     def location(self) -> str:
         return f"{self.store.url.rstrip('/')}/{self.prefix}"
 
     def _load(self, spec: InputSpec) -> Any:
+        if spec.kind == "kernel-handle":
+            return self._rebuild_handle(spec)
         if spec.kind != "tensor":
             return spec.value
+        return self._load_tensor(spec)
+
+    def _rebuild_handle(self, spec: InputSpec) -> Any:
+        if spec.handle is None:
+            raise ReplayError(f"{self.location}: input {spec.index} is a kernel handle "
+                              "without its description in meta.json")
+        weight = self._load_tensor(spec)
+        what = f"{self.location} input {spec.index}"
+        try:
+            handle, owner = rebuild_handle(spec.handle, weight, what)
+        except KernelHandleError as exc:
+            raise ReplayError(str(exc)) from exc
+        self.handle_owners.append(owner)
+        return handle
+
+    def _load_tensor(self, spec: InputSpec) -> Any:
         assert spec.file is not None and spec.dtype is not None and spec.shape is not None
         key = join(self.prefix, spec.file)
         data = self.store.read(key)
@@ -294,8 +317,6 @@ def _cache_runner(compilation_hash: str, cache_dir: str | None) -> Callable[...,
 
 
 def _eager_runner(bundle: Bundle) -> Callable[..., Any]:
-    import torch
-
     key = bundle.meta.graph or join(bundle.meta.compilation_hash, GRAPH_FILE)
     data = bundle.store.read(key)
     if data is None:
@@ -304,8 +325,8 @@ def _eager_runner(bundle: Bundle) -> Callable[..., Any]:
             "it); replay with the compile-cache runner instead"
         )
     try:
-        program = torch.export.load(io.BytesIO(data))
-    except Exception as exc:
+        program = _load_exported(data, f"the exported graph {key}")
+    except Exception as exc:  # MissingOpLibrary says which kernel library and how to get it
         raise ReplayError(f"cannot load the exported graph {key}: {exc}") from exc
     module = program.module()
 
@@ -313,6 +334,19 @@ def _eager_runner(bundle: Bundle) -> Callable[..., Any]:
         return module(*args)
 
     return run
+
+
+def _load_exported(data: bytes, what: str) -> Any:
+    """``torch.export.load``, loading the kernel library the graph calls when it is missing
+    (a graph traced inside vLLM calls vLLM's CPU kernels)."""
+    import torch
+
+    try:
+        return torch.export.load(io.BytesIO(data))
+    except Exception as exc:
+        if not load_for_missing_schema(exc, what):
+            raise
+    return torch.export.load(io.BytesIO(data))
 
 
 def resolve_runner(

@@ -36,6 +36,7 @@ from vllm_neuron.compile.toolchains.base import (
     format_shape,
     restore_output_structure,
 )
+from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
 
 __all__ = ["HostToolchain"]
 
@@ -125,18 +126,11 @@ class HostToolchain(Toolchain):
 
     def load(self, entry_dir: str, meta: CompiledArtifact) -> Callable[..., Any]:
         self.check_meta(meta)
-        import torch
-
         path = os.path.join(entry_dir, meta.files[0])
         try:
-            runner = torch._inductor.aoti_load_package(path)
-        except Exception as exc:
-            hint = (
-                " (the graph calls a kernel whose library is not loaded in this process, "
-                "such as vLLM's own CPU kernels: it can only run inside that server)"
-                if "Could not find schema" in str(exc) else ""
-            )
-            raise ToolchainError(f"cannot load AOTInductor package {path}: {exc}{hint}") from exc
+            runner = _load_package(path)
+        except Exception as exc:  # MissingOpLibrary says which kernel library and how to get it
+            raise ToolchainError(f"cannot load AOTInductor package {path}: {exc}") from exc
         num_outputs = len(meta.output_shapes)
         derived = frozenset(meta.derived_inputs)
         keep = [i for i in range(meta.num_inputs) if i not in derived]
@@ -149,6 +143,19 @@ class HostToolchain(Toolchain):
             return restore_output_structure(runner(*args), meta.out_spec, num_outputs)
 
         return run
+
+
+def _load_package(path: str) -> Any:
+    """``aoti_load_package``, loading the kernel library the graph calls when it is missing
+    (a graph traced inside vLLM calls vLLM's CPU kernels; see ``op_libraries``)."""
+    import torch
+
+    try:
+        return torch._inductor.aoti_load_package(path)
+    except Exception as exc:
+        if not load_for_missing_schema(exc, f"the compiled graph {path}"):
+            raise
+    return torch._inductor.aoti_load_package(path)
 
 
 # Symbolic inputs -----------------------------------------------------------------------------
