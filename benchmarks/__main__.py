@@ -1,16 +1,21 @@
-"""Run benchmark modules: ``python -m benchmarks [NAME ...]`` (NAME with or without bench_).
+"""Run benchmark modules: ``python -m benchmarks [--smoke] [NAME ...]`` (NAME with or without
+bench_).
 
 Every ``benchmarks/bench_*.py`` module defines ``main() -> int | None``; a non-zero return
-means the benchmark missed its goal.
+means the benchmark missed its goal. ``--smoke`` (or ``VLLM_NEURON_BENCH_SMOKE=1``) runs each
+at a tiny size: it proves the benchmark still runs and prints its ratio, nothing more
+(tests/test_benchmarks_smoke.py runs it in CI).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import pkgutil
 import sys
 
 import benchmarks
+from benchmarks._harness import SMOKE_ENV
 
 
 def discover() -> list[str]:
@@ -19,6 +24,9 @@ def discover() -> list[str]:
 
 
 def main(argv: list[str]) -> int:
+    if "--smoke" in argv:
+        argv = [a for a in argv if a != "--smoke"]
+        os.environ[SMOKE_ENV] = "1"  # before any benchmark reads it; inherited by workers
     names = discover()
     wanted = [a if a.startswith("bench_") else f"bench_{a}" for a in argv] or names
     unknown = sorted(set(wanted) - set(names))

@@ -10,6 +10,20 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+SMOKE_ENV = "VLLM_NEURON_BENCH_SMOKE"
+
+
+def smoke() -> bool:
+    """A smoke run (``python -m benchmarks --smoke``, or ``VLLM_NEURON_BENCH_SMOKE=1``): every
+    benchmark at a tiny size, to prove it still runs and prints its ratio; its figures and
+    verdicts mean nothing."""
+    return os.environ.get(SMOKE_ENV, "") not in ("", "0")
+
+
+def sized(full: int, tiny: int) -> int:
+    """`full` normally, `tiny` in a smoke run (see `smoke`)."""
+    return tiny if smoke() else full
+
 
 @dataclass(frozen=True)
 class Timing:
@@ -25,17 +39,29 @@ class Timing:
         return f"  {self.name:<48} {self.best:>11,.0f} ops/s  (median {self.median:,.0f})"
 
 
-def measure(cases: dict[str, Callable[[int], None]], ops: int, rounds: int) -> dict[str, Timing]:
+def measure(
+    cases: dict[str, Callable[[int], None]],
+    ops: int,
+    rounds: int,
+    prepare: Callable[[str, int], None] | None = None,
+) -> dict[str, Timing]:
     """Time `fn(ops)` for every case, `rounds` times, alternating between the cases.
 
     Alternating means background load on a shared machine hits every case alike; the best
-    round is the least disturbed one, the median shows how noisy the run was.
+    round is the least disturbed one, the median shows how noisy the run was. `prepare(name,
+    ops)`, if given, runs untimed before every call of a case (the warm-up included): the
+    place to build what production would hand the code fresh each time (a new cache object,
+    new argument objects), so that no memo carries over from the previous round.
     """
-    for fn in cases.values():
+    for name, fn in cases.items():
+        if prepare is not None:
+            prepare(name, max(1, ops // 10))
         fn(max(1, ops // 10))  # warm-up: imports, first open, caches
     rates: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(rounds):
         for name, fn in cases.items():
+            if prepare is not None:
+                prepare(name, ops)
             gc.collect()
             start = time.perf_counter()
             fn(ops)

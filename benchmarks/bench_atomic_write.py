@@ -19,7 +19,7 @@ import uuid
 from vllm_neuron.backends import Record, encode, open_store
 from vllm_neuron.backends.mounts import filesystem_type
 
-from ._harness import machine, measure
+from ._harness import machine, measure, sized
 
 
 class EntryMeta(Record, tag="entry-meta", frozen=True):
@@ -116,8 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_atomic_write", description=__doc__
     )
-    parser.add_argument("--n", type=int, default=20_000, help="operations per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--n", type=int, default=sized(20_000, 50), help="operations per round")
+    parser.add_argument("--rounds", type=int, default=sized(5, 2))
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
     args = parser.parse_args([] if argv is None else argv)
     print(machine())

@@ -7,8 +7,14 @@ imports (torch, Inductor, vllm_neuron) and ends when the last process has its fi
 output. Each process gets a fresh ``TORCHINDUCTOR_CACHE_DIR``, so only our cache can save
 a compile. The baseline is one process compiling alone, measured in the same run.
 
-Targets: the eight processes compile exactly once, and their wall time is at most
-1.05x the single compile + 0.3 s.
+Rounds alternate baseline and ours (one process, eight processes, one process, eight...),
+each on fresh caches; load that slows a round slows both of its halves, so the verdict
+takes the median of the per-round ratios (eight-process wall / single wall), with best/best
+printed beside it.
+
+Targets: the eight processes compile exactly once (in every round), and their wall time is
+at most 1.05x the single compile + 0.3 s: the median per-round ratio at most
+1.05 + 0.3 s / (the median single wall).
 """
 
 from __future__ import annotations
@@ -16,13 +22,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Any
 
-from ._harness import machine
+from ._harness import machine, sized, smoke
 
 RESULT = "BENCH_CACHE_COMPILE "
 
@@ -75,8 +83,14 @@ def worker(barrier: str, warm_isa: bool) -> int:
     return 0
 
 
-def run_group(workdir: str, name: str, processes: int, warm_isa: bool = True) -> dict[str, Any]:
-    """Start `processes` workers on one cache; release them together; wall time to the last."""
+def run_group(workdir: str, name: str, processes: int, warm_isa: bool = True,
+              inductor_cache: str | None = None) -> dict[str, Any]:
+    """Start `processes` workers on one cache; release them together; wall time to the last.
+
+    Each worker gets a fresh Inductor cache unless `inductor_cache` names one for all (the
+    smoke run does: its times mean nothing, so it pays Inductor's ISA probe once and
+    compiles in-process, without Inductor's pool of compile workers).
+    """
     from vllm_neuron.compile.events import read_stats
 
     root = os.path.join(workdir, name)
@@ -89,7 +103,9 @@ def run_group(workdir: str, name: str, processes: int, warm_isa: bool = True) ->
                     "VLLM_NEURON_DISABLE_WARMUP_COMPILE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES"):
             env.pop(var, None)
         env.update(VLLM_CACHE_ROOT=os.path.join(root, "vllm"), VLLM_NEURON_TOOLCHAIN="host",
-                   TORCHINDUCTOR_CACHE_DIR=os.path.join(root, f"inductor-{i}"))
+                   TORCHINDUCTOR_CACHE_DIR=inductor_cache or os.path.join(root, f"inductor-{i}"))
+        if inductor_cache:
+            env.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
         procs.append(subprocess.Popen(
             [sys.executable, "-m", "benchmarks.bench_cache_compile", "--worker", barrier]
             + ([] if warm_isa else ["--cold-isa"]),
@@ -124,7 +140,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks cache_compile",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--processes", type=int, default=8)
+    parser.add_argument("--processes", type=int, default=sized(8, 2))
+    parser.add_argument("--rounds", type=int, default=sized(3, 1),
+                        help="alternating rounds (one process, then all), each on fresh caches")
     parser.add_argument("--cold-isa", action="store_true",
                         help="leave Inductor's CPU-ISA probe to the timed part (see worker)")
     parser.add_argument("--worker", metavar="BARRIER", help=argparse.SUPPRESS)
@@ -132,21 +150,42 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         return worker(args.worker, warm_isa=not args.cold_isa)
     print(machine())
-    print(f"Inductor CPU-ISA probe: {'in the timed part' if args.cold_isa else 'at start-up'}")
+    print(f"Inductor CPU-ISA probe: {'in the timed part' if args.cold_isa else 'at start-up'}; "
+          f"{args.rounds} rounds, alternating")
+    singles: list[dict[str, Any]] = []
+    groups: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench-cache-compile-") as workdir:
-        single = run_group(workdir, "single", 1, warm_isa=not args.cold_isa)
-        many = run_group(workdir, "many", args.processes, warm_isa=not args.cold_isa)
-    budget = 1.05 * single["wall"] + 0.3
-    print(f"one process, one compile:       {single['wall']:6.2f} s wall "
-          f"(compile {single['compile_seconds']:.2f} s), compiles={single['compiles']}")
-    print(f"{args.processes} processes, one graph:        {many['wall']:6.2f} s wall "
-          f"(compile {many['compile_seconds']:.2f} s), compiles={many['compiles']}, "
-          f"sources={','.join(sorted(set(many['sources'])))}")
-    ok = many["compiles"] == 1 and single["compiles"] == 1 and many["matches"]
-    on_time = many["wall"] <= budget
-    print(f"  {args.processes}-process wall / single = {many['wall'] / single['wall']:.3f}x; "
-          f"budget 1.05x + 0.3 s = {budget:.2f} s: {'meets' if on_time else 'MISSES'}; "
-          f"compiles == 1: {'yes' if ok else 'NO'}")
+        shared = os.path.join(workdir, "inductor-shared") if smoke() else None
+        if shared:
+            print("smoke run: one Inductor cache shared by every process (times mean nothing)")
+        for r in range(args.rounds):
+            for runs, name, processes in ((singles, "single", 1), (groups, "many", args.processes)):
+                result = run_group(workdir, f"{name}-{r}", processes, warm_isa=not args.cold_isa,
+                                   inductor_cache=shared)
+                shutil.rmtree(os.path.join(workdir, f"{name}-{r}"), ignore_errors=True)
+                runs.append(result)
+            single, many = singles[-1], groups[-1]
+            print(f" round {r + 1}: one process {single['wall']:6.2f} s wall "
+                  f"(compile {single['compile_seconds']:.2f} s, compiles={single['compiles']}); "
+                  f"{args.processes} processes {many['wall']:6.2f} s wall "
+                  f"(compile {many['compile_seconds']:.2f} s, compiles={many['compiles']}, "
+                  f"sources={','.join(sorted(set(many['sources'])))}): "
+                  f"{many['wall'] / single['wall']:.3f}x  ({machine().rsplit(', ', 1)[-1]})",
+                  flush=True)
+    ratios = [m["wall"] / s["wall"] for m, s in zip(groups, singles, strict=True)]
+    ratio = statistics.median(ratios)
+    single_wall = statistics.median(s["wall"] for s in singles)
+    allowed = 1.05 + 0.3 / single_wall
+    best_best = min(m["wall"] for m in groups) / min(s["wall"] for s in singles)
+    ok = (all(g["compiles"] == 1 and g["matches"] for g in groups)
+          and all(s["compiles"] == 1 for s in singles))
+    on_time = ratio <= allowed
+    print(f"  {args.processes}-process wall / single: median of per-round ratios {ratio:.3f}x "
+          f"(best/best {best_best:.3f}x; per round "
+          + " ".join(f"{x:.3f}" for x in ratios)
+          + f"); budget 1.05x + 0.3 s = {allowed:.3f}x of the median single wall "
+          f"{single_wall:.2f} s: {'meets' if on_time else 'MISSES'}; "
+          f"compiles == 1 in every group: {'yes' if ok else 'NO'}")
     return 0 if ok and on_time else 1
 
 

@@ -32,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Callable
 
-from ._harness import machine
+from ._harness import machine, sized
 
 KEY = "5eed5eed5eed5eed5eed5eed5eed5eed"
 MIB = 1 << 20
@@ -188,8 +188,8 @@ def bench_layout(directory: str, files: int, total_mib: int, rounds: int,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks cache_fetch", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mib", type=int, default=256, help="entry size in MiB")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--mib", type=int, default=sized(256, 16), help="entry size in MiB")
+    parser.add_argument("--rounds", type=int, default=sized(5, 1))
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
     parser.add_argument("--sha256-only", action="store_true",
                         help="strip BLAKE3 from the remote record (a record written before "

@@ -16,7 +16,7 @@ import tempfile
 from vllm_neuron.backends import Record, encode_line, open_store
 from vllm_neuron.backends.mounts import filesystem_type
 
-from ._harness import machine, measure
+from ._harness import machine, measure, sized
 
 TARGET_RATIO = 3.0
 TARGET_RATE = 300_000
@@ -98,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m benchmarks.bench_eventlog", description=__doc__
     )
-    parser.add_argument("--n", type=int, default=200_000, help="lines per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--n", type=int, default=sized(200_000, 500), help="lines per round")
+    parser.add_argument("--rounds", type=int, default=sized(5, 2))
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
     args = parser.parse_args([] if argv is None else argv)
     print(machine())

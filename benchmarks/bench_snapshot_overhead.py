@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable
 from typing import Any, cast
 
-from ._harness import machine, measure
+from ._harness import machine, measure, sized
 
 
 class _Runtime:
@@ -116,8 +116,8 @@ def run(n: int, rounds: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks snapshot_overhead",
                                      description=__doc__)  # fmt: skip
-    parser.add_argument("--n", type=int, default=1_000_000, help="calls per round")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--n", type=int, default=sized(1_000_000, 1_000), help="calls per round")
+    parser.add_argument("--rounds", type=int, default=sized(5, 2))
     # Run by `python -m benchmarks NAME` as main(): the benchmark names are not ours.
     args, _names = parser.parse_known_args(argv)
     print(machine())

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ._harness import machine
+from ._harness import machine, sized
 
 MIB = 1 << 20
 
@@ -135,9 +135,9 @@ def run(total_mib: int, count: int, rounds: int, directory: str, formats: list[s
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks snapshot_write",
                                      description=__doc__)  # fmt: skip
-    parser.add_argument("--mib", type=int, default=256, help="total size of the tensors")
+    parser.add_argument("--mib", type=int, default=sized(256, 4), help="total size of the tensors")
     parser.add_argument("--tensors", type=int, default=8)
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=sized(9, 2))
     parser.add_argument("--dir", default=None, help="directory on the disk to measure")
     parser.add_argument("--formats", default="npy,pt,safetensors")
     # Run by `python -m benchmarks NAME` as main(): the benchmark names are not ours.
