@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
 from hypothesis import given
@@ -170,7 +171,38 @@ def test_every_variable_is_documented_once() -> None:
         "NEURON_LIBTORCH_COMPILATION_TIMEOUT",
         "VLLM_NEURON_DISABLE_WARMUP_COMPILE",
         "VLLM_NEURON_TOOLCHAIN",
+        "VLLM_NEURON_RUN_ID",
     }
+
+
+@pytest.mark.parametrize("value", ["4242-0a1b2c3d4e5f", "job.17_rank-set", "a" * 64])
+def test_run_id_is_one_safe_path_component(value: str) -> None:
+    assert envs.load_run_id({"VLLM_NEURON_RUN_ID": f" {value} "}) == value
+    assert envs.load_run_id({"VLLM_NEURON_RUN_ID": "  "}) is None
+
+
+@pytest.mark.parametrize("value", ["../x", "a/b", ".hidden", "a" * 65, "run id"])
+def test_run_id_that_is_not_one_path_component_is_refused_naming_it(value: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(f"VLLM_NEURON_RUN_ID={value!r}")):
+        envs.load_run_id({"VLLM_NEURON_RUN_ID": value})
+
+
+def test_path_settings_with_a_regular_file_in_the_way_are_refused_when_parsed(
+    tmp_path: os.PathLike[str],
+) -> None:
+    blocker = os.path.join(str(tmp_path), "file")
+    with open(blocker, "w") as f:
+        f.write("x")
+    for name, value in [("VLLM_CACHE_ROOT", blocker),
+                        ("NEURON_LIBTORCH_REMOTE_CACHE", blocker + "/remote"),
+                        ("NEURON_LIBTORCH_REMOTE_CACHE", "file://" + blocker)]:
+        with pytest.raises(ConfigError, match=re.escape(f"{name}={value!r}")):
+            load_compile_cache_settings({**HOME_ENV, name: value})
+    with pytest.raises(ConfigError, match=re.escape(f"VLLM_NEURON_MANIFEST_DIR={blocker!r}")):
+        envs.load_manifest_settings({"VLLM_NEURON_MANIFEST_DIR": blocker})
+    # Store URLs have no local directory to look at.
+    remote = load_compile_cache_settings({**HOME_ENV, "NEURON_LIBTORCH_REMOTE_CACHE": "s3://b/p"})
+    assert remote.remote_cache == "s3://b/p"
 
 
 # /proc/mounts ------------------------------------------------------------------------------

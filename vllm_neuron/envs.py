@@ -25,6 +25,8 @@ import functools
 import math
 import os
 import re
+import secrets
+import threading
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
@@ -36,13 +38,17 @@ __all__ = [
     "EnvVar",
     "HostModeSettings",
     "ToolchainName",
+    "check_snapshot_root",
     "compile_cache_settings",
     "filesystem_type",
     "get_neuron_compile_cache_dir",
     "host_mode_settings",
     "load_compile_cache_settings",
     "load_host_mode_settings",
+    "load_run_id",
+    "require_directory",
     "reset_for_tests",
+    "run_id",
 ]
 
 ToolchainName = Literal["auto", "host", "neuron"]
@@ -183,6 +189,54 @@ def default_cache_root(environ: Mapping[str, str] | None = None) -> str:
     return _expand_path(os.path.join(base, "vllm"), env)
 
 
+# Path-valued settings ------------------------------------------------------------------------
+
+
+def local_path_of(value: str) -> str | None:
+    """The local path a path-or-URL setting names (``file://`` URLs included), or None for
+    a remote store URL (``s3://``, ``memory://``), which has no local directory to check."""
+    if "://" not in value:
+        return value
+    return value[len("file://"):] if value.startswith("file://") else None
+
+
+def _kind_of(path: str) -> str:
+    if os.path.islink(path) and not os.path.exists(path):
+        return "a dangling symbolic link"
+    return "a regular file" if os.path.isfile(path) else "a special file"
+
+
+def require_directory(path: str, *, setting: str, purpose: str) -> str:
+    """``path``, if it is a directory or can be created as one; else a ConfigError.
+
+    Why: every directory of this package is created on first use, deep inside the first
+    compile (or capture, or ledger line), where a regular file in the way surfaces as a bare
+    ``NotADirectoryError`` about a derived path such as ``…/neuron`` that names no setting.
+    Checked when the setting is resolved instead, the error names ``setting`` (the variable
+    and its value as set) and what the directory is for. Only the path and its nearest
+    existing ancestor are looked at (a few stats; nothing is created). Permissions are
+    left to the first write: ``access()`` answers wrongly on NFS with root squashing, and a
+    false refusal would stop a server that could have run.
+    """
+    probe = path
+    while not os.path.isdir(probe):
+        if os.path.lexists(probe):
+            if probe == path:
+                raise ConfigError(
+                    f"{setting}: {path} is {_kind_of(path)}, not a directory (it is meant "
+                    f"for {purpose})"
+                )
+            raise ConfigError(
+                f"{setting}: {probe} is {_kind_of(probe)}, not a directory, so {purpose} "
+                f"cannot be created at {path}"
+            )
+        parent = os.path.dirname(probe)
+        if parent == probe:
+            break
+        probe = parent
+    return path
+
+
 # Feature: compile cache -------------------------------------------------------------------
 
 
@@ -209,7 +263,24 @@ def load_compile_cache_settings(environ: Mapping[str, str] | None = None) -> Com
     env: Mapping[str, str] = os.environ if environ is None else environ
 
     root_raw = _raw(env, VLLM_CACHE_ROOT)
-    cache_root = default_cache_root(env) if root_raw is None else _expand_path(root_raw, env)
+    if root_raw is None:
+        cache_root = default_cache_root(env)
+    else:
+        # The default root is checked where it is used: on NFS the local tier moves to /tmp.
+        cache_root = require_directory(
+            _expand_path(root_raw, env),
+            setting=f"{VLLM_CACHE_ROOT}={env[VLLM_CACHE_ROOT]!r}",
+            purpose="vLLM's and this package's caches",
+        )
+
+    remote = _raw(env, NEURON_LIBTORCH_REMOTE_CACHE)
+    remote_path = None if remote is None else local_path_of(remote)
+    if remote_path is not None:
+        require_directory(
+            _expand_path(remote_path, env),
+            setting=f"{NEURON_LIBTORCH_REMOTE_CACHE}={env[NEURON_LIBTORCH_REMOTE_CACHE]!r}",
+            purpose="the remote compile-cache tier",
+        )
 
     timeout = (
         DEFAULT_COMPILATION_TIMEOUT
@@ -246,7 +317,7 @@ def load_compile_cache_settings(environ: Mapping[str, str] | None = None) -> Com
     return CompileCacheSettings(
         cache_root=cache_root,
         cache_root_explicit=root_raw is not None,
-        remote_cache=_raw(env, NEURON_LIBTORCH_REMOTE_CACHE),
+        remote_cache=remote,
         disable_compile_cache=disable_cache,
         compilation_timeout=timeout,
         disable_warmup_compile=disable_warmup,
@@ -305,17 +376,40 @@ def get_neuron_compile_cache_dir(
     NFS is common on clusters), the local tier moves to
     ``/tmp/vllm_neuron_wdir_$USER/neuron/compile_cache``: the local tier's locks and renames
     must be node-local, and sharing through NFS is the remote tier's job.
+
+    Raises :class:`ConfigError` naming the setting when a regular file is in the way (the
+    root itself or ``neuron/`` under it), since that directory can then never be created.
     """
     env: Mapping[str, str] = os.environ if environ is None else environ
     if settings is None:
         settings = compile_cache_settings() if environ is None else load_compile_cache_settings(env)
     root = settings.cache_root
-    if (
+    moved = (
         not settings.cache_root_explicit
         and filesystem_type(root, mounts_text) in NETWORK_FILESYSTEM_TYPES
-    ):
+    )
+    if moved:
         root = os.path.join("/tmp", f"vllm_neuron_wdir_{_user_name(env)}")
-    return os.path.join(root, "neuron", "compile_cache")
+    return require_directory(
+        os.path.join(root, "neuron", "compile_cache"),
+        setting=_cache_root_setting(settings, env, moved=moved),
+        purpose="the local compile cache",
+    )
+
+
+def _cache_root_setting(
+    settings: CompileCacheSettings, environ: Mapping[str, str], *, moved: bool = False
+) -> str:
+    """How an error names the cache root: the variable and its value as set, or where the
+    default came from when it is unset."""
+    if settings.cache_root_explicit:
+        return f"{VLLM_CACHE_ROOT}={environ.get(VLLM_CACHE_ROOT)!r}"
+    if moved:
+        return (f"{VLLM_CACHE_ROOT} (unset; its default {settings.cache_root} is on NFS, so "
+                "the local tier is under /tmp)")
+    xdg = _raw(environ, "XDG_CACHE_HOME")
+    origin = f"XDG_CACHE_HOME={environ.get('XDG_CACHE_HOME')!r}" if xdg else "~/.cache"
+    return f"{VLLM_CACHE_ROOT} (unset; default {settings.cache_root} from {origin})"
 
 
 # Feature: compile-artifact manifest ---------------------------------------------------------
@@ -352,6 +446,15 @@ def load_manifest_settings(environ: Mapping[str, str] | None = None) -> Manifest
         return ManifestSettings()
     if "\x00" in raw:
         raise ConfigError(f"{VLLM_NEURON_MANIFEST_DIR}={raw!r} contains a NUL byte")
+    path = local_path_of(raw)
+    if path is not None:
+        # The ledger is best-effort (a write that fails at run time is logged, never fatal),
+        # so a file in the way would otherwise only lose the manifest, quietly.
+        require_directory(
+            _expand_path(path, env),
+            setting=f"{VLLM_NEURON_MANIFEST_DIR}={env[VLLM_NEURON_MANIFEST_DIR]!r}",
+            purpose="the compile ledgers and manifests",
+        )
     return ManifestSettings(raw if "://" in raw else _expand_path(raw, env))
 
 
@@ -359,6 +462,59 @@ def load_manifest_settings(environ: Mapping[str, str] | None = None) -> Manifest
 def manifest_settings() -> ManifestSettings:
     """The process's manifest settings, parsed from os.environ on first use."""
     return load_manifest_settings()
+
+
+# The run of an engine: which ledger segments belong to the manifest being emitted --------------
+
+VLLM_NEURON_RUN_ID = "VLLM_NEURON_RUN_ID"
+
+ENVIRONMENT_VARIABLES += (
+    EnvVar(
+        VLLM_NEURON_RUN_ID,
+        "(set by the first process of a run, inherited by the others)",
+        "manifest",
+        "Id of one engine run, shared by all its processes; a manifest folds only the ledger "
+        "of its own run. Set it yourself only when the ranks of one engine are started as "
+        "separate programs (torchrun): the same value for all of them, a new one per run.",
+    ),
+)
+
+_RUN_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+_run_id_lock = threading.Lock()
+
+
+def load_run_id(environ: Mapping[str, str] | None = None) -> str | None:
+    """VLLM_NEURON_RUN_ID, validated (it names a directory of the ledger), or None if unset."""
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    raw = _raw(env, VLLM_NEURON_RUN_ID)
+    if raw is not None and not _RUN_ID.match(raw):
+        raise ConfigError(
+            f"{VLLM_NEURON_RUN_ID}={env[VLLM_NEURON_RUN_ID]!r} is not a run id; use 1 to 64 "
+            "letters, digits, '.', '_' or '-', starting with a letter or digit"
+        )
+    return raw
+
+
+def run_id() -> str:
+    """The id of this engine run, created on first use and exported to ``os.environ``.
+
+    Why an environment variable: one engine run is several processes (API server, engine
+    core, one worker per TP rank, forked compile workers), and every one of them writes
+    ledger segments that the emitting rank must fold, while segments left by an earlier run
+    that crashed before its emit must not be. The first process that needs the id (the
+    general plugin in vLLM's first process, before any engine process is started; outside
+    vLLM the compile runtime, when the manifest is on) creates one; every process started
+    from it, by fork, spawn or vLLM's Ray executor (which copies ``VLLM_*`` variables to
+    its workers), inherits it. A new ``vllm serve`` starts from a shell or a supervisor that
+    never had it, so it gets a new id. Read at each use rather than cached: a Ray worker
+    receives its environment after it has imported this module.
+    """
+    with _run_id_lock:
+        current = load_run_id()
+        if current is None:
+            current = f"{os.getpid()}-{secrets.token_hex(6)}"
+            os.environ[VLLM_NEURON_RUN_ID] = current
+        return current
 
 
 # Every feature's cached accessor, so `reset_for_tests` forgets them all.
@@ -417,6 +573,29 @@ ENVIRONMENT_VARIABLES += (
         "Bundle root: a local path or a store URL (memory://name, s3://bucket/prefix).",
     ),
 )
+
+SNAPSHOT_DIR = "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR"
+
+
+def check_snapshot_root(root: str, environ: Mapping[str, str] | None = None) -> str:
+    """``root`` (the resolved bundle root of an enabled capture), or a ConfigError when a
+    file is in the way, naming VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR, or VLLM_CACHE_ROOT
+    when the root is its default under the cache root.
+
+    Why: bundles are written at the first captured forward, long after start-up, where a
+    failed write would lose the very forward the capture was set up for.
+    """
+    env: Mapping[str, str] = os.environ if environ is None else environ
+    path = local_path_of(root)
+    if path is None:
+        return root
+    if _raw(env, SNAPSHOT_DIR) is not None:
+        setting = f"{SNAPSHOT_DIR}={env[SNAPSHOT_DIR]!r}"
+    else:
+        setting = (f"{SNAPSHOT_DIR} (unset: {root} under "
+                   f"{_cache_root_setting(load_compile_cache_settings(env), env)})")
+    require_directory(path, setting=setting, purpose="the input snapshot bundles")
+    return root
 
 
 # Feature: profile capture (seeds/profiling-capture.md) ------------------------------------

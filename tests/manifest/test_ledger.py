@@ -16,7 +16,7 @@ from vllm_neuron.manifest.ledger import format_shape, sanitize_compiler_flags
 KEY_A, KEY_B = "a" * 32, "b" * 32
 
 
-def test_line_survives_os_exit_in_a_forked_child(tmp_path, monkeypatch):
+def test_line_survives_os_exit_in_a_forked_child(tmp_path, monkeypatch, engine_run):
     monkeypatch.setenv("NEURON_VISIBLE_DEVICES", "0-1")
     writer = LedgerWriter(str(tmp_path))
     pid = os.fork()
@@ -25,16 +25,16 @@ def test_line_survives_os_exit_in_a_forked_child(tmp_path, monkeypatch):
         os._exit(0)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
-    segment = tmp_path / "ledger" / "dev0_1" / f"{pid}.jsonl"
+    segment = tmp_path / "ledger" / "dev0_1" / engine_run / f"{pid}.jsonl"
     line = json.loads(segment.read_bytes())
     assert (line["key"], line["rank"], line["input_shapes"]) == (KEY_A, 1, ["2,"])
     # The parent never wrote, so it has no file of its own.
-    assert not (tmp_path / "ledger" / "dev0_1" / f"{os.getpid()}.jsonl").exists()
+    assert not (segment.parent / f"{os.getpid()}.jsonl").exists()
 
 
-def test_first_write_truncates_a_stale_same_pid_file(tmp_path, monkeypatch):
+def test_first_write_truncates_a_stale_same_pid_file(tmp_path, monkeypatch, engine_run):
     monkeypatch.delenv("NEURON_VISIBLE_DEVICES", raising=False)
-    stale = tmp_path / "ledger" / "nodev" / f"{os.getpid()}.jsonl"
+    stale = tmp_path / "ledger" / "nodev" / engine_run / f"{os.getpid()}.jsonl"
     stale.parent.mkdir(parents=True)
     stale.write_text(json.dumps({"type": "ledger", "key": KEY_B, "rank": 0, "input_shapes": [],
                                  "compiler_flags": ""}) + "\n")
@@ -116,7 +116,7 @@ def test_a_line_without_v_is_version_1_and_a_global_rank_is_written():
     assert line["global_rank"] == 7 and "v" not in line
 
 
-def test_threads_and_a_forked_child_each_write_whole_lines(tmp_path):
+def test_threads_and_a_forked_child_each_write_whole_lines(tmp_path, engine_run):
     # The first recording thread owns the writer's fast path (a reused line buffer); other
     # threads must never share that buffer, and a forked child must write its own segment.
     import threading
@@ -147,7 +147,7 @@ def test_threads_and_a_forked_child_each_write_whole_lines(tmp_path):
     assert all(e.input_shapes[0].startswith(f"{e.rank}, ")
                and e.compiler_flags == f"--rank {e.rank}" for e in ours)
     segments = store.log("ledger/nodev").segments()
-    assert sorted(segments) == sorted([f"ledger/nodev/{os.getpid()}.jsonl",
-                                       f"ledger/nodev/{pid}.jsonl"])
-    child = store.read(f"ledger/nodev/{pid}.jsonl") or b""
+    run = f"ledger/nodev/{engine_run}"
+    assert sorted(segments) == sorted([f"{run}/{os.getpid()}.jsonl", f"{run}/{pid}.jsonl"])
+    child = store.read(f"{run}/{pid}.jsonl") or b""
     assert json.loads(child)["key"] == KEY_B

@@ -48,7 +48,7 @@ def test_seed_tp2_example_field_by_field(tmp_path, cache_root, monkeypatch):
     manifest_dir = str(tmp_path / "manifests")
     run_ranks(manifest_dir, "0-7", [0, 1])
     ledger = tmp_path / "manifests" / "ledger" / "dev0_7"
-    assert len(list(ledger.glob("*.jsonl"))) == 2  # one file per writer process
+    assert len(list(ledger.glob("*/*.jsonl"))) == 2  # one file per writer process
 
     monkeypatch.setenv("NEURON_VISIBLE_DEVICES", "0-7")
     emit_manifest(manifest_dir, SEED_CONFIG, cache_root=cache_root,
@@ -110,7 +110,7 @@ def test_two_engines_emit_and_clean_independently(tmp_path, cache_root, monkeypa
     first = emit_manifest(manifest_dir, SEED_CONFIG, cache_root=cache_root, environment={})
     assert [g.graph_hash for g in first.graphs] == [SEED_KEY]
     assert not (tmp_path / "m" / "ledger" / "dev0_7").exists()
-    assert len(list((tmp_path / "m" / "ledger" / "dev8_15").glob("*.jsonl"))) == 2
+    assert len(list((tmp_path / "m" / "ledger" / "dev8_15").glob("*/*.jsonl"))) == 2
 
     monkeypatch.setenv("NEURON_VISIBLE_DEVICES", "8,9,10,11,12,13,14,15")
     second = emit_manifest(manifest_dir, SEED_CONFIG, cache_root=cache_root, environment={})

@@ -33,9 +33,12 @@ def ledgers(draw: st.DrawFn) -> tuple[int, list[int], list[tuple[int, int, int, 
 @given(ledgers())
 def test_emit_groups_by_key_with_the_union_of_mapped_ranks(case):
     writers, tp_ranks, lines = case
+    from vllm_neuron.envs import run_id
+    from vllm_neuron.manifest.ledger import LedgerEntry, ledger_stream
+
     store = open_store("memory://")
-    logs = [store.log("ledger/nodev", writer=f"w{w}", truncate_first=True) for w in range(writers)]
-    from vllm_neuron.manifest.ledger import LedgerEntry
+    stream = ledger_stream("nodev", run_id())
+    logs = [store.log(stream, writer=f"w{w}", truncate_first=True) for w in range(writers)]
 
     expected: dict[str, set[int]] = {}
     for writer, key_index, rank, global_rank, shapes in lines:

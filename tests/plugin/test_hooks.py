@@ -6,6 +6,7 @@ on its own, quickly, with stand-ins for vLLM's objects (they are used by attribu
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -64,20 +65,70 @@ def test_host_mode_is_documented() -> None:
     assert "VLLM_NEURON_HOST_MODE" in names
 
 
-def test_platform_plugin_picks_host_then_neuron_then_nothing(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def fake_neuron_host(tmp_path: Path) -> Path:
+    """A device directory as on a Trainium machine (plus a node that is not a device)."""
+    dev = tmp_path / "dev"
+    dev.mkdir()
+    (dev / "neuron0").touch()
+    (dev / "neuron_monitor").touch()
+    return dev
+
+
+def stepping_aside_lines(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if "claims no vLLM platform" in r.getMessage()]
+
+
+def test_platform_plugin_steps_aside_on_a_neuron_host_and_says_so_once(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    monkeypatch.setattr(plugin_mod, "neuron_devices_present", lambda dev_dir="/dev": False)
+    # On a Trainium machine vLLM must select as if this package had no platform (the
+    # Neuron runtime's plugin, or stock vLLM): a platform claimed here could only refuse.
+    dev = fake_neuron_host(tmp_path)
+    monkeypatch.setattr(plugin_mod, "_stepped_aside", False)
+    with caplog.at_level(logging.INFO, logger="vllm_neuron"):
+        assert plugin_mod.platform_plugin(str(dev)) is None
+        assert plugin_mod.platform_plugin(str(dev)) is None  # vLLM asks more than once
+    (line,) = stepping_aside_lines(caplog)
+    assert str(dev) in line and "VLLM_NEURON_HOST_MODE" in line
+    for provided in ("torch.compile backend 'vllm_neuron'", "vllm-neuron CLI",
+                     "vllm_neuron.plugin.hooks"):
+        assert provided in line
+    # The entry point vLLM calls takes no argument: it looks in DEVICE_DIR.
+    monkeypatch.setattr(plugin_mod, "DEVICE_DIR", str(dev))
+    assert plugin_mod.neuron_devices_present()
     assert plugin_mod.platform_plugin() is None
+
+
+def test_host_mode_still_gets_the_host_platform_on_a_neuron_host(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(plugin_mod, "DEVICE_DIR", str(fake_neuron_host(tmp_path)))
+    monkeypatch.setattr(plugin_mod, "_stepped_aside", False)
+    monkeypatch.setenv("VLLM_NEURON_HOST_MODE", "1")
+    with caplog.at_level(logging.INFO, logger="vllm_neuron"):
+        assert plugin_mod.platform_plugin() == plugin_mod.HOST_PLATFORM
+    assert stepping_aside_lines(caplog) == []
+
+
+def test_platform_plugin_without_devices_is_silent_and_only_ever_the_host_platform(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(plugin_mod, "DEVICE_DIR", str(tmp_path))
+    monkeypatch.setattr(plugin_mod, "_stepped_aside", False)
+    with caplog.at_level(logging.INFO, logger="vllm_neuron"):
+        assert plugin_mod.platform_plugin() is None
+    assert stepping_aside_lines(caplog) == []
     monkeypatch.setenv("VLLM_NEURON_HOST_MODE", "1")
     assert plugin_mod.platform_plugin() == plugin_mod.HOST_PLATFORM
-    monkeypatch.setenv("VLLM_NEURON_HOST_MODE", "0")
-    monkeypatch.setattr(plugin_mod, "neuron_devices_present", lambda dev_dir="/dev": True)
-    assert plugin_mod.platform_plugin() == plugin_mod.NEURON_PLATFORM
     # vLLM swallows exceptions of platform detection: a malformed value is no platform
     # here, and the general plugin raises it with the variable's name.
     monkeypatch.setenv("VLLM_NEURON_HOST_MODE", "maybe")
     assert plugin_mod.platform_plugin() is None
+    # Nothing else can be selected: the only platform class this package defines.
+    source = (Path(plugin_mod.__file__).parent / "platform.py").read_text()
+    assert "class NeuronPlatform" not in source
+    assert not hasattr(plugin_mod, "NEURON_PLATFORM")
 
 
 def test_neuron_devices_are_detected_by_their_device_nodes(tmp_path: Path) -> None:
@@ -96,6 +147,7 @@ def test_neuron_devices_are_detected_by_their_device_nodes(tmp_path: Path) -> No
         (SNAP + "MAX_CAPTURES", "0"),
         ("NEURON_LIBTORCH_COMPILATION_TIMEOUT", "soon"),
         ("VLLM_NEURON_HOST_MODE", "ture"),
+        ("VLLM_NEURON_RUN_ID", "../elsewhere"),
     ],
 )
 def test_general_plugin_stops_on_a_malformed_setting_naming_it(
@@ -106,6 +158,43 @@ def test_general_plugin_stops_on_a_malformed_setting_naming_it(
     monkeypatch.setenv(name, value)
     with pytest.raises(ConfigError, match=f"vllm_neuron: invalid configuration: {name}="):
         plugin_mod.register()
+
+
+@pytest.mark.parametrize(
+    "name", ["VLLM_CACHE_ROOT", "NEURON_LIBTORCH_REMOTE_CACHE", "VLLM_NEURON_MANIFEST_DIR",
+             SNAP + "DIR"],
+)
+def test_general_plugin_stops_on_a_path_setting_that_is_a_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, name: str
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setattr(plugin_mod, "_registered", False)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path / "cache"))
+    monkeypatch.setenv(SNAP + "ENABLE", "1")
+    monkeypatch.setenv(name, str(blocker))
+    with pytest.raises(ConfigError, match=f"invalid configuration: {name}='{blocker}'"):
+        plugin_mod.register()
+
+
+def test_general_plugin_fixes_the_run_id_for_the_engine_processes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import os
+
+    monkeypatch.setattr(plugin_mod, "_registered", False)
+    monkeypatch.setenv("VLLM_NEURON_RUN_ID", "restored after the test")
+    monkeypatch.delenv("VLLM_NEURON_RUN_ID")
+    plugin_mod.register()  # manifest off: no run id is made
+    assert "VLLM_NEURON_RUN_ID" not in os.environ
+    monkeypatch.setattr(plugin_mod, "_registered", False)
+    monkeypatch.setenv("VLLM_NEURON_MANIFEST_DIR", str(tmp_path))
+    envs.reset_for_tests()
+    plugin_mod.register()  # vLLM's first process: created, for the processes it starts
+    created = os.environ["VLLM_NEURON_RUN_ID"]
+    monkeypatch.setattr(plugin_mod, "_registered", False)
+    plugin_mod.register()  # a process it started: the inherited id is kept
+    assert os.environ["VLLM_NEURON_RUN_ID"] == created
 
 
 def test_general_plugin_turns_off_vllm_aot_cache_in_host_mode(

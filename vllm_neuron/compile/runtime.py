@@ -129,12 +129,28 @@ _RUNTIME_LOCK = threading.Lock()
 
 
 def build_runtime() -> CompileRuntime:
-    """A runtime from the environment (parsed once by `vllm_neuron.envs`)."""
-    from vllm_neuron.envs import compile_cache_settings, get_neuron_compile_cache_dir
+    """A runtime from the environment (parsed once by `vllm_neuron.envs`).
+
+    Every setting is resolved before anything is built, so a malformed one (a cache root,
+    remote tier, manifest dir or snapshot root with a regular file in the way included)
+    ends a plain ``torch.compile`` in a `ConfigError` naming the variable and its value.
+    """
+    from vllm_neuron.envs import (
+        check_snapshot_root,
+        compile_cache_settings,
+        get_neuron_compile_cache_dir,
+        manifest_settings,
+    )
+    from vllm_neuron.snapshot.config import snapshot_config
 
     from .toolchains.select import select_toolchain
 
     settings = compile_cache_settings()
+    local_dir = get_neuron_compile_cache_dir()
+    manifest_dir = manifest_settings().manifest_dir
+    snapshots = snapshot_config()
+    if snapshots.enabled:
+        check_snapshot_root(snapshots.root)
     name = settings.toolchain
     if name == "auto":
         from vllm_neuron.envs import host_mode_settings
@@ -143,7 +159,7 @@ def build_runtime() -> CompileRuntime:
             name = "host"  # vLLM runs on the host CPU: only host artifacts can run there
     toolchain = select_toolchain(name)
     cache = TwoTierCache(
-        get_neuron_compile_cache_dir(),
+        local_dir,
         remote=settings.remote_cache,
         timeout=settings.compilation_timeout,
         disabled=settings.disable_compile_cache,
@@ -152,10 +168,9 @@ def build_runtime() -> CompileRuntime:
         target=toolchain.target,
     )
     runtime = CompileRuntime(cache, toolchain)
-    from vllm_neuron.envs import manifest_settings
     from vllm_neuron.manifest.recorder import install_recorder
 
-    install_recorder(runtime, manifest_settings().manifest_dir)
+    install_recorder(runtime, manifest_dir)
     from vllm_neuron.snapshot.capture import install_snapshot_capture
 
     install_snapshot_capture(runtime)

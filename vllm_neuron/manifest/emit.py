@@ -1,9 +1,16 @@
 """Emit: fold an engine's ledger into its `manifest.json`.
 
-Run once per engine after warm-up by ``local_rank == 0``: group the ledger lines by key
-(accumulating the global ranks that traced each graph), enrich each graph from its
-compile-cache entry, join the config and the environment, write
+Run once per engine after warm-up by ``local_rank == 0``: group the ledger lines of this
+run by key (accumulating the global ranks that traced each graph), enrich each graph from
+its compile-cache entry, join the config and the environment, write
 ``<prefix>/manifest.json`` atomically, then remove this engine's ledger directory only.
+
+A manifest lists what this run compiled. Segments under the prefix from other runs (a
+server killed before its emit leaves its segments behind; so does a version of this
+package without run ids) are left out of the fold, logged, and removed with the rest of
+the engine's ledger: the manifest of their run was never written and never will be, and
+a prefix names one engine at a time in a manifest directory (its ``manifest.json`` is per
+prefix too), so another run's segments there are taken to be a dead run's.
 """
 
 from __future__ import annotations
@@ -112,11 +119,25 @@ def emit_manifest(
     tp_ranks: Sequence[int] | None = None,
     environment: Mapping[str, str] | None = None,
     cleanup: bool = True,
+    run: str | None = None,
 ) -> Manifest:
-    """Build, write and return this engine's manifest (raises on failure)."""
+    """Build, write and return this engine's manifest (raises on failure).
+
+    ``run`` is the engine run whose ledger is folded (default: this process's run);
+    ``cleanup`` removes the whole ledger of the prefix afterwards, other runs' included.
+    """
     store = manifest_dir if isinstance(manifest_dir, Store) else open_store(manifest_dir)
     prefix = prefix or get_server_prefix()
-    fold = fold_ledger(store, prefix, tp_ranks)
+    fold = fold_ledger(store, prefix, tp_ranks, run=run)
+    if fold.stale:
+        logger.warning(
+            "manifest: left out %d ledger segment(s) of %s written by other runs that never "
+            "emitted (an earlier server stopped before warm-up ended?)%s: %s",
+            len(fold.stale),
+            prefix,
+            ", removed" if cleanup else "",
+            ", ".join(fold.stale[:3]),
+        )
     if fold.skipped:
         logger.warning(
             "manifest: skipped %d undecodable ledger line(s) for %s (%s)",

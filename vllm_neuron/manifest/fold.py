@@ -9,6 +9,11 @@ a key's details (input shapes, compiler flags) are decoded only from the first s
 that names it. A segment whose lines carry several ranks is folded line by line. Either
 way the result is the seed's: for every key, the union of the mapped ranks of its lines,
 and the details of its first line (segment order, then line order).
+
+Only the segments of one engine run are folded (``ledger/<prefix>/<run>/``, every process of
+the run writes there): a segment of any other run under the prefix, such as one left by a
+server killed before its emit, is not read, and is reported in ``LedgerFold.stale`` for the
+emit to remove.
 """
 
 from __future__ import annotations
@@ -19,8 +24,11 @@ from dataclasses import dataclass, field
 from operator import countOf
 
 from vllm_neuron.backends import Record, RecordCodec, Store, join
+from vllm_neuron.envs import run_id
 
-from .ledger import LEDGER_DIR, LedgerEntry
+from .ledger import LEDGER_DIR, LedgerEntry, ledger_stream
+
+SEGMENT_SUFFIX = ".jsonl"
 
 
 class LedgerKey(Record, frozen=True, tag="ledger"):
@@ -55,6 +63,8 @@ class LedgerFold:
     tp_ranks: Sequence[int] | None = None
     skipped: int = 0
     errors: list[str] = field(default_factory=list)
+    # Segments under the prefix that belong to other runs (keys), left out of the fold.
+    stale: list[str] = field(default_factory=list)
     _by_keys: dict[frozenset[str], set[int]] = field(default_factory=dict)
     _by_key: dict[str, set[int]] = field(default_factory=dict)
     _details: dict[str, LedgerEntry] = field(default_factory=dict)
@@ -128,9 +138,27 @@ class LedgerFold:
         return out
 
 
-def fold_ledger(store: Store, prefix: str, tp_ranks: Sequence[int] | None = None) -> LedgerFold:
-    """Fold every segment of the engine `prefix`'s ledger."""
+def fold_ledger(
+    store: Store,
+    prefix: str,
+    tp_ranks: Sequence[int] | None = None,
+    *,
+    run: str | None = None,
+) -> LedgerFold:
+    """Fold every segment of run `run` (default: this process's run) of engine `prefix`.
+
+    One listing of the whole prefix (one request on a remote store) serves both sides: this
+    run's segments are read and folded, every other segment is only named in ``stale``.
+    """
+    mine = ledger_stream(prefix, run_id() if run is None else run) + "/"
     fold = LedgerFold(tp_ranks=tp_ranks)
-    for name, data in store.log(join(LEDGER_DIR, prefix)).segment_data():
-        fold.add_segment(data, name)
+    for key in store.list(join(LEDGER_DIR, prefix)):
+        if not key.endswith(SEGMENT_SUFFIX):
+            continue
+        if not key.startswith(mine) or "/" in key[len(mine):]:
+            fold.stale.append(key)
+            continue
+        data = store.read(key)
+        if data:
+            fold.add_segment(data, key)
     return fold

@@ -1,10 +1,13 @@
 """The compile-time ledger: every rank records the graphs it traces.
 
 One line per traced graph, appended to this process's own segment
-``ledger/<prefix>/<pid>.jsonl`` through the storage layer (raw `os.write` on POSIX, so a
-line survives a forked child's ``os._exit()``). The first write of a run truncates a stale
-file of the same pid; later writes append. Writers never share a file, so they never
-contend. Everything here is best-effort: a failure is logged once and swallowed.
+``ledger/<prefix>/<run>/<pid>.jsonl`` through the storage layer (raw `os.write` on POSIX, so
+a line survives a forked child's ``os._exit()``). ``<run>`` is the engine run's id
+(:func:`vllm_neuron.envs.run_id`), shared by every process of the run, so the emit folds
+this run's segments and never those a crashed earlier run left under the same prefix. The
+first write of a process truncates a stale file of the same run and pid; later writes
+append. Writers never share a file, so they never contend. Everything here is best-effort:
+a failure is logged once and swallowed.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_neuron.backends import EventLog, Record, Store, encode_into, join, open_store
+from vllm_neuron.envs import run_id
 from vllm_neuron.identity import get_server_prefix
 
 logger = logging.getLogger("vllm_neuron.manifest")
@@ -26,7 +30,7 @@ _thread = threading.get_ident
 _write = os.write
 
 LEDGER_DIR = "ledger"
-_TRUNCATED: set[tuple[str, str, int]] = set()
+_TRUNCATED: set[tuple[str, str, str, int]] = set()
 _WRITERS: weakref.WeakSet[LedgerWriter] = weakref.WeakSet()
 
 
@@ -39,6 +43,11 @@ def _forget_segments_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_segments_in_child)
+
+
+def ledger_stream(prefix: str, run: str) -> str:
+    """The stream (directory) of one run's segments: ``ledger/<prefix>/<run>``."""
+    return join(LEDGER_DIR, prefix, run)
 
 
 class LedgerEntry(Record, frozen=True, tag="ledger", omit_defaults=True):
@@ -152,15 +161,16 @@ class LedgerWriter:
     def _log(self) -> EventLog:
         """This process's segment, resolved once per process (and again in a forked child).
 
-        The prefix is read now (after init_device narrowed NEURON_VISIBLE_DEVICES). The
-        first write of a run discards a stale same-pid file, once per process and segment
-        however many writers the process has; later ones append.
+        The prefix and the run are read now (after init_device narrowed
+        NEURON_VISIBLE_DEVICES; a forked child keeps its parent's run). The first write
+        discards a stale same-pid file, once per process and segment however many writers
+        the process has; later ones append.
         """
-        prefix, pid = get_server_prefix(), os.getpid()
-        segment = (self.store.url, prefix, pid)
+        prefix, run, pid = get_server_prefix(), run_id(), os.getpid()
+        segment = (self.store.url, prefix, run, pid)
         first = segment not in _TRUNCATED
         _TRUNCATED.add(segment)
-        return self.store.log(join(LEDGER_DIR, prefix), writer=str(pid), truncate_first=first)
+        return self.store.log(ledger_stream(prefix, run), writer=str(pid), truncate_first=first)
 
     def _append(self, entry: LedgerEntry) -> None:
         """The first line of this process (opens the segment), or a line from a thread

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from vllm_neuron.envs import run_id
 from vllm_neuron.identity import detect_ranks
 
 from .ledger import LedgerWriter, input_shapes_of
@@ -41,9 +42,15 @@ class ManifestRecorder:
 
 
 def install_recorder(runtime: CompileRuntime, manifest_dir: str | None) -> ManifestRecorder | None:
-    """Listen on `runtime` when the feature is on (`manifest_dir` set); else do nothing."""
+    """Listen on `runtime` when the feature is on (`manifest_dir` set); else do nothing.
+
+    Also fixes this process's run id (see `vllm_neuron.envs.run_id`) before anything is
+    compiled, so the compile workers it starts inherit it, and a malformed
+    VLLM_NEURON_RUN_ID stops the compile naming it instead of losing every ledger line.
+    """
     if not manifest_dir:
         return None
+    run_id()
     recorder = ManifestRecorder(LedgerWriter(manifest_dir))
     runtime.add_listener(recorder)
     return recorder

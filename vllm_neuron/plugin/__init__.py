@@ -5,17 +5,23 @@ vLLM discovers this package through two entry-point groups (pyproject.toml):
 ``vllm.general_plugins`` -> :func:`register`
     Called once in every vLLM process (API server, engine core, each worker) before the
     engine is built. Resolves and validates every setting of this package, so a malformed
-    value stops the server at start-up with the variable's name; registers the
+    value stops the server at start-up with the variable's name; fixes the engine run's id
+    for the manifest ledger before any engine process is started; registers the
     ``vllm_neuron`` torch.compile backend; makes this package's log lines visible.
 ``vllm.platform_plugins`` -> :func:`platform_plugin`
-    Returns the Neuron platform when Neuron devices are present, the host platform when
-    ``VLLM_NEURON_HOST_MODE=1``, otherwise ``None`` (vLLM picks its own platform).
+    Returns the host platform when ``VLLM_NEURON_HOST_MODE=1``, otherwise ``None``: vLLM
+    then picks its platform as if this package were not installed.
 
-The hooks themselves are in one place, :mod:`vllm_neuron.plugin.hooks`, shared by both
-platforms: the engine configuration (compile backend, worker), the forward context the
-model runner publishes for snapshots, and the manifest emitted after warm-up. This module
-imports nothing heavy: vLLM imports it in every process, and an import error here would only
-be logged while vLLM silently fell back to its stock platform.
+Why the platform plugin claims nothing on a Neuron host: the device side of Trainium (the
+worker and model runner that execute NEFFs) is the Neuron runtime integration's, not this
+package's, and a platform claimed here could only refuse to start, stopping ``vllm serve``
+where that integration (or stock vLLM) would have run. There it steps aside and says once
+what it still provides. The hooks themselves are in one place,
+:mod:`vllm_neuron.plugin.hooks`, for the host platform and for a Neuron platform to use:
+the engine configuration (compile backend, worker), the forward context the model runner
+publishes for snapshots, and the manifest emitted after warm-up. This module imports
+nothing heavy: vLLM imports it in every process, and an import error here would only be
+logged while vLLM silently fell back to its stock platform.
 """
 
 from __future__ import annotations
@@ -26,8 +32,8 @@ import os
 import sys
 
 __all__ = [
+    "DEVICE_DIR",
     "HOST_PLATFORM",
-    "NEURON_PLATFORM",
     "neuron_devices_present",
     "platform_plugin",
     "register",
@@ -35,20 +41,30 @@ __all__ = [
 ]
 
 HOST_PLATFORM = "vllm_neuron.plugin.platform.NeuronHostPlatform"
-NEURON_PLATFORM = "vllm_neuron.plugin.platform.NeuronPlatform"
+
+# Where Neuron device nodes appear. A module attribute so that tests (and a vLLM process
+# started by one) can point detection at a directory of fake device nodes.
+DEVICE_DIR = "/dev"
 
 logger = logging.getLogger("vllm_neuron")
 
 _registered = False
+_stepped_aside = False
 
 
-def neuron_devices_present(dev_dir: str = "/dev") -> bool:
-    """Whether this machine exposes Neuron devices (``/dev/neuron0``, ...)."""
-    return bool(glob.glob(os.path.join(dev_dir, "neuron[0-9]*")))
+def neuron_devices_present(dev_dir: str | None = None) -> bool:
+    """Whether this machine exposes Neuron devices (``neuron0``, ... under ``dev_dir``,
+    default :data:`DEVICE_DIR`)."""
+    return bool(glob.glob(os.path.join(dev_dir or DEVICE_DIR, "neuron[0-9]*")))
 
 
-def platform_plugin() -> str | None:
+def platform_plugin(dev_dir: str | None = None) -> str | None:
     """The ``vllm.platform_plugins`` entry point: which platform class vLLM should use.
+
+    Only a platform this package can run: the host platform in host mode, else None, so
+    vLLM selects exactly as it would without this package. On a machine with Neuron devices
+    (under ``dev_dir``, default :data:`DEVICE_DIR`) that is logged once per process, with
+    what the package still provides there.
 
     A malformed ``VLLM_NEURON_HOST_MODE`` is not raised here (vLLM swallows exceptions of
     platform detection); :func:`register` raises it with the variable's name instead.
@@ -61,9 +77,31 @@ def platform_plugin() -> str | None:
         return None
     if host_mode:
         return HOST_PLATFORM
-    if neuron_devices_present():
-        return NEURON_PLATFORM
+    if neuron_devices_present(dev_dir):
+        _log_stepping_aside(dev_dir or DEVICE_DIR)
     return None
+
+
+def _log_stepping_aside(dev_dir: str) -> None:
+    """Say once per process why a Neuron host gets no platform from this package.
+
+    vLLM asks every platform plugin in every process; one line per process is what the
+    plugin-loaded line of :func:`register` does too.
+    """
+    global _stepped_aside
+    if _stepped_aside:
+        return
+    _stepped_aside = True
+    _show_logs()  # platform detection runs before the general plugins: nothing shows yet
+    logger.info(
+        "vllm_neuron: Neuron devices found in %s; this package claims no vLLM platform "
+        "here (VLLM_NEURON_HOST_MODE is off), so vLLM selects its platform as without it "
+        "(e.g. the Neuron runtime's plugin). Still provided: the torch.compile backend "
+        "'vllm_neuron' (two-tier compile cache), the vllm-neuron CLI, settings validation "
+        "at start-up, and the worker hooks of vllm_neuron.plugin.hooks (manifest, input "
+        "snapshots) for a Neuron platform to use",
+        dev_dir,
+    )
 
 
 def resolve_settings() -> None:
@@ -72,16 +110,23 @@ def resolve_settings() -> None:
     Raises :class:`vllm_neuron.envs.ConfigError` naming the variable and its value.
     """
     from vllm_neuron.envs import (
+        check_snapshot_root,
         compile_cache_settings,
+        get_neuron_compile_cache_dir,
         host_mode_settings,
+        load_run_id,
         manifest_settings,
     )
     from vllm_neuron.snapshot.config import snapshot_config
 
     compile_cache_settings()
+    get_neuron_compile_cache_dir()  # a regular file in the way of the local cache
     manifest_settings()
+    load_run_id()
     host_mode_settings()
-    snapshot_config()
+    snapshots = snapshot_config()
+    if snapshots.enabled:
+        check_snapshot_root(snapshots.root)
 
 
 def _show_logs() -> None:
@@ -108,13 +153,17 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm_neuron.envs import ConfigError, host_mode_settings
+    from vllm_neuron.envs import ConfigError, host_mode_settings, manifest_settings, run_id
 
     _show_logs()
     try:
         resolve_settings()
     except ConfigError as exc:
         raise ConfigError(f"vllm_neuron: invalid configuration: {exc}") from None
+    if manifest_settings().enabled:
+        # In vLLM's first process this runs before any engine process exists, so the engine
+        # core and its workers inherit the id; in those it is the inherited one.
+        run_id()
     if host_mode_settings().enabled:
         # vLLM's own AOT artifact (on by default with torch >= 2.10) restores compiled
         # pieces on a warm restart without calling the compiler at all, so this package's

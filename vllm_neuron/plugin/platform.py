@@ -1,4 +1,4 @@
-"""The platforms this package gives vLLM (selected by :func:`vllm_neuron.plugin.platform_plugin`).
+"""The platform this package gives vLLM (selected by :func:`vllm_neuron.plugin.platform_plugin`).
 
 ``NeuronHostPlatform`` (``VLLM_NEURON_HOST_MODE=1``) is vLLM's CPU platform plus this
 package's hooks: every piecewise graph vLLM compiles goes through the two-tier compile cache
@@ -6,12 +6,12 @@ package's hooks: every piecewise graph vLLM compiles goes through the two-tier c
 the manifest. It runs the whole artifact system inside a real ``vllm serve`` without
 Trainium.
 
-``NeuronPlatform`` is what a machine with Neuron devices gets. Its device side (the worker
-and model runner that execute NEFFs) belongs to the Neuron runtime packages, which cannot be
-installed here; without them it stops start-up and says what to install.
+There is no Neuron device platform here: its device side (the worker and model runner that
+execute NEFFs) belongs to the Neuron runtime integration, so on a Neuron host the platform
+plugin claims nothing and vLLM selects that integration's platform (or its own).
 
 ``vllm.config`` is imported inside methods only: importing it while vLLM resolves its
-current platform is a circular import (FACTS.md).
+current platform is a circular import.
 """
 
 from __future__ import annotations
@@ -19,11 +19,10 @@ from __future__ import annotations
 from typing import Any
 
 from vllm.platforms.cpu import CpuPlatform
-from vllm.platforms.interface import Platform, PlatformEnum
 
 from .hooks import COMPILER_ADAPTOR, configure_engine
 
-__all__ = ["CPU_WORKER", "HOST_WORKER", "NeuronHostPlatform", "NeuronPlatform"]
+__all__ = ["CPU_WORKER", "HOST_WORKER", "NeuronHostPlatform"]
 
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 HOST_WORKER = "vllm_neuron.plugin.worker.NeuronHostWorker"
@@ -48,38 +47,3 @@ class NeuronHostPlatform(CpuPlatform):
             backend=cls.get_compile_backend(),
         )
 
-
-class NeuronPlatform(Platform):
-    """Trainium/Inferentia: needs the Neuron runtime packages for its device side."""
-
-    _enum = PlatformEnum.OOT
-    device_name: str = "neuron"
-    device_type: str = "neuron"
-    dispatch_key: str = "XLA"
-    dist_backend: str = "gloo"
-
-    @classmethod
-    def get_device_name(cls, device_id: int = 0) -> str:
-        return "neuron"
-
-    @classmethod
-    def get_compile_backend(cls) -> str:
-        return COMPILER_ADAPTOR
-
-    @classmethod
-    def check_and_update_config(cls, vllm_config: Any) -> None:
-        from vllm_neuron.compile.toolchains.neuron import INSTALL_HINT, missing_neuron_packages
-
-        missing = missing_neuron_packages()
-        if missing:
-            raise RuntimeError(
-                "vllm_neuron: Neuron devices are present but the Neuron runtime packages are "
-                f"not: missing {' and '.join(missing)}; install with: {INSTALL_HINT}. "
-                "To run vLLM on this machine's CPU with this package's compile cache, "
-                "manifest and snapshots, set VLLM_NEURON_HOST_MODE=1."
-            )
-        raise RuntimeError(
-            "vllm_neuron: the Neuron device worker is provided by the Neuron runtime "
-            "integration, not by this package; this package's hooks for it are "
-            "vllm_neuron.plugin.hooks (configure_engine, ArtifactWorkerHooks)."
-        )
