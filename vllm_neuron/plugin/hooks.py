@@ -1,4 +1,5 @@
-"""The integration hooks, in one place: what both platforms (host and Neuron) do to vLLM.
+"""The integration hooks, in one place: what a platform using this package does to vLLM
+(the host platform here; a Neuron platform of the Neuron runtime integration can reuse them).
 
 1. :func:`configure_engine` (the platform's ``check_and_update_config``, after the base
    platform's): route vLLM's piecewise compile path to this package's compiler adaptor,
