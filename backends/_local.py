@@ -7,7 +7,7 @@ temp-file + `os.replace`, exclusive creates are `os.link` of a complete temp fil
 a half-written file under the final name), and appends are raw `os.write` on an
 `O_APPEND` descriptor, which survives `os._exit()`.
 
-The profiles differ in what they may trust (see FACTS.md):
+The profiles differ in what they may trust (docs/storage.md):
 
 * ``local``  - `flock` is a real kernel lock, dropped by the kernel when the holder dies.
 * ``nfs``    - flock is emulated with byte-range locks and some mounts make it a no-op, so

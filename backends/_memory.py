@@ -1,7 +1,7 @@
 """In-memory store: the fast backend the domain logic is property-tested against.
 
-Built on fsspec's MemoryFileSystem with its own private file table (FACTS.md: the default
-is a class-level global store, and its "xb" is check-then-write). Each `memory://name`
+Built on fsspec's MemoryFileSystem with its own private file table (fsspec's default is a
+class-level global store, and its "xb" is check-then-write). Each `memory://name`
 gets one table, shared by every `open_store` of that name in this process and by nothing
 else; `memory://` alone is anonymous and always fresh.
 

@@ -4,7 +4,7 @@ S3 has no directory rename and no append, so publication is the commit-record pr
 (upload under ``<final>/.v/<uuid>/``, then create ``<final>/.commit`` with
 ``If-None-Match: *``), log segments are rewritten whole by their single writer, and locks
 are leases. Exclusive creates always go through `pipe_file(mode="create")`: s3fs's
-``open(p, "xb")`` silently overwrites when it writes zero bytes (FACTS.md).
+``open(p, "xb")`` skips the condition and silently overwrites when it writes zero bytes.
 
 Every call is bounded (short connect timeout, few retries) and a transport failure becomes
 `StoreUnavailable` naming the URL, so an unreachable endpoint is a clear error, not a hang.

@@ -242,7 +242,7 @@ def require_directory(path: str, *, setting: str, purpose: str) -> str:
 
 @dataclass(frozen=True)
 class CompileCacheSettings:
-    """Configuration of the two-tier compile cache (see seeds/compile-cache.md).
+    """Configuration of the two-tier compile cache (see docs/compile-cache.md).
 
     ``cache_root_explicit`` records whether VLLM_CACHE_ROOT was set: only the default
     location falls back to /tmp when the home directory is on NFS; an explicit root is the
@@ -429,7 +429,7 @@ ENVIRONMENT_VARIABLES += (
 
 @dataclass(frozen=True)
 class ManifestSettings:
-    """The manifest is on exactly when `manifest_dir` is set (seeds/manifest.md)."""
+    """The manifest is on exactly when `manifest_dir` is set (docs/manifest.md)."""
 
     manifest_dir: str | None = None
 
@@ -598,7 +598,7 @@ def check_snapshot_root(root: str, environ: Mapping[str, str] | None = None) -> 
     return root
 
 
-# Feature: profile capture (seeds/profiling-capture.md) ------------------------------------
+# Feature: profile capture (docs/profiling.md) ---------------------------------------------
 
 NEURON_PROJECT_ROOT = "NEURON_PROJECT_ROOT"
 VLLM_NEURON_VENV_PATH = "VLLM_NEURON_VENV_PATH"

@@ -1,6 +1,6 @@
 """The two-tier compile cache: local per node, optional remote shared by every node.
 
-The decision flow is the seed's (compile-cache.md), per key:
+The decision flow (docs/compile-cache.md), per key:
 
 1. fast local check, no lock (a hit is size-checked: one stat per file);
 2. take the key's lock (different keys never contend);

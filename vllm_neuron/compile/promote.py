@@ -6,7 +6,8 @@ having promoted the same key already is a no-op, so every node of a fleet may ca
 An entry is checked in full (every checksum) before it leaves the node: a corrupt local
 entry must not become everybody's corrupt entry.
 
-`save_cache` takes the seed's arguments (a local directory, a remote path or URL, a key);
+`save_cache` takes the documented arguments (a local directory, a remote path or URL, a
+key; docs/compile-cache.md);
 `promote_entry` is the same protocol between any two stores (tests drive it with memory
 stores standing in for the nodes of a fleet).
 """

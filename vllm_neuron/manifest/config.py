@@ -15,7 +15,8 @@ def jsonable(value: Any) -> Any:
 
 
 def vllm_config_to_json(vllm_config: Any) -> dict[str, Any]:
-    """The full resolved VllmConfig, JSON-coerced with vLLM's own recipe (FACTS.md)."""
+    """The full resolved VllmConfig, JSON-coerced with vLLM's own recipe: pydantic's
+    ``TypeAdapter`` of the config's class, dumped in JSON mode with ``str`` as the fallback."""
     try:
         from pydantic import TypeAdapter
 
@@ -81,7 +82,8 @@ def config_from_vllm(
 
 
 def config_from_mapping(values: Mapping[str, Any]) -> ManifestConfig:
-    """A config supplied by the caller (no vLLM): the seed's keys, JSON-coerced."""
+    """A config supplied by the caller (no vLLM): the keys of the manifest's ``config``
+    (docs/manifest.md), JSON-coerced."""
     import msgspec
 
     return msgspec.convert(jsonable(dict(values)), ManifestConfig)

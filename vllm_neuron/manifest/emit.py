@@ -191,7 +191,7 @@ def emit_manifest_best_effort(
     global _emit_warned
     try:
         return emit_manifest(manifest_dir, config, **kwargs)
-    except Exception as exc:  # noqa: BLE001 - best-effort by specification
+    except Exception as exc:  # noqa: BLE001 - the manifest never breaks warm-up
         if not _emit_warned:
             _emit_warned = True
             logger.warning("manifest: emit to %s failed: %s", manifest_dir, exc)

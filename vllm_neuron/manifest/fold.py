@@ -7,7 +7,7 @@ and are merged as one set operation per segment instead of one per line; decodin
 only ``key``/``rank``/``global_rank`` (the decoder skips the rest without building it), and
 a key's details (input shapes, compiler flags) are decoded only from the first segment
 that names it. A segment whose lines carry several ranks is folded line by line. Either
-way the result is the seed's: for every key, the union of the mapped ranks of its lines,
+way the result is the same: for every key, the union of the mapped ranks of its lines,
 and the details of its first line (segment order, then line order).
 
 Only the segments of one engine run are folded (``ledger/<prefix>/<run>/``, every process of

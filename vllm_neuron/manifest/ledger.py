@@ -51,12 +51,13 @@ def ledger_stream(prefix: str, run: str) -> str:
 
 
 class LedgerEntry(Record, frozen=True, tag="ledger", omit_defaults=True):
-    """`{key, rank, input_shapes, compiler_flags}` of the seed, plus the writer's global rank.
+    """A ledger line, `{key, rank, input_shapes, compiler_flags}` (docs/manifest.md), plus
+    the writer's global rank.
 
     ``rank`` is TP-group-relative; ``global_rank`` (when the writer knows it) lets the
     emitter attribute a graph correctly even when several TP groups share local ranks.
 
-    Fields at their default are not written (``omit_defaults``): the line is the seed's four
+    Fields at their default are not written (``omit_defaults``): the line is those four
     fields plus the record tag, ~20% less to encode on every traced graph and to decode at
     emit. That includes ``v`` while it is 1, so a reader takes a line without ``v`` as
     version 1; a version 2 must therefore always be written (tested), not become a default.
@@ -80,7 +81,7 @@ def _dim(d: Any) -> str:
 
 
 def format_shape(shape: Sequence[Any]) -> str:
-    """The seed's shape strings: ``(4,)`` -> "4,", ``(4, 8)`` -> "4, 8", ``()`` -> "";
+    """The ledger's shape strings: ``(4,)`` -> "4,", ``(4, 8)`` -> "4, 8", ``()`` -> "";
     a symbolic size keeps its name (``(s72, 128)`` -> "s72, 128")."""
     dims = [_dim(d) for d in shape]
     return dims[0] + "," if len(dims) == 1 else ", ".join(dims)

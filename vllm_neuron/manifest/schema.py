@@ -1,6 +1,6 @@
-"""The manifest schema, version "1" (seeds/manifest.md).
+"""The manifest schema, version "1" (docs/manifest.md).
 
-Field names, order and nesting are the specification's. A reader decodes with
+Field names, order and nesting are the documented format. A reader decodes with
 `decode_manifest`, which refuses any other `manifest_version` with a clear error rather
 than misreading it.
 """

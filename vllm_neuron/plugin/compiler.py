@@ -8,9 +8,9 @@ ledger) and wrappers (snapshot capture) see it.
 
 vLLM keeps its own per-model cache of *handles*: ``compile()`` returns
 ``(callable, handle)`` and on a warm restart vLLM calls ``load(handle, graph, ...)`` instead.
-The handle is ``(cache_key, toolchain)``, two strings as vLLM's cache file requires
-(``ast.literal_eval``, FACTS.md). ``load()`` recomputes the key from the graph it is given
-and fetches through the same two-tier cache: a warm restart is a local hit, and a handle
+The handle is ``(cache_key, toolchain)``, two strings as vLLM's cache file requires (vLLM
+reads it back with ``ast.literal_eval``). ``load()`` recomputes the key from the graph it is
+given and fetches through the same two-tier cache: a warm restart is a local hit, and a handle
 left by another version of the graph cannot load a stale artifact. (vLLM's own AOT
 artifact, which would skip both calls, is turned off in host mode by the general plugin.)
 """

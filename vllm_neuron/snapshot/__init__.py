@@ -1,6 +1,6 @@
 """Input snapshots: capture the inputs of one selected forward per rank, replay it off-device.
 
-See ``seeds/input-snapshot.md``. Policy lives here (what, when, where); the device-to-host
+See docs/snapshots.md. Policy lives here (what, when, where); the device-to-host
 write sits behind a narrow writer interface (:mod:`.capture`).
 
 - :mod:`.config` - settings and the selection rules, resolved once per process;

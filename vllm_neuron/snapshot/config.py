@@ -6,7 +6,7 @@ reading of the environment, and a typo must stop start-up instead of silently di
 debugging run hours later. :func:`snapshot_config` parses on first use and caches;
 :func:`load_snapshot_config` is the pure parser the tests feed dictionaries.
 
-Rules (``seeds/input-snapshot.md``), OR'd together:
+Rules (docs/snapshots.md), OR'd together:
 
 - call index (``..._CAPTURE_AT_CALL``): the N-th post-warm-up call of one compiled graph
   (all executables of one compilation hash count together, as one NEFF does); ``-1``
@@ -266,7 +266,7 @@ def _parse_max_captures(raw: str) -> int:
 
 
 def _parse_ranks(raw: str) -> frozenset[int] | None:
-    """A malformed rank list degrades to "every rank" with a warning (seed)."""
+    """A malformed rank list degrades to "every rank" with a warning (docs/snapshots.md)."""
     try:
         values = _int_list(RANKS, raw, "a tp rank")
         if any(v < 0 for v in values):
