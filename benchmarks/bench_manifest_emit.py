@@ -16,11 +16,12 @@ import time
 
 from vllm_neuron.backends import open_store
 from vllm_neuron.manifest import ManifestConfig, emit_manifest
-from vllm_neuron.manifest.ledger import LedgerEntry
+from vllm_neuron.manifest.ledger import LedgerEntry, ledger_stream
 
-from ._harness import machine
+from ._harness import machine, sized
 
-KEYS, RANKS, ROUNDS = 1000, 100, 11
+KEYS, RANKS, ROUNDS = sized(1000, 20), sized(100, 4), sized(11, 2)
+RUN = "bench-run"  # the engine run whose ledger is emitted (every rank writes under it)
 FLAGS = "--framework XLA --target trn2 --auto-cast=none --model-type=transformer -O1"
 
 
@@ -47,7 +48,8 @@ def build(root: str) -> tuple[str, str]:
     manifests = os.path.join(root, "manifests")
     store = open_store(manifests)
     for rank in range(RANKS):
-        log = store.log("ledger/dev0_99", writer=str(1000 + rank), truncate_first=True)
+        log = store.log(ledger_stream("dev0_99", RUN), writer=str(1000 + rank),
+                        truncate_first=True)
         log.append_many(
             [
                 LedgerEntry(
@@ -61,7 +63,7 @@ def build(root: str) -> tuple[str, str]:
 
 
 def stdlib_fold(cache: str, manifests: str) -> int:
-    ledger = os.path.join(manifests, "ledger", "dev0_99")
+    ledger = os.path.join(manifests, ledger_stream("dev0_99", RUN))
     graphs: dict[str, dict[str, object]] = {}
     for name in sorted(os.listdir(ledger)):
         with open(os.path.join(ledger, name)) as f:
@@ -118,6 +120,7 @@ def main() -> int:
                 prefix="dev0_99",
                 environment={},
                 cleanup=False,
+                run=RUN,
             )
             ours.append(time.perf_counter() - start)
             gc.collect()
