@@ -1,4 +1,9 @@
-"""Crashes heal themselves: a SIGKILLed lock holder, a writer that exits without closing."""
+"""Crashes heal themselves: a SIGKILLed lock holder, a writer that exits without closing.
+
+No bound on how long healing takes (a loaded machine only makes it slower): a dead
+holder's kernel lock is free the moment the holder is reaped, and a dead holder's lease is
+free once its last record expires, read from that record on the store's clock.
+"""
 
 from __future__ import annotations
 
@@ -10,11 +15,12 @@ from store_worker import RaceEvent
 from worker_pool import Workers
 
 from vllm_neuron.backends import KernelLock, LeaseLock, LockTimeout, open_store
+from vllm_neuron.backends.testing import HANG, lease_record
 
-LEASE = 2.0  # seconds; the holder renews every LEASE / 3
+LEASE = 3.0  # seconds; the holder renews every LEASE / 3
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(2 * HANG)
 def test_killed_kernel_lock_holder_frees_the_lock_at_once(
     tmp_path: Path, workers: Workers
 ) -> None:
@@ -26,10 +32,8 @@ def test_killed_kernel_lock_holder_frees_the_lock_at_once(
     assert isinstance(lock, KernelLock)
     with pytest.raises(LockTimeout):
         lock.acquire(timeout=0.2)  # really held by the other process
-    holder.kill()
-    start = time.monotonic()
-    lock.acquire(timeout=10)
-    assert time.monotonic() - start < 1.0
+    holder.kill()  # returns once the holder is reaped: the kernel has closed its files
+    lock.acquire(timeout=0)  # one try: free at once, no waiting
     lock.release()
 
 
@@ -39,38 +43,47 @@ def _lease_takeover_after_kill(url: str, options: dict[str, str], workers: Worke
     ready = holder.message()
     lock = store.lock("compile/abc", lease_duration=LEASE)
     assert isinstance(lock, LeaseLock)
-    with pytest.raises(LockTimeout):
-        lock.acquire(timeout=LEASE * 1.5)  # the holder's heartbeat keeps it alive
+    # The holder's heartbeat keeps it alive: refused until after its first expiry.
+    first = lease_record(lock)
+    assert first["generation"] == ready["generation"]
+    while True:
+        now = time.time()
+        with pytest.raises(LockTimeout):
+            lock.acquire(timeout=0)
+        if now > first["expires"]:
+            break
+        time.sleep(LEASE / 20)
     holder.kill()
-    killed = time.monotonic()
-    lock.acquire(timeout=LEASE * 5)
-    waited = time.monotonic() - killed
+    killed = time.time()
+    last = lease_record(lock)  # the dead holder's final renewal
+    assert last["generation"] == ready["generation"] and last["expires"] > first["expires"]
+    lock.acquire(timeout=HANG)
     try:
-        # Free once the last renewal expires: at most one lease period after the kill
-        # (plus polling and slow-peer slack), and not before some of it has run out.
-        assert waited < LEASE + 1.5, f"took {waited:.2f} s for a {LEASE} s lease"
-        assert waited > LEASE / 3 - 0.2, f"taken over after {waited:.2f} s: lease not honoured"
+        # Free once the last renewal expires, which is at most one lease after the kill
+        # (it was written before it), and taken over only then, never before.
+        assert last["expires"] <= killed + LEASE
+        assert time.time() >= last["expires"], "taken over before the lease ran out"
         assert lock.generation == ready["generation"] + 1
         lock.check()
     finally:
         lock.release()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(2 * HANG)
 def test_killed_lease_holder_expires_within_one_lease_nfs_profile(
     tmp_path: Path, workers: Workers
 ) -> None:
     _lease_takeover_after_kill(str(tmp_path / "store"), {"profile": "nfs"}, workers)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(2 * HANG)
 def test_killed_lease_holder_expires_within_one_lease_s3(
     s3_env: str, s3_store_url: str, workers: Workers
 ) -> None:
     _lease_takeover_after_kill(s3_store_url, {}, workers)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(2 * HANG)
 @pytest.mark.parametrize("kind", ["local", "nfs", "s3"])
 def test_event_log_lines_survive_os_exit(
     kind: str, tmp_path: Path, workers: Workers, request: pytest.FixtureRequest
@@ -86,7 +99,7 @@ def test_event_log_lines_survive_os_exit(
     ]
     segments = [w.message()["segment"] for w in writers]
     for writer in writers:
-        writer.proc.wait(timeout=60)
+        writer.proc.wait(timeout=HANG)
         assert writer.proc.returncode == 0
     log = open_store(url, **options).log("ev")
     assert sorted(log.segments()) == sorted(segments)

@@ -3,9 +3,13 @@ processes the multi-process tests start (``python cache_workers.py MODE JSON``).
 
 A fake compile writes files whose bytes are derived from the key, so any process can tell
 a right artifact from a wrong one without a registry of what was compiled. It can be slow
-(to leave a window for a SIGKILL or a racing reader) and can fail on purpose. It leaves a
-marker file per call in ``marker_dir``, so a test counts how many compiles *started*
-(the cache's events only count the ones that finished).
+(a window for a racing reader), can fail on purpose, and can stop half-way until the test
+lets it go on (``hold_dir``: a SIGKILL then lands mid-compile by handshake, not by timing).
+It leaves a marker file per call in ``marker_dir``, so a test counts how many compiles
+*started* (the cache's events only count the ones that finished).
+
+Every wait here is a handshake on files (a barrier, a hold, a marker the test polls for),
+never a moment on the clock: a loaded machine only makes a test slower, never red.
 """
 
 from __future__ import annotations
@@ -34,6 +38,43 @@ def expected_files(key: str) -> dict[str, bytes]:
     return {name: content_for(key, name) for name in FILE_NAMES}
 
 
+HELD = "held"  # in a hold_dir: the held compile's pid
+RESUME = "resume"  # in a hold_dir: created by the test to let the held compile go on
+WAITING = "waiting-"  # in a waiting_dir: waiting-<pid>, written just before a lock wait
+COMPILING = "compiling-"  # in a rendezvous_dir: compiling-<key>, one per running compile
+SAFETY = 600.0  # seconds; a handshake that takes this long is a hang, not a slow machine
+
+
+def _poll(done: Any, what: str, timeout: float = SAFETY) -> None:
+    """Poll `done()` until it is true; `timeout` only catches a real hang."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"worker {os.getpid()}: gave up waiting for {what}")
+        time.sleep(0.01)
+
+
+def _touch(path: str, text: str = "") -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def _hold_once(hold_dir: str) -> None:
+    """The first caller (across processes) writes ``held`` (its pid) and waits for
+    ``resume``; any later caller goes straight on."""
+    os.makedirs(hold_dir, exist_ok=True)
+    mine = os.path.join(hold_dir, f".held-{os.getpid()}-{time.time_ns()}")
+    _touch(mine, str(os.getpid()))
+    try:
+        os.link(mine, os.path.join(hold_dir, HELD))  # atomic and exclusive, pid inside
+    except FileExistsError:
+        return
+    finally:
+        os.unlink(mine)
+    _poll(lambda: os.path.exists(os.path.join(hold_dir, RESUME)), "the test to resume")
+
+
 def fake_compile(
     out_dir: str,
     *,
@@ -41,20 +82,27 @@ def fake_compile(
     delay: float = 0.0,
     marker_dir: str | None = None,
     fail: str | None = None,
+    hold_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Write the key's files into `out_dir`, one at a time over `delay` seconds."""
+    """Write the key's files into `out_dir`, one at a time over `delay` seconds.
+
+    With `hold_dir`, the first compile to get half-way (one per `hold_dir`, across
+    processes) stops there, with two of its four files being written (the first whole, the
+    second half), until the test creates ``<hold_dir>/resume`` (see `_hold_once`).
+    """
     if marker_dir is not None:
-        os.makedirs(marker_dir, exist_ok=True)
-        with open(os.path.join(marker_dir, f"started-{os.getpid()}-{time.time_ns()}"), "w") as f:
-            f.write(str(os.getpid()))
+        _touch(os.path.join(marker_dir, f"started-{os.getpid()}-{time.time_ns()}"),
+               str(os.getpid()))
     step = delay / len(FILE_NAMES)
-    for name, data in expected_files(key).items():
+    for i, (name, data) in enumerate(expected_files(key).items()):
         path = os.path.join(out_dir, name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         with open(path, "wb") as f:
             half = len(data) // 2
             f.write(data[:half])  # half a file exists for a while: a reader must never see it
             f.flush()
+            if i == 1 and hold_dir is not None:
+                _hold_once(hold_dir)
             time.sleep(step)
             f.write(data[half:])
         if fail is not None and name == FILE_NAMES[1]:
@@ -75,21 +123,49 @@ def entry_is_right(path: str, key: str) -> str | None:
     return None
 
 
-def _wait_until(start_at: float | None, barrier_dir: str | None = None) -> None:
-    """Line up with the other workers: at a wall-clock moment, or at a file barrier
-    (write ``ready-<pid>``, wait for ``go``; see `release_barrier`)."""
-    if barrier_dir is not None:
-        os.makedirs(barrier_dir, exist_ok=True)
-        with open(os.path.join(barrier_dir, f"ready-{os.getpid()}"), "w"):
-            pass
-        while not os.path.exists(os.path.join(barrier_dir, "go")):
-            time.sleep(0.01)
-    if start_at is not None:
-        time.sleep(max(0.0, start_at - time.time()))
+def _wait_for_go(barrier_dir: str | None) -> None:
+    """Line up with the other workers at a file barrier: write ``ready-<pid>``, wait for
+    ``go`` (see `release_barrier`)."""
+    if barrier_dir is None:
+        return
+    _touch(os.path.join(barrier_dir, f"ready-{os.getpid()}"))
+    _poll(lambda: os.path.exists(os.path.join(barrier_dir, "go")), "the barrier")
 
 
-def release_barrier(barrier_dir: str, parties: int, procs: list[Any], timeout: float) -> float:
-    """Wait until `parties` workers are ready (failing if one died first), then let them go."""
+def _announce_lock_waits(store: Any, waiting_dir: str) -> None:
+    """Make `store`'s locks write ``<waiting_dir>/waiting-<pid>`` just before they block, so
+    a test knows by a file (not by a pause) that this process is queued on a key's lock."""
+    real_lock = store.lock
+
+    def lock(name: str, **kwargs: Any) -> Any:
+        inner = real_lock(name, **kwargs)
+        real_acquire = inner.acquire
+
+        def acquire(timeout: float | None = None) -> None:
+            _touch(os.path.join(waiting_dir, f"{WAITING}{os.getpid()}"))
+            real_acquire(timeout)
+
+        inner.acquire = acquire
+        return inner
+
+    store.lock = lock
+
+
+def _rendezvous(rendezvous_dir: str, key: str, parties: int) -> None:
+    """Announce a compile of `key`, then wait until compiles of `parties` different keys
+    are running at once: if different keys contended, this would never return."""
+    _touch(os.path.join(rendezvous_dir, f"{COMPILING}{key}"))
+    _poll(lambda: len([n for n in os.listdir(rendezvous_dir) if n.startswith(COMPILING)])
+          >= parties, f"compiles of {parties} keys at once", timeout=SAFETY / 2)
+
+
+def release_barrier(
+    barrier_dir: str, parties: int, procs: list[Any], timeout: float = SAFETY
+) -> float:
+    """Wait until `parties` workers are ready (failing if one died first), then let them go.
+
+    `timeout` only catches a hang: a worker that cannot start is found dead, not late.
+    """
     deadline = time.monotonic() + timeout
     while True:
         ready = [n for n in os.listdir(barrier_dir) if n.startswith("ready-")] if (
@@ -103,8 +179,7 @@ def release_barrier(barrier_dir: str, parties: int, procs: list[Any], timeout: f
         if time.monotonic() > deadline:
             raise AssertionError(f"only {len(ready)} of {parties} workers reached the barrier")
         time.sleep(0.02)
-    with open(os.path.join(barrier_dir, "go"), "w"):
-        pass
+    _touch(os.path.join(barrier_dir, "go"))
     return time.time()
 
 
@@ -114,6 +189,8 @@ def run_get(args: Mapping[str, Any]) -> dict[str, Any]:
     from vllm_neuron.compile.cache import TwoTierCache
 
     local = open_store(args["cache_dir"], lock=args.get("lock", "auto"))
+    if args.get("waiting_dir"):
+        _announce_lock_waits(local, args["waiting_dir"])
     cache = TwoTierCache(
         local,
         remote=args.get("remote"),
@@ -122,7 +199,7 @@ def run_get(args: Mapping[str, Any]) -> dict[str, Any]:
         precompiled_only=bool(args.get("precompiled_only", False)),
     )
     key = args["key"]
-    _wait_until(args.get("start_at"), args.get("barrier_dir"))
+    _wait_for_go(args.get("barrier_dir"))
     t0 = time.time()
     try:
         result = cache.get_or_compile(
@@ -133,6 +210,7 @@ def run_get(args: Mapping[str, Any]) -> dict[str, Any]:
                 delay=float(args.get("delay", 0)),
                 marker_dir=args.get("marker_dir"),
                 fail=args.get("fail"),
+                hold_dir=args.get("hold_dir"),
             ),
         )
     except Exception as exc:  # reported to the test, which asserts on it
@@ -151,10 +229,10 @@ def run_get(args: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def run_promote(args: Mapping[str, Any]) -> dict[str, Any]:
-    """One "node": promote its local entry with `save_cache` at the agreed moment."""
+    """One "node": promote its local entry with `save_cache` once the barrier opens."""
     from vllm_neuron.compile import save_cache
 
-    _wait_until(args.get("start_at"), args.get("barrier_dir"))
+    _wait_for_go(args.get("barrier_dir"))
     try:
         published = save_cache(args["cache_dir"], args["remote"], args["key"])
     except Exception as exc:
@@ -177,17 +255,34 @@ def build_model(name: str) -> Any:
 
 
 def run_torch(args: Mapping[str, Any]) -> dict[str, Any]:
-    """One rank compiling a real model through ``torch.compile(backend="vllm_neuron")``."""
+    """One rank compiling a real model through ``torch.compile(backend="vllm_neuron")``.
+
+    With ``rendezvous_dir``, a compile that this rank runs waits until compiles of
+    ``rendezvous`` different keys are running at once (see `_rendezvous`).
+    """
     import torch
 
     import vllm_neuron  # noqa: F401 - registers the backend
     from vllm_neuron.compile.runtime import get_runtime
 
+    if args.get("rendezvous_dir"):
+        cache = get_runtime().cache
+        real_get_or_compile = cache.get_or_compile
+
+        def get_or_compile(key: str, compile_fn: Any, **kwargs: Any) -> Any:
+            def compile_after_rendezvous(out_dir: str) -> Any:
+                _rendezvous(args["rendezvous_dir"], key, int(args["rendezvous"]))
+                return compile_fn(out_dir)
+
+            return real_get_or_compile(key, compile_after_rendezvous, **kwargs)
+
+        cache.get_or_compile = get_or_compile
+
     model, x = build_model(args["model"])
     with torch.no_grad():
         expected = model(x)
         compiled = torch.compile(model, backend="vllm_neuron", dynamic=False)
-        _wait_until(args.get("start_at"), args.get("barrier_dir"))
+        _wait_for_go(args.get("barrier_dir"))
         t0 = time.time()
         actual = compiled(x)
         t1 = time.time()

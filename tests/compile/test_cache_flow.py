@@ -17,6 +17,7 @@ from blake3 import blake3
 from cache_workers import FILE_NAMES, content_for, entry_is_right
 
 from vllm_neuron.backends import open_store
+from vllm_neuron.backends.testing import HANG, wait_until_blocked
 from vllm_neuron.compile import entry, save_cache
 from vllm_neuron.compile.cache import (
     STAGING_MAX_AGE,
@@ -146,10 +147,14 @@ def test_a_waiter_that_started_before_a_failure_gets_compile_error(tmp_path, com
 
     t = threading.Thread(target=wait)
     t.start()
-    time.sleep(0.3)
-    holder._write_failure(KEY, ValueError("the compiler crashed"))
-    lock.release()
-    t.join(10)
+    try:
+        wait_until_blocked(t)  # the waiter is queued on the key's lock: its wait has begun
+        assert outcome == {}
+        holder._write_failure(KEY, ValueError("the compiler crashed"))
+    finally:
+        lock.release()
+    t.join(HANG)
+    assert not t.is_alive()
     assert isinstance(outcome["result"], CompileError)
     assert "the compiler crashed" in str(outcome["result"])
 
@@ -160,9 +165,9 @@ def test_lock_wait_beyond_the_timeout_names_the_variable(tmp_path, compile_fn):
     other.acquire()
     try:
         start = time.monotonic()
-        with pytest.raises(TimeoutError, match="NEURON_LIBTORCH_COMPILATION_TIMEOUT"):
+        with pytest.raises(TimeoutError, match="NEURON_LIBTORCH_COMPILATION_TIMEOUT=0.3"):
             cache.get_or_compile(KEY, compile_fn(KEY))
-        assert time.monotonic() - start < 5
+        assert time.monotonic() - start >= 0.25  # it waited (on a busy machine: longer)
     finally:
         other.release()
 
