@@ -4,6 +4,9 @@ S3: `s3_server` starts moto's real S3 HTTP API on 127.0.0.1 once per session (ne
 mocked client); `s3_store_url` gives each test a fresh bucket. Subprocesses reach the
 same server through the ``AWS_ENDPOINT_URL`` environment variable, which `open_store`
 honours (see `s3_env`).
+
+Hypothesis: the ``ci`` profile (tests/hypothesis_profiles.py) is loaded here, so every run
+of the suite uses it unless ``--hypothesis-profile`` names another.
 """
 
 from __future__ import annotations
@@ -21,6 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
+from hypothesis_profiles import CI, register_profiles  # tests/hypothesis_profiles.py
+
+register_profiles()
+settings.load_profile(CI)  # the plugin loads --hypothesis-profile, if given, after this
 
 _S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",

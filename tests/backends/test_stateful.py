@@ -7,6 +7,9 @@ published directory always holds exactly one writer's complete content.
 
 Plain files live under ``f/`` and published directories under ``p/``, so the two
 namespaces never collide (on a filesystem a key cannot be both a file and a directory).
+
+Under the ``ci`` profile (tests/hypothesis_profiles.py, what ``python3 dev.py test`` runs)
+it runs 2,000 examples of up to 20 steps.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+from hypothesis_profiles import examples  # tests/hypothesis_profiles.py
 
 from vllm_neuron.backends import Staging, join, open_store
 from vllm_neuron.backends.base import COMMIT_RECORD
@@ -133,8 +137,8 @@ class StoreMachine(RuleBasedStateMachine):
 
 TestStoreMachine = StoreMachine.TestCase
 TestStoreMachine.settings = settings(
-    max_examples=60,
-    stateful_step_count=30,
+    max_examples=examples(ci=2000),
+    stateful_step_count=20,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )

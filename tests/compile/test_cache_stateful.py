@@ -1,16 +1,24 @@
-"""A stateful model of the two-tier cache: several nodes, one shared remote, all in memory.
+"""A stateful model of the two-tier cache: several nodes, one shared remote.
 
 Hypothesis interleaves lookups, compiles, promotions, corruptions, crashes and restarts
-across nodes (each node: its own memory store as the local tier and its own
-`TwoTierCache`; all nodes share one memory remote, which has S3's semantics: commit
-records, no rename). The model predicts where each artifact comes from, and checks after
-every step:
+across nodes (each node: its own local tier and its own `TwoTierCache`; all nodes share
+one remote). The model predicts where each artifact comes from, and checks after every
+step:
 
 * never a partial entry: what a store publishes is exactly what the model says (a
   complete, record-matching entry, or a corruption the model itself injected);
 * never a wrong artifact: every artifact handed out has the key's own bytes;
 * at most one compile per key per node, plus one per corruption that could force a
   recompile on that node.
+
+It runs on three pairs of tiers, with examples under the ``ci`` profile
+(tests/hypothesis_profiles.py) in proportion to what an example costs:
+
+* memory local tiers, a memory remote (S3's semantics: commit records, no rename): 400;
+* local-disk local tiers (the production fast path of `lookup_local`: an entry is the
+  directory ``<root>/<key>``, published by rename), a memory remote: 300;
+* local-disk local tiers and a remote on S3 (moto's S3 HTTP API on loopback): 25, of up
+  to 20 steps (the others: 30).
 """
 
 from __future__ import annotations
@@ -18,8 +26,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 import time
 import uuid
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -29,7 +41,9 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
+    run_state_machine_as_test,
 )
+from hypothesis_profiles import examples  # tests/hypothesis_profiles.py
 
 from vllm_neuron.backends import Store, join, open_store
 from vllm_neuron.backends._memory import forget_memory_store
@@ -48,13 +62,38 @@ def expected(key: str, name: str) -> bytes:
     return hashlib.sha256(f"{key}:{name}".encode()).digest() * (1 + len(name))
 
 
+class Tiers:
+    """Where one example's stores live: fresh ones for every example.
+
+    `disk_root`: each node's local tier is a new directory under it (else a memory
+    store); `remote_root`: the remote is a new prefix under that URL (else a memory store).
+    """
+
+    def __init__(self, disk_root: str | None = None, remote_root: str | None = None) -> None:
+        self.disk_dir = tempfile.mkdtemp(prefix="example-", dir=disk_root) if disk_root else None
+        self.memory_remote = None if remote_root else f"model-remote-{uuid.uuid4().hex}"
+        self.remote_url = (f"{remote_root}/{uuid.uuid4().hex}" if remote_root
+                           else f"memory://{self.memory_remote}")
+
+    def local(self, node: int) -> Store:
+        if self.disk_dir is None:
+            return open_store("memory://")
+        return open_store(os.path.join(self.disk_dir, f"node-{node}"))
+
+    def close(self) -> None:
+        if self.memory_remote is not None:
+            forget_memory_store(self.memory_remote)
+        if self.disk_dir is not None:
+            shutil.rmtree(self.disk_dir, ignore_errors=True)
+
+
 class TwoTierModel(RuleBasedStateMachine):
-    def __init__(self) -> None:
+    def __init__(self, tiers: Tiers | None = None) -> None:
         super().__init__()
-        self.remote_name = f"model-remote-{uuid.uuid4().hex}"
-        self.remote_url = f"memory://{self.remote_name}"
+        self.tiers = tiers or Tiers()
+        self.remote_url = self.tiers.remote_url
         self.remote = open_store(self.remote_url)
-        self.locals: list[Store] = [open_store("memory://") for _ in range(NODES)]
+        self.locals: list[Store] = [self.tiers.local(n) for n in range(NODES)]
         self.caches = [self._boot(n) for n in range(NODES)]
         # The model.
         self.local_state = {(n, k): ABSENT for n in range(NODES) for k in KEYS}
@@ -64,10 +103,24 @@ class TwoTierModel(RuleBasedStateMachine):
         self.budget = {(n, k): 1 for n in range(NODES) for k in KEYS}
 
     def teardown(self) -> None:
-        forget_memory_store(self.remote_name)
+        self.tiers.close()
 
     def _boot(self, node: int) -> TwoTierCache:
-        return TwoTierCache(self.locals[node], remote=self.remote_url, lease_duration=5.0)
+        cache = TwoTierCache(self.locals[node], remote=self.remote_url, lease_duration=5.0)
+        # Each variant really runs on its backends.
+        if self.tiers.disk_dir is not None:
+            # lookup_local's fast path: entries are directories under this root.
+            root = os.path.join(self.tiers.disk_dir, f"node-{node}", "")
+            assert cache._disk_root == root, (cache._disk_root, root)
+        else:
+            assert cache.local.url.startswith("memory://") and cache._disk_root is None
+        remote = cache.remote
+        assert remote is not None and remote.url == self.remote.url
+        scheme = self.remote_url.split("://")[0]
+        assert remote.url.startswith(f"{scheme}://") and scheme in ("memory", "s3")
+        if scheme == "s3":
+            assert remote.capabilities.profile == "s3"
+        return cache
 
     def _compile_fn(self, node: int, key: str):  # noqa: ANN202 - a CompileFn
         def compile_into(out_dir: str) -> dict[str, str]:
@@ -95,10 +148,14 @@ class TwoTierModel(RuleBasedStateMachine):
             want = "compiled"
         result = self.caches[node].get_or_compile(key, self._compile_fn(node, key))
         assert result.source == want, (result.source, want, state, remote)
+        if self.tiers.disk_dir is not None:  # the entry's own directory on local disk
+            assert result.path == os.path.join(self.tiers.disk_dir, f"node-{node}", key)
         if want != "memory":
             local = self.locals[node]
             for name in FILES:
                 assert local.read(join(result.prefix, name)) == expected(key, name)
+                if result.path is not None:
+                    assert Path(result.path, name).read_bytes() == expected(key, name)
             self.local_state[(node, key)] = GOOD
             if want == "compiled" and remote == CORRUPT:
                 self.remote_state[key] = ABSENT  # quarantined by the failed fetch
@@ -179,7 +236,8 @@ class TwoTierModel(RuleBasedStateMachine):
         store = self.locals[node] if where == "local" else self.remote
         staging = store.stage(key)
         staging.write(FILES[0], expected(key, FILES[0])[:7])  # never committed
-        if where == "local":
+        # A dead holder's kernel lock is gone with it; an expired lease stays behind.
+        if where == "local" and not store.capabilities.kernel_locks:
             locks = join(".locks", key)
             gens = [int(g) for g in store.list_dir(locks) if g.isdigit()]
             gen = max(gens, default=0) + 1
@@ -234,10 +292,27 @@ class TwoTierModel(RuleBasedStateMachine):
             assert count <= self.budget[nk], (nk, count, self.budget[nk])
 
 
-TwoTierModel.TestCase.settings = settings(
-    max_examples=40,
-    stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-TestTwoTierModel = TwoTierModel.TestCase
+def _run(tiers: Callable[[], Tiers], examples_in_ci: int, steps: int = 30) -> None:
+    run_state_machine_as_test(
+        lambda: TwoTierModel(tiers()),
+        settings=settings(
+            max_examples=examples(ci=examples_in_ci),
+            stateful_step_count=steps,
+            deadline=None,
+            suppress_health_check=[HealthCheck.too_slow],
+        ),
+    )
+
+
+def test_two_tier_model_in_memory() -> None:
+    _run(Tiers, 400)
+
+
+def test_two_tier_model_on_local_disk(tmp_path: Path) -> None:
+    _run(lambda: Tiers(disk_root=str(tmp_path)), 300)
+
+
+def test_two_tier_model_on_local_disk_with_an_s3_remote(
+    tmp_path: Path, s3_env: str, s3_store_url: str
+) -> None:
+    _run(lambda: Tiers(disk_root=str(tmp_path), remote_root=s3_store_url), 25, steps=20)
