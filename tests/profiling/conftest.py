@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -50,9 +50,25 @@ def project_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return root
 
 
+@pytest.fixture
+def cpu_burners() -> Iterator[list[int]]:
+    """Two processes spinning on the CPU for the duration of the test, killed afterwards.
+
+    A capture on a shared host competes for the cores; on 2 cores two spinners starve the
+    processes that wait (the server's stats logger and HTTP handler, the capture's log
+    follower) while the engine keeps stepping, which is what makes a profiling window miss.
+    """
+    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        yield [p.pid for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+
+
 # -- the real vLLM ----------------------------------------------------------------------------
-
-
 
 
 @pytest.fixture

@@ -6,7 +6,8 @@
 It is a real process serving real HTTP, with a small engine simulation behind it: requests
 queue, are admitted up to ``--max-num-seqs``, prefill in one step (one token with a KV
 connector, like vLLM's DecodeBenchConnector) and decode one token per step. It logs vLLM's
-stats line every ``VLLM_LOG_STATS_INTERVAL`` seconds, serves ``/v1/models``, ``/version``,
+stats line every ``VLLM_LOG_STATS_INTERVAL`` seconds (and, like vLLM, one idle tick after
+activity), serves ``/v1/models``, ``/version``,
 ``/v1/chat/completions``, ``/start_profile`` and ``/stop_profile``, and writes a torch-
 profiler-like ``rank0.<ns>.pt.trace.json.gz`` with vLLM's per-step annotations. It also
 forks a child (like vLLM's engine core) into its own process group.
@@ -14,6 +15,17 @@ forks a child (like vLLM's engine core) into its own process group.
 Knobs (environment): FAKE_VLLM_FAIL=1 exits 1 at start-up; FAKE_VLLM_STARTUP_S delays
 readiness; FAKE_VLLM_STEP_S is the step time (default 0.005); FAKE_VLLM_IGNORE_TERM=1
 makes the server and its child ignore SIGTERM (teardown must escalate to SIGKILL).
+
+The profiler honours ``delay_iterations`` and ``max_iterations`` like vLLM's: with a delay
+it starts recording at that step after ``/start_profile``, and a session that never
+reached it writes no trace. Three knobs reproduce, deterministically, how a capture's
+profiling window misses its phase on a busy host: FAKE_VLLM_EMPTY_WINDOWS=N makes the first
+N profiler sessions record no model step (a trace with no step, as an undelayed session
+that opened after the batch's last step writes); FAKE_VLLM_LATE_STARTS=N makes the first N
+``/start_profile`` calls take effect only once the engine is idle (a start that crossed a
+busy server while the batch finished); FAKE_VLLM_STALE_TICKS=N holds the stats lines back
+while requests run and logs them in one burst when the engine goes idle, for the first N
+batches (the stale burst a starved stats logger and log follower produce).
 """
 
 from __future__ import annotations
@@ -49,9 +61,16 @@ class Engine:
         self.running: list[Req] = []
         self.prompt_tokens = 0
         self.gen_tokens = 0
-        self.prof_active = False
+        self.prof_active = False  # /start_profile received, no stop yet
+        self.prof_running = False  # recording (after delay_iterations steps, like vLLM)
+        self.prof_count = 0
         self.prof_steps: list[dict] = []
         self.step_s = float(os.environ.get("FAKE_VLLM_STEP_S", "0.005"))
+        self.empty_windows = int(os.environ.get("FAKE_VLLM_EMPTY_WINDOWS", "0"))
+        self.stale_batches = int(os.environ.get("FAKE_VLLM_STALE_TICKS", "0"))
+        self.late_starts = int(os.environ.get("FAKE_VLLM_LATE_STARTS", "0"))
+        self.sessions = 0
+        self.prof_blind = False
 
     def submit(self, req: Req) -> None:
         with self.lock:
@@ -71,6 +90,10 @@ class Engine:
                 self.prompt_tokens += ctx_tokens
                 self.gen_tokens += len(self.running)
                 if self.prof_active:
+                    self.prof_count += 1
+                    if self.prof_count == self.cfg.get("delay_iterations", 0):
+                        self.prof_running = True
+                if self.prof_running and not self.prof_blind:
                     self.prof_steps.append({
                         "ph": "X", "cat": "user_annotation", "ts": time.time() * 1e6,
                         "dur": self.step_s * 1e6,
@@ -89,18 +112,32 @@ class Engine:
                 r.done.set()
 
     def start_profile(self) -> None:
+        if self.sessions < self.late_starts:
+            # The start crosses a busy server: it lands once the batch has finished.
+            while True:
+                with self.lock:
+                    if not self.running and not self.waiting:
+                        break
+                time.sleep(self.step_s)
         with self.lock:
             if not self.prof_active:
                 self.prof_active = True
+                self.prof_running = not self.cfg.get("delay_iterations", 0)
+                self.prof_count = 0
                 self.prof_steps = []
+                self.sessions += 1
+                self.prof_blind = self.sessions <= self.empty_windows
+                print(f"fake vllm: profiler session {self.sessions} started"
+                      + (" (records no step)" if self.prof_blind else ""), flush=True)
 
     def stop_profile(self) -> None:
         with self.lock:
-            if self.prof_active:
+            if self.prof_running:
                 self._write_trace()
+            self.prof_active = False  # a delayed session that never started writes nothing
 
     def _write_trace(self) -> None:  # called with the lock held
-        self.prof_active = False
+        self.prof_active = self.prof_running = False
         out = self.cfg.get("torch_profiler_dir")
         if not out:
             return
@@ -115,6 +152,8 @@ class Engine:
 
     def log_stats(self, interval: float) -> None:
         last = time.monotonic()
+        held: list[str] = []
+        was_busy = False
         while True:
             time.sleep(interval)
             now = time.monotonic()
@@ -124,11 +163,21 @@ class Engine:
                 running, waiting = len(self.running), len(self.waiting)
             dt = max(now - last, 1e-6)
             last = now
-            if p or g or running or waiting:
-                print(f"INFO 01-01 00:00:00 [loggers.py:335] Engine 000: Avg prompt throughput: "
-                      f"{p / dt:.1f} tokens/s, Avg generation throughput: {g / dt:.1f} tokens/s, "
-                      f"Running: {running} reqs, Waiting: {waiting} reqs, CPU KV cache usage: "
-                      "0.1%, Prefix cache hit rate: 0.0%", flush=True)
+            busy = bool(p or g or running or waiting)
+            if not busy and not was_busy:  # like vLLM: one idle tick after activity, then quiet
+                continue
+            was_busy = busy
+            line = (f"INFO 01-01 00:00:00 [loggers.py:335] Engine 000: Avg prompt throughput: "
+                    f"{p / dt:.1f} tokens/s, Avg generation throughput: {g / dt:.1f} tokens/s, "
+                    f"Running: {running} reqs, Waiting: {waiting} reqs, CPU KV cache usage: "
+                    "0.1%, Prefix cache hit rate: 0.0%")
+            if self.stale_batches > 0:
+                held.append(line)
+                if running or waiting:
+                    continue
+                self.stale_batches -= 1
+            print("\n".join(held or [line]), flush=True)
+            held = []
 
 
 def make_handler(engine: Engine, model: str) -> type[BaseHTTPRequestHandler]:

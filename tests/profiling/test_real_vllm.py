@@ -3,6 +3,12 @@
 Marked ``vllm``; they run in CI too. The first one builds the vLLM environment when it is
 missing (see .ci/vllm_env.py), so they carry a long timeout. Each server start costs
 25-60 s on 2 cores, so there are few of them: both recipes, a launch failure and SIGINT.
+
+The two recipes run beside two CPU-spinning processes (`cpu_burners`): a capture on a busy
+host must still end with a validated, phase-isolated trace. Whether that took one profiling
+window or a retried one depends on the host, so the tests accept either and check that
+every set-aside window's trace stayed out of ``output/``; the retry itself is forced
+deterministically against the fake server in test_capture.py.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ import pytest
 from profiling_support import group_alive
 
 from vllm_neuron.backends import open_store
+from vllm_neuron.profiling.logfollow import LogFollower
 from vllm_neuron.profiling.manifest import ProfileManifest, read_manifest
 from vllm_neuron.profiling.run_spec import RunSpec, read_run_spec
+from vllm_neuron.profiling.stats import parse_stats_line
 from vllm_neuron.profiling.validate import validate_run
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
@@ -30,13 +38,28 @@ SEED_SPEC_KEYS = {"schema_version", "run_name", "phase", "recipe", "workload", "
                   "model_env"}
 
 
-def finish(proc: subprocess.Popen[str], timeout: float = 900) -> tuple[str, str]:
+def finish(proc: subprocess.Popen[str]) -> tuple[str, str]:
+    """The capture's output once it exits. No deadline of its own (a loaded host is slow;
+    the module's timeout marker bounds a hang); when the wait is cut short, SIGINT makes
+    the command tear its server down before the test goes."""
     try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)  # the command tears its server down itself
-        out, err = proc.communicate(timeout=120)
-        raise AssertionError(f"capture did not finish in {timeout} s:\n{err[-4000:]}") from None
+        return proc.communicate()
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate()
+
+
+def check_windows(run_dir: Path, m: ProfileManifest) -> None:
+    """The last window captured; any earlier one missed or was set aside outside output/."""
+    print("profiling windows:", [(w.window, w.outcome, w.reason) for w in m.windows])
+    assert m.max_windows == 3 and 1 <= len(m.windows) <= m.max_windows
+    assert m.windows[-1].outcome == "captured"
+    assert m.windows[-1].traces == [t.path for t in m.profile.traces]
+    for w in m.windows[:-1]:
+        assert w.outcome in ("missed", "rejected"), w
+        for path in w.traces:
+            assert Path(path).parent.parent == run_dir / "windows" and Path(path).exists()
 
 
 def load(root: Path, run_name: str) -> tuple[Path, RunSpec, ProfileManifest]:
@@ -56,7 +79,7 @@ def assert_nothing_left(manifest: ProfileManifest) -> None:
     assert group_alive(manifest.teardown.pgid or -1) == []
 
 
-def test_prefill_isolation(vllm_capture: Capture) -> None:
+def test_prefill_isolation(vllm_capture: Capture, cpu_burners: list[int]) -> None:
     proc, root = vllm_capture("--recipe", "prefill", "--input-len", "96", run_name="prefill")
     out, err = finish(proc)
     assert proc.returncode == 0, err[-4000:]
@@ -75,10 +98,11 @@ def test_prefill_isolation(vllm_capture: Capture) -> None:
     report = validate_run(str(run_dir))
     assert report.ok, report.failures
     assert m.validation is not None and m.validation.ok
+    check_windows(run_dir, m)
     assert_nothing_left(m)
 
 
-def test_decode_isolation(vllm_capture: Capture) -> None:
+def test_decode_isolation(vllm_capture: Capture, cpu_burners: list[int]) -> None:
     proc, root = vllm_capture(
         "--recipe", "decode", "--concurrency", "4", "--num-requests", "4",
         "--output-len", "256", "--input-len", "64", "--stats-interval", "0.25",
@@ -96,6 +120,7 @@ def test_decode_isolation(vllm_capture: Capture) -> None:
     assert m.requests["ok"] == 4 and m.requests["completion_tokens"] == [256]
     report = validate_run(str(run_dir))
     assert report.ok, report.failures
+    check_windows(run_dir, m)
     assert_nothing_left(m)
 
 
@@ -121,28 +146,32 @@ def test_sigint_mid_capture(vllm_capture: Capture) -> None:
         run_name="sigint",
     )
     lines: list[str] = []
-    ready = threading.Event()
 
     def read_stderr() -> None:
         assert proc.stderr is not None
-        for line in proc.stderr:
-            lines.append(line)
-            if "server ready" in line:
-                ready.set()
+        lines.extend(proc.stderr)
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
+    serve_log = root / "agent_artifacts" / "profiles" / "sigint" / "logs" / "serve.log"
     try:
-        deadline = time.monotonic() + 900
-        while not ready.wait(1.0):
-            assert proc.poll() is None and time.monotonic() < deadline, "".join(lines)[-4000:]
-        time.sleep(2.0)  # the workload is running now
+        # Handshake: the server has logged a tick with requests running, so the workload
+        # (and the capture stage) is under way.
+        follower = LogFollower(str(serve_log), from_start=True)
+        running = False
+        while not running:
+            assert proc.poll() is None, "".join(lines)[-4000:]
+            ticks = [parse_stats_line(line) for line in follower.read_lines()]
+            running = any(t is not None and t.running > 0 for t in ticks)
+            if not running:
+                time.sleep(0.1)  # the interval between two reads of the log
         proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=300)
+        proc.wait()
     finally:
         if proc.poll() is None:
             proc.kill()
-    reader.join(10)
+            proc.wait()
+    reader.join()
     assert proc.returncode == 130, "".join(lines)[-4000:]
     _, _, m = load(root, "sigint")
     assert m.status == "interrupted" and m.failed_stage == "capture"

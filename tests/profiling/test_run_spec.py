@@ -89,7 +89,7 @@ def test_command_is_derived_from_serve_config() -> None:
     assert "--enforce-eager" in argv
     pc = json.loads(argv[argv.index("--profiler-config") + 1])
     assert pc == {"profiler": "torch", "torch_profiler_dir": "/p/output", "ignore_frontend": True,
-                  "delay_iterations": 0, "max_iterations": 2}
+                  "delay_iterations": 1, "max_iterations": 2}
     assert argv[-2:] == ["--kv-cache-memory-bytes", "67108864"]
     assert "--kv-transfer-config" not in argv
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from profiling_support import DATA
 
+from vllm_neuron.profiling.recipes import stale_trigger
 from vllm_neuron.profiling.stats import (
     FallbackDetector,
     StatsTick,
@@ -161,3 +162,44 @@ def test_detector_rejects_bad_arguments(bad: int) -> None:
         FallbackDetector(bad)
     with pytest.raises(ValueError):
         FallbackDetector(1, patience=bad)
+
+
+def test_a_withdrawn_arm_waits_again_and_counts_as_a_prefill_free_tick() -> None:
+    d = FallbackDetector(4, patience=2)
+    assert d.observe(tick(0.0, 4)).verdict is Verdict.ARM
+    d.disarm()
+    assert d.decision.verdict is Verdict.WAIT
+    assert d.observe(tick(0.0, 4)).verdict is Verdict.ARM  # a fresh steady tick arms again
+    d.disarm()
+    assert d.observe(tick(300.0, 4)).verdict is Verdict.WAIT
+    reason = d.finish().reason
+    assert "no tick was prefill-free" not in reason  # the withdrawn ticks were
+    d.disarm()  # only an ARM is withdrawn
+    assert d.decision.verdict is Verdict.FALLBACK
+
+
+def test_a_trigger_is_stale_when_newer_evidence_shows_the_batch_draining() -> None:
+    steady = StatsTick(0.0, 900.0, 4, 0, line="Running: 4 reqs")
+    assert stale_trigger(steady, 4, 4, connector_mode=False) is None
+    drained = StatsTick(0.0, 90.0, 0, 0, line="Running: 0 reqs")
+    why = stale_trigger(drained, 4, 4, connector_mode=False)
+    assert why is not None and "no longer shows steady decode: Running: 0 reqs" in why
+    why = stale_trigger(steady, 3, 4, connector_mode=False)  # the client has a response
+    assert why is not None and "only 3 of the 4 requests were still unanswered" in why
+    next_wave = StatsTick(64.0, 900.0, 4, 0)  # a new request's prefill: not steady either
+    assert stale_trigger(next_wave, 4, 4, connector_mode=False) is not None
+    assert stale_trigger(next_wave, 4, 4, connector_mode=True) is None
+
+
+def test_decode_ticks_below_the_target_are_not_the_structural_failure() -> None:
+    d = FallbackDetector(4)
+    for t in (tick(300.0, 1), tick(0.0, 1), tick(300.0, 2), tick(0.0, 2), tick(0.0, 0)):
+        d.observe(t)
+    assert d.decision.verdict is Verdict.WAIT and d.ran_below_target() == 2
+    structural = FallbackDetector(1)
+    for t in (tick(300.0, 1), tick(0.0, 0, gen=50.0), tick(300.0, 1)):
+        structural.observe(t)  # the only prefill-free tick is a drain with nothing running
+    assert structural.ran_below_target() is None
+    connector = FallbackDetector(4, connector_mode=True)
+    connector.observe(tick(16.0, 3))  # prompt throughput is not prefill with the connector
+    assert connector.ran_below_target() == 3

@@ -94,6 +94,15 @@ def test_phase_checks_on_real_traces() -> None:
         prefill, target_batch=1, decode_only_connector=True)[0]
 
 
+def test_a_decode_window_shorter_than_max_iterations_missed_the_steady_state() -> None:
+    one = [s for s in (parse_step_name("execute_context_0(0)_generation_4(4)"),
+                       parse_step_name("execute_context_0(0)_generation_0(0)")) if s]
+    assert check_decode_steps(one, target_batch=4) == []  # no window length given
+    problems = check_decode_steps(one, target_batch=4, min_steps=2)
+    assert problems == ["only 1 model step(s) recorded in a window of 2 (max_iterations): "
+                        "the window opened as the decode leg ended"]
+
+
 def test_no_recorded_step_is_a_failure() -> None:
     empty = [parse_step_name("execute_context_0(0)_generation_0(0)")]
     assert "no model step" in check_prefill_steps([s for s in empty if s])[0]
@@ -205,6 +214,13 @@ def test_trace_deleted_after_the_manifest_fails(tmp_path: Path) -> None:
         f.unlink()
     report = validate_run(str(run))
     assert any("does not exist" in f for f in report.failures)
+
+
+def test_decode_run_with_a_short_window_fails(tmp_path: Path) -> None:
+    run = make_run(tmp_path, "short", recipe=DECODE, concurrency=4, setup=torch_trace(
+        ["execute_context_0(0)_generation_4(4)", "execute_context_0(0)_generation_0(0)"]))
+    report = validate_run(str(run))
+    assert any("only 1 model step(s) recorded in a window of 2" in f for f in report.failures)
 
 
 def test_decode_with_prefill_leak_fails(tmp_path: Path) -> None:

@@ -69,6 +69,11 @@ def register(sub: Any) -> None:
                      '{"kv_connector": "DecodeBenchConnector", "kv_role": "kv_both"})')
     dec.add_argument("--fallback-patience", type=int, default=12,
                      help="busy ticks with prefill in a row before falling back")
+    win = cap.add_argument_group("profiling windows")
+    win.add_argument("--max-windows", type=int, default=None, metavar="N",
+                     help="profiling windows per server launch: a window whose trace misses "
+                     "the phase (no model step, a short or mixed window) is set aside under "
+                     "windows/ and the workload runs again (default 3)")
     lim = cap.add_argument_group("time limits (seconds)")
     lim.add_argument("--ready-timeout", type=float, default=3600.0)
     lim.add_argument("--request-timeout", type=float, default=600.0)
@@ -108,7 +113,7 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 def options_from_args(args: argparse.Namespace) -> Any:
     import shlex
 
-    from vllm_neuron.profiling.capture import CaptureOptions
+    from vllm_neuron.profiling.capture import DEFAULT_MAX_WINDOWS, CaptureOptions
     from vllm_neuron.profiling.run_spec import DECODE_ONLY_CONNECTOR, DEFAULT_ACTIVITIES
 
     extra = list(args.serve_args or [])
@@ -151,6 +156,7 @@ def options_from_args(args: argparse.Namespace) -> Any:
         decode_fallback=args.decode_fallback,
         decode_connector=connector,
         fallback_patience=args.fallback_patience,
+        max_windows=DEFAULT_MAX_WINDOWS if args.max_windows is None else args.max_windows,
         ready_timeout=args.ready_timeout,
         request_timeout=args.request_timeout,
         stop_profile_timeout=args.stop_profile_timeout,
@@ -220,6 +226,11 @@ def _print_manifest(m: Any) -> None:
     if m.trigger:
         line = m.trigger.get("line")
         print(f"trigger: {m.trigger.get('kind')}" + (f": {line}" if line else ""))
+    if len(m.windows) > 1 or any(w.outcome != "captured" for w in m.windows):
+        print(f"profiling windows (max_windows {m.max_windows}):")
+        for w in m.windows:
+            print(f"  attempt {w.attempt} window {w.window}: {w.outcome}"
+                  + (f" ({w.reason})" if w.reason else ""))
     if m.fallback:
         print(f"fallback connector: {json.dumps(m.fallback['kv_transfer_config'])} "
               f"({m.fallback['reason']})")

@@ -1,15 +1,16 @@
 """Profile capture: prefill-only and decode-only traces from a running vLLM server.
 
-See seeds/profiling-capture.md. The modules, one job each:
+The modules, one job each:
 
 - `layout`     where a run's files go (``$NEURON_PROJECT_ROOT/agent_artifacts/...``)
 - `run_spec`   the input contract (``run_spec.json``) and the server command derived from it
 - `lifecycle`  launch in an own process group, readiness, guarded group teardown
-- `recipes`    prefill isolation and decode isolation (with `workload` and `client`)
+- `recipes`    prefill isolation and decode isolation, one profiling window per call
+               (with `workload` and `client`)
 - `stats`      the stats-line decode trigger and the no-prefill-free-tick fallback detector
 - `artifacts`  discovery of what the profiler wrote; `manifest` the output contract
 - `trace`      per-step annotations of vLLM torch-profiler traces; `validate` the checks
-- `capture`    one capture end to end
+- `capture`    one capture end to end (windows retried up to ``max_windows``)
 """
 
 from .capture import CaptureOptions, CaptureResult, run_capture

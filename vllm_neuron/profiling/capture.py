@@ -6,7 +6,10 @@ The order is the contract:
    server is launched, so it survives a launch or compile failure;
 2. the server is launched in its own process group, logging to ``logs/serve.log``, and
    polled on ``/v1/models``;
-3. the recipe runs (a decode capture may relaunch once with the decode-only connector);
+3. the recipe runs in profiling windows: each window's trace is checked for the phase
+   before it is accepted, and a window that missed it is set aside (``windows/``) and the
+   workload runs again, up to ``max_windows`` per launch (a decode capture may also
+   relaunch once with the decode-only connector);
 4. from a ``finally`` block, whatever happened (an error, Ctrl-C, SIGTERM): an owed
    ``/stop_profile`` is sent, ``manifest.json`` is written, the server's process group is
    torn down, and the manifest is rewritten with the teardown record, the artifacts found
@@ -41,6 +44,7 @@ from .manifest import (
     ProfileManifest,
     Teardown,
     Validation,
+    Window,
     profile_from_artifacts,
     write_manifest,
 )
@@ -49,6 +53,7 @@ from .recipes import (
     ProfilerControl,
     RecipeFailed,
     RecipeResult,
+    WindowMissed,
     decode_isolation,
     prefill_isolation,
 )
@@ -73,9 +78,14 @@ from .run_spec import (
     write_run_spec,
 )
 from .trace import TraceError, read_trace
-from .validate import validate_run
+from .validate import check_phase_traces, validate_run
 
 FALLBACK_MODES = ("auto", "never", "always")
+# Profiling windows per server launch. A window misses its phase only when the host is so
+# busy that the trigger's evidence goes stale (see `recipes`), so one or two more windows
+# are what a loaded host needs, and a capture that misses three is reported, not retried
+# forever.
+DEFAULT_MAX_WINDOWS = 3
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
 
 
@@ -120,6 +130,8 @@ class CaptureOptions:
     decode_fallback: str = "auto"
     decode_connector: dict[str, Any] = field(default_factory=lambda: dict(DECODE_ONLY_CONNECTOR))
     fallback_patience: int = 12
+    # profiling windows per server launch (see DEFAULT_MAX_WINDOWS)
+    max_windows: int = DEFAULT_MAX_WINDOWS
     # time limits (seconds)
     ready_timeout: float = 3600.0
     request_timeout: float = 600.0
@@ -231,6 +243,9 @@ class _Run:
         self.profiler = opts.profiler if opts.profiler != "auto" else detect_profiler()
         if opts.decode_fallback not in FALLBACK_MODES:
             raise ValueError(f"decode_fallback must be one of {FALLBACK_MODES}")
+        if opts.max_windows < 1:
+            raise ValueError(f"max_windows (--max-windows) must be at least 1, got "
+                             f"{opts.max_windows}")
         self.workload = build_workload(opts, self.recipe)
         self.serve_config = build_serve_config(opts, self.profiler, self.layout, self.recipe)
         os.makedirs(self.layout.output_dir, exist_ok=True)
@@ -245,6 +260,7 @@ class _Run:
         self.server: ServerProcess | None = None
         self.control: ProfilerControl | None = None
         self.attempts: list[Attempt] = []
+        self.windows: list[Window] = []
         self.kv_transfer: KVTransfer | None = None
         self.result = RecipeResult()
         self.timings: dict[str, float] = {}
@@ -317,24 +333,7 @@ class _Run:
             self.stage = "capture"
             t = time.monotonic()
             try:
-                if self.recipe == PREFILL:
-                    self.result = prefill_isolation(
-                        self.control.client, self.control, self.workload,
-                        request_timeout=self.opts.request_timeout,
-                    )
-                else:
-                    self.result = decode_isolation(
-                        self.control.client,
-                        self.control,
-                        self.workload,
-                        log_path=self.layout.serve_log,
-                        connector_mode=self.kv_transfer is not None,
-                        patience=self.opts.fallback_patience,
-                        tick_seconds=self.opts.stats_interval,
-                        request_timeout=self.opts.request_timeout,
-                        log=self.log,
-                        on_armed=self._armed,
-                    )
+                self.capture_windows(attempt)
             except NeedsFallback as exc:
                 if self.opts.decode_fallback == "never" or self.kv_transfer is not None:
                     raise RecipeFailed(f"decode arming never fired: {exc.reason}") from None
@@ -349,6 +348,107 @@ class _Run:
             self.attempts.append(self._attempt_record(attempt, "captured", ""))
             self.status = "ok"
             return
+
+    # -- profiling windows -----------------------------------------------------------------
+    def capture_windows(self, attempt: int) -> None:
+        """Run windows until one's trace holds the phase, at most ``max_windows``.
+
+        Raises `RecipeFailed` naming the setting when every window missed; the last
+        window's files stay in ``output/`` so validation reports what was recorded.
+        """
+        limit = self.opts.max_windows
+        last = ""
+        for window in range(1, limit + 1):
+            self.result = RecipeResult()
+            assert self.control is not None
+            self.control.timings = {}
+            try:
+                self.result = self.run_recipe(window)
+            except WindowMissed as exc:
+                last = exc.reason
+                self.log(f"profiling window {window} of {limit} missed: {exc.reason}")
+                self.windows.append(self._window(attempt, window, "missed", exc.reason))
+                continue
+            failures, traces, steps = self.check_window()
+            if not failures:
+                self.windows.append(
+                    self._window(attempt, window, "captured", "", traces, steps))
+                if window > 1:
+                    self.log(f"profiling window {window} of {limit} captured the phase")
+                return
+            last = "; ".join(failures)
+            self.log(f"profiling window {window} of {limit} rejected: {last}")
+            kept = None if window == limit else self.layout.window_dir(attempt, window)
+            self.windows.append(
+                self._window(attempt, window, "rejected", last, traces, steps, kept))
+        raise RecipeFailed(
+            f"none of {limit} profiling windows recorded the {PHASES[self.recipe]} phase "
+            f"(max_windows {limit}; raise it with --max-windows); last: {last}"
+        )
+
+    def run_recipe(self, window: int) -> RecipeResult:
+        assert self.control is not None
+        if self.recipe == PREFILL:
+            return prefill_isolation(
+                self.control.client, self.control, self.workload,
+                request_timeout=self.opts.request_timeout, window=window,
+            )
+        return decode_isolation(
+            self.control.client,
+            self.control,
+            self.workload,
+            log_path=self.layout.serve_log,
+            connector_mode=self.kv_transfer is not None,
+            patience=self.opts.fallback_patience,
+            tick_seconds=self.opts.stats_interval,
+            request_timeout=self.opts.request_timeout,
+            window=window,
+            log=self.log,
+            on_armed=self._armed,
+        )
+
+    def check_window(self) -> tuple[list[str], list[str], dict[str, list[str]]]:
+        """The window just closed: its phase failures, its traces, their step names.
+
+        Only torch-profiler traces can be read here: Neuron traces are flushed when the
+        workers exit, so a Neuron window is accepted as is and checked after teardown.
+        """
+        found = artifacts_mod.collect(self.layout.output_dir, self.profiler)
+        traces = [t.path for t in found.traces]
+        if self.profiler != artifacts_mod.TORCH:
+            return [], traces, {}
+        if not traces:
+            return ["the profiler wrote no trace for the window"], traces, {}
+        assert self.spec is not None
+        failures, steps = check_phase_traces(traces, self.spec, device_trace=found.device_trace)
+        return failures, traces, steps
+
+    def _window(
+        self,
+        attempt: int,
+        window: int,
+        outcome: str,
+        reason: str,
+        traces: list[str] | None = None,
+        steps: dict[str, list[str]] | None = None,
+        move_to: str | None = None,
+    ) -> Window:
+        """The window's record; with `move_to`, its files are moved there out of output/."""
+        traces = list(traces or [])
+        names = [name for path in traces for name in (steps or {}).get(path, [])]
+        if move_to is not None:
+            traces = _move_contents(self.layout.output_dir, move_to, traces)
+        return Window(
+            window=window,
+            attempt=attempt,
+            outcome=outcome,
+            reason=reason,
+            trigger=self.result.trigger,
+            traces=traces,
+            steps=names,
+            requests=dict(self.result.requests),
+            timings=dict(self.control.timings) if self.control is not None else {},
+        )
 
     def _armed(self, trigger: dict[str, Any]) -> None:
         self.result.trigger = trigger
@@ -444,6 +544,8 @@ class _Run:
                 else None
             ),
             attempts=list(self.attempts),
+            max_windows=self.opts.max_windows,
+            windows=list(self.windows),
             requests=self.result.requests,
             timings=timings,
             versions=dict(self.versions),
@@ -457,6 +559,16 @@ class _Run:
         self.status = status
         self.error = error
         self.failed_stage = self.stage
+
+
+def _move_contents(src: str, dest: str, paths: list[str]) -> list[str]:
+    """Move everything under `src` into `dest`; returns where `paths` (under src) went."""
+    names = os.listdir(src)
+    if names:
+        os.makedirs(dest, exist_ok=True)
+    for name in names:
+        shutil.move(os.path.join(src, name), os.path.join(dest, name))
+    return [os.path.join(dest, os.path.relpath(p, src)) for p in paths]
 
 
 def _own_version() -> str:

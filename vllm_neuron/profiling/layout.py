@@ -1,7 +1,8 @@
 """Where a capture's files go: one knob, ``NEURON_PROJECT_ROOT``, and no override.
 
     <project_root>/agent_artifacts/
-        profiles/<run_name>/      run_spec.json, manifest.json, logs/serve.log, output/
+        profiles/<run_name>/      run_spec.json, manifest.json, logs/serve.log, output/,
+                                  windows/ (the traces of rejected profiling windows)
         bench/<run_name>/         benchmark results of the same run name
         models/                   weights (the default HF_HOME)
 """
@@ -18,6 +19,7 @@ RUN_SPEC_FILE = "run_spec.json"
 MANIFEST_FILE = "manifest.json"
 SERVE_LOG = "logs/serve.log"
 OUTPUT_DIR = "output"
+WINDOWS_DIR = "windows"
 
 _RUN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -77,3 +79,7 @@ class RunLayout:
     @property
     def output_dir(self) -> str:
         return os.path.join(self.run_dir, OUTPUT_DIR)
+
+    def window_dir(self, attempt: int, window: int) -> str:
+        """Where a rejected window's files are kept: outside ``output/``, never mixed."""
+        return os.path.join(self.run_dir, WINDOWS_DIR, f"attempt{attempt}-window{window}")

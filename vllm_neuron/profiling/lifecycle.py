@@ -1,12 +1,23 @@
 """A profiling server's lifecycle: launch in its own process group, readiness, teardown.
 
 A profiling server holds devices; one that is not torn down makes the next launch fail.
-So the server is started in a **new session** (its own process group, whose id is its
-pid), every process it forks stays in that group, and teardown signals the recorded group
-id: SIGTERM, a grace period, then SIGKILL. Teardown refuses to signal the launching
-process's own group (or the init/kernel groups): a bare background launch shares its
-group with whatever started it, which is what makes a group kill hit the wrong processes.
-Never tear a server down by name (``pkill -f``).
+So the server is started in **its own process group** (whose id is its pid), every process
+it forks stays in that group, and teardown signals the recorded group id: SIGTERM, a grace
+period, then SIGKILL. The group is not the terminal's foreground group, so a Ctrl-C reaches
+only the capture, which tears the server down itself.
+
+The server stays in the capture's **session**, deliberately. Linux schedules each session
+as one group (``kernel.sched_autogroup_enabled``, on by default in most distributions): a
+server in a session of its own gets as much CPU as everything else in the capture's session
+put together. On a busy host, with other load in that session, the engine then kept
+stepping while the capture's log follower and workload threads waited seconds for a CPU:
+the batch's requests reached the server one at a time, and the stats ticks were read after
+the batch they described had finished, so profiling windows missed their phase. In one
+session the server and the capture share the CPU on equal terms.
+
+Teardown refuses to signal the launching process's own group (or the init/kernel groups):
+a bare background launch shares its group with whatever started it, which is what makes a
+group kill hit the wrong processes. Never tear a server down by name (``pkill -f``).
 """
 
 from __future__ import annotations
@@ -15,11 +26,18 @@ import contextlib
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
+
+# A new process group (pgid == pid) in the launcher's session; see the module docstring.
+_OWN_PROCESS_GROUP: dict[str, Any] = (
+    {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+)
 
 
 class UnsafeSignal(RuntimeError):
@@ -133,13 +151,13 @@ class ServerProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                start_new_session=True,  # own session => own process group, pgid == pid
+                **_OWN_PROCESS_GROUP,
             )
         try:
             pgid = os.getpgid(proc.pid)
         except ProcessLookupError:  # already gone and reaped
             pgid = proc.pid
-        if pgid == os.getpgrp():  # pragma: no cover - start_new_session guarantees otherwise
+        if pgid == os.getpgrp():  # pragma: no cover - a new process group guarantees otherwise
             raise UnsafeSignal(f"server {proc.pid} shares the launcher's process group")
         return cls(proc, pgid, log_path)
 

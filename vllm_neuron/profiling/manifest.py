@@ -5,7 +5,8 @@ advance, so readers take paths from here, never from a guess. It is written from
 ``finally`` block, so a failed or interrupted run still has one saying what happened, and
 it back-references ``run_spec.json``. Teardown is recorded in its own field, separately
 from the capture's result: cleanup can neither rescue a failed capture nor erase a
-successful one.
+successful one. ``windows`` records every profiling window the capture ran (see `Window`)
+and ``max_windows`` the bound it ran under.
 
 ``profile`` keeps the seed's keys for a Neuron capture (``device_ntff``,
 ``system_trace_pb``, ``trace_info_pb``, ``neff_dir``, ``cpu_util_pb``, ``host_mem_pb``); a
@@ -62,6 +63,28 @@ class Attempt(msgspec.Struct, frozen=True, kw_only=True):
     pgid: int | None = None
 
 
+class Window(msgspec.Struct, frozen=True, kw_only=True):
+    """One profiling window: a run of the workload, its arming and one profiler session.
+
+    A window whose trace misses the phase is set aside and the workload runs again, up to
+    ``max_windows`` per server launch. Outcomes: ``captured`` (its trace is the run's
+    ``output/``), ``rejected`` (its trace failed the phase check: ``reason``; the files
+    were moved to ``traces``, outside ``output/``, so no two windows' traces mix) and
+    ``missed`` (the workload ended before the trigger could fire on fresh evidence: no
+    profiler session was opened).
+    """
+
+    window: int
+    attempt: int = 1
+    outcome: str = ""
+    reason: str = ""
+    trigger: dict[str, Any] | None = None
+    traces: list[str] = msgspec.field(default_factory=list)
+    steps: list[str] = msgspec.field(default_factory=list)
+    requests: dict[str, Any] = msgspec.field(default_factory=dict)
+    timings: dict[str, float] = msgspec.field(default_factory=dict)
+
+
 class Teardown(msgspec.Struct, frozen=True, kw_only=True):
     pgid: int | None = None
     signals: list[str] = msgspec.field(default_factory=list)
@@ -95,6 +118,8 @@ class ProfileManifest(msgspec.Struct, frozen=True, kw_only=True):
     trigger: dict[str, Any] | None = None
     fallback: dict[str, Any] | None = None
     attempts: list[Attempt] = msgspec.field(default_factory=list)
+    max_windows: int = 0
+    windows: list[Window] = msgspec.field(default_factory=list)
     requests: dict[str, Any] = msgspec.field(default_factory=dict)
     timings: dict[str, float] = msgspec.field(default_factory=dict)
     versions: dict[str, str | None] = msgspec.field(default_factory=dict)

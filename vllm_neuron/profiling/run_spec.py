@@ -145,18 +145,26 @@ def profiler_settings(
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """``(profiler_config, additional_config)`` arming ``profiler`` into `output_dir`.
 
-    Both recipes use ``delay_iterations 0`` (armed on the next iteration) and
-    ``max_iterations 2``. On Neuron, ``"profiler": "cuda"`` is the slot the plugin
-    reinterprets as the Neuron profiler, configured by the ``neuron_profiler`` block; with
-    vLLM's torch profiler the traces go to ``torch_profiler_dir`` and the API server's own
-    CPU trace (which ignores the iteration window) is left out.
+    Both recipes record ``max_iterations 2``: the first two engine steps after
+    ``/start_profile``. On Neuron, ``"profiler": "cuda"`` is the slot the plugin
+    reinterprets as the Neuron profiler, configured by the ``neuron_profiler`` block, with
+    ``delay_iterations 0`` (armed on the next iteration). With vLLM's torch profiler the
+    traces go to ``torch_profiler_dir`` and the API server's own CPU trace (which ignores the
+    iteration window) is left out, and ``delay_iterations`` is 1: vLLM then starts the
+    profiler inside the first step after ``/start_profile`` instead of at the call, and that
+    step is still the first one recorded, so the window holds the same two steps. What it
+    leaves out is the idle worker between the call and that step, whose polling loop the
+    Python tracer (``with_stack``) records at hundreds of thousands of events a second: a
+    window that opened after its batch ended (see `recipes`) otherwise grows to tens of MB
+    before its stop, and exporting that can outlast ``--stop-profile-timeout`` on a busy
+    host. Delayed, such a window records nothing and writes no trace.
     """
     output_dir = os.path.abspath(output_dir)
     window = {"delay_iterations": 0, "max_iterations": MAX_ITERATIONS}
     if profiler == TORCH:
         return (
             {"profiler": "torch", "torch_profiler_dir": output_dir, "ignore_frontend": True,
-             **window},
+             **window, "delay_iterations": 1},
             None,
         )
     if profiler == NEURON:

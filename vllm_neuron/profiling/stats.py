@@ -30,6 +30,8 @@ _STATS = re.compile(
     r"Waiting:\s*(?P<waiting>\d+)\s*reqs?"
 )
 _ENGINE = re.compile(r"Engine\s+(?P<engine>\d+):")
+# vLLM's VLLM_LOG_STATS_INTERVAL when it is not set (seconds per tick).
+DEFAULT_STATS_INTERVAL = 10.0
 
 
 @dataclass(frozen=True)
@@ -167,6 +169,31 @@ class FallbackDetector:
         if self._busy_with_prefill >= self.patience:
             self.decision = Decision(Verdict.FALLBACK, self._reason(), tick)
         return self.decision
+
+    def ran_below_target(self) -> int | None:
+        """The most requests a decode tick ran, when decode ticks happened below the target.
+
+        A tick with requests running and no prefill in it proves the decode leg outlasts a
+        tick, so a workload that ends without a trigger did not fail structurally: its batch
+        never ran whole at once (requests arriving staggered on a busy host, or a server
+        that cannot hold the target batch). None when no such tick was seen.
+        """
+        decode = [t.running for t in self.ticks
+                  if t.running > 0 and (t.prefill_free or self.connector_mode)]
+        return max(decode) if decode else None
+
+    def disarm(self) -> None:
+        """Withdraw an ARM whose tick turned out stale, and keep watching.
+
+        The decode recipe arms only on fresh evidence (see `recipes.decode_isolation`): when
+        a tick read in the same burst, or the client's own responses, show the batch already
+        draining, the ARM is withdrawn. The withdrawn tick still proves that prefill-free
+        ticks happen, so it counts against declaring the structural fallback.
+        """
+        if self.decision.verdict is Verdict.ARM:
+            self._saw_prefill_free_busy_tick = True
+            self._busy_with_prefill = 0
+            self.decision = Decision(Verdict.WAIT)
 
     def observe_line(self, line: str) -> Decision:
         tick = parse_stats_line(line)

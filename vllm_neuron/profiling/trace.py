@@ -149,18 +149,31 @@ def check_prefill_steps(steps: list[Step], *, max_requests: int = 1) -> list[str
 
 
 def check_decode_steps(
-    steps: list[Step], *, target_batch: int, decode_only_connector: bool = False
+    steps: list[Step],
+    *,
+    target_batch: int,
+    decode_only_connector: bool = False,
+    min_steps: int = 1,
 ) -> list[str]:
     """Reasons the steps are not steady-state decode at `target_batch` (empty: they are).
 
     With the decode-only connector, a newly admitted request's first step computes only its
     last prompt token against KV the connector filled: vLLM still calls it "context", but
     it is a one-token, decode-shaped row, so such rows are accepted in that mode.
+
+    `min_steps` is the window's length (the profiler's ``max_iterations``): a decode window
+    holding fewer model steps opened on the last steps of the decode leg, so it missed the
+    steady state it was meant to record (and one step leaves collective analysis empty).
     """
     work = [s for s in steps if not s.empty]
     if not work:
         return ["no model step was recorded (no execute_model annotation with work)"]
     problems = []
+    if len(work) < min_steps:
+        problems.append(
+            f"only {len(work)} model step(s) recorded in a window of {min_steps} "
+            "(max_iterations): the window opened as the decode leg ended"
+        )
     for s in work:
         if decode_only_connector:
             if not s.single_token_rows:

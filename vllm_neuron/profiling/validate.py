@@ -13,7 +13,9 @@ not trusted:
   was;
 - for torch-profiler traces, phase isolation is checked from the trace itself: every
   recorded step of a prefill capture is context work only, and every step of a decode
-  capture is generation work only, at the target batch size.
+  capture is generation work only, at the target batch size, filling the whole window
+  (``max_iterations`` steps). The capture runs the same check on each profiling window
+  (`check_phase_traces`) before accepting it.
 
 `validate_run` returns a report; ``ok`` is False when any failure was found.
 """
@@ -30,7 +32,7 @@ from vllm_neuron.backends import open_store
 from .artifacts import HOST_ACTIVITIES, NEURON, TORCH, collect
 from .layout import MANIFEST_FILE, RUN_SPEC_FILE
 from .manifest import ProfileArtifacts, ProfileManifest, decode_manifest
-from .run_spec import DECODE, PREFILL, RunSpec, decode_run_spec
+from .run_spec import DECODE, MAX_ITERATIONS, PREFILL, RunSpec, decode_run_spec
 from .trace import TraceError, check_decode_steps, check_prefill_steps, read_trace
 
 
@@ -153,6 +155,50 @@ def _check_host_files(profile: ProfileArtifacts, report: ValidationReport) -> No
             )
 
 
+def window_steps(spec: RunSpec) -> int:
+    """How many model steps one profiling window records (``max_iterations``; 0 = unbounded)."""
+    value = spec.serve_config.profiler_config.get("max_iterations", MAX_ITERATIONS)
+    return value if isinstance(value, int) and value > 0 else 1
+
+
+def check_phase_traces(
+    paths: list[str], spec: RunSpec, *, device_trace: str | None = None
+) -> tuple[list[str], dict[str, list[str]]]:
+    """Phase-isolation failures of torch-profiler traces, and each trace's step names.
+
+    Shared by `validate_run` and by the capture's check of each profiling window before it
+    is accepted, so a window is retried on exactly the evidence validation would reject.
+    A missing or zero-byte `device_trace` is left to the caller (it reports it its way).
+    """
+    failures: list[str] = []
+    steps: dict[str, list[str]] = {}
+    connector = spec.kv_transfer is not None
+    for path in paths:
+        if _file_problem("trace", path):
+            if path != device_trace:
+                failures.append(f"worker trace {path} is missing or zero bytes")
+            continue
+        try:
+            summary = read_trace(path)
+        except TraceError as exc:
+            failures.append(str(exc))
+            continue
+        steps[path] = [s.name for s in summary.steps]
+        if spec.recipe == PREFILL:
+            problems = check_prefill_steps(summary.steps, max_requests=1)
+        elif spec.recipe == DECODE:
+            problems = check_decode_steps(
+                summary.steps,
+                target_batch=spec.workload.concurrency,
+                decode_only_connector=connector,
+                min_steps=window_steps(spec),
+            )
+        else:
+            problems = [f"unknown recipe {spec.recipe!r} in run_spec.json"]
+        failures.extend(f"{os.path.basename(path)}: {p}" for p in problems)
+    return failures, steps
+
+
 def _check_torch_phase(
     profile: ProfileArtifacts,
     spec: RunSpec,
@@ -161,29 +207,10 @@ def _check_torch_phase(
     traces = [t.path for t in profile.traces] or (
         [profile.device_trace] if profile.device_trace else []
     )
+    failures, steps = check_phase_traces(traces, spec, device_trace=profile.device_trace)
+    report.failures.extend(failures)
+    report.steps.update(steps)
     connector = spec.kv_transfer is not None
-    for path in traces:
-        if _file_problem("trace", path):
-            if path != profile.device_trace:
-                report.failures.append(f"worker trace {path} is missing or zero bytes")
-            continue
-        try:
-            summary = read_trace(path)
-        except TraceError as exc:
-            report.failures.append(str(exc))
-            continue
-        report.steps[path] = [s.name for s in summary.steps]
-        if spec.recipe == PREFILL:
-            problems = check_prefill_steps(summary.steps, max_requests=1)
-        elif spec.recipe == DECODE:
-            problems = check_decode_steps(
-                summary.steps,
-                target_batch=spec.workload.concurrency,
-                decode_only_connector=connector,
-            )
-        else:
-            problems = [f"unknown recipe {spec.recipe!r} in run_spec.json"]
-        report.failures.extend(f"{os.path.basename(path)}: {p}" for p in problems)
     if connector:
         report.notes.append(
             "decode captured with the decode-only KV connector "

@@ -2,8 +2,9 @@
 
 Each of ``concurrency`` workers sends chat requests back to back until ``num_requests``
 have been sent in total. Every prompt starts with a unique tag so vLLM's prefix cache
-cannot turn a later request's prefill into a cache hit, and ``ignore_eos`` makes every
-decode leg exactly ``output_len`` tokens.
+cannot turn a later request's prefill into a cache hit (``tag`` keeps them unique across
+the profiling windows of one server, which each run the workload again), and
+``ignore_eos`` makes every decode leg exactly ``output_len`` tokens.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class WorkloadRunner:
         concurrency: int,
         num_requests: int,
         request_timeout: float = 300.0,
+        tag: str = "",
     ) -> None:
         self.client = client
         self.input_len = input_len
@@ -59,8 +61,10 @@ class WorkloadRunner:
         self.concurrency = concurrency
         self.num_requests = num_requests
         self.request_timeout = request_timeout
+        self.tag = tag
         self._lock = threading.Lock()
         self._next = 0
+        self._in_flight = 0
         self._stop = threading.Event()
         self._results: list[RequestResult] = []
         self._threads: list[threading.Thread] = []
@@ -76,17 +80,28 @@ class WorkloadRunner:
             if self._stop.is_set() or self._next >= self.num_requests:
                 return None
             self._next += 1
+            self._in_flight += 1
             return self._next - 1
 
     def _worker(self) -> None:
         while (index := self._take()) is not None:
             result = self.client.chat(
-                make_prompt(self.input_len, f"{index:06d}"),
+                make_prompt(self.input_len, f"{self.tag}{index:06d}"),
                 max_tokens=self.output_len,
                 timeout=self.request_timeout,
             )
             with self._lock:
                 self._results.append(result)
+                self._in_flight -= 1
+
+    def in_flight(self) -> int:
+        """Requests taken and not yet answered: what the client knows is still running.
+
+        A response is the client's own proof that a request left the batch, so the decode
+        recipe refuses to arm while fewer than ``concurrency`` are in flight.
+        """
+        with self._lock:
+            return self._in_flight
 
     def done(self) -> bool:
         return all(not t.is_alive() for t in self._threads)
