@@ -49,6 +49,7 @@ from .encoding import (
 )
 from .kernel_handles import (
     HandleSource,
+    KernelHandle,
     KernelHandleError,
     handle_input_indices,
     resolve_handles,
@@ -277,37 +278,9 @@ def _describe(
     for i, value in enumerate(values):
         source = handles.get(i) if handles else None
         if source is not None:
-            weight = source.weight
-            what = f"{stem}{i}"
-            check_encodable(weight.dtype, fmt, what=what)
-            specs.append(
-                InputSpec(
-                    index=i,
-                    kind="kernel-handle",
-                    file=file_name(f"{stem}{i}", fmt),
-                    dtype=dtype_name(weight.dtype),
-                    shape=[int(d) for d in weight.shape],
-                    stride=[int(s) for s in weight.stride()],
-                    nbytes=int(weight.numel() * weight.element_size()),
-                    device=str(weight.device),
-                    handle=source.handle,
-                )
-            )
+            specs.append(_tensor_spec(i, source.weight, stem, fmt, source.handle))
         elif _is_tensor(value):
-            what = f"{stem}{i}"
-            check_encodable(value.dtype, fmt, what=what)
-            specs.append(
-                InputSpec(
-                    index=i,
-                    kind="tensor",
-                    file=file_name(f"{stem}{i}", fmt),
-                    dtype=dtype_name(value.dtype),
-                    shape=[int(d) for d in value.shape],
-                    stride=[int(s) for s in value.stride()],
-                    nbytes=int(value.numel() * value.element_size()),
-                    device=str(value.device),
-                )
-            )
+            specs.append(_tensor_spec(i, value, stem, fmt))
         elif value is None or isinstance(value, bool | int | float):
             specs.append(InputSpec(index=i, kind="scalar", value=value))
         else:
@@ -315,6 +288,25 @@ def _describe(
                 f"{stem}{i} is a {type(value).__name__}; snapshots hold tensors and numbers"
             )
     return specs
+
+
+def _tensor_spec(
+    index: int, tensor: Any, stem: str, fmt: SnapshotFormat, handle: KernelHandle | None = None
+) -> InputSpec:
+    """The spec of a tensor stored as ``<stem><index>``: the value itself, or the weight
+    standing in for a kernel handle."""
+    check_encodable(tensor.dtype, fmt, what=f"{stem}{index}")
+    return InputSpec(
+        index=index,
+        kind="tensor" if handle is None else "kernel-handle",
+        file=file_name(f"{stem}{index}", fmt),
+        dtype=dtype_name(tensor.dtype),
+        shape=[int(d) for d in tensor.shape],
+        stride=[int(s) for s in tensor.stride()],
+        nbytes=int(tensor.numel() * tensor.element_size()),
+        device=str(tensor.device),
+        handle=handle,
+    )
 
 
 def _flatten_outputs(out: Any) -> list[Any]:
