@@ -22,7 +22,8 @@ Why a decode window can miss, and what prevents it: a tick is evidence about the
 is logged at the end of its interval, read by polling the log, and the profiler starts
 only after ``/start_profile`` has crossed the API server's event loop and the engine's
 input queue. On a busy host the waiting parties (the stats logger, this follower, the
-HTTP handler) wake late while the engine core keeps stepping, so ticks arrive in bursts
+HTTP handler) wake late while the engine core keeps stepping (far later when the server
+runs in a scheduling group of its own, which `lifecycle` avoids), so ticks arrive in bursts
 and the first steady tick of a burst can describe a batch that has already finished: a
 window opened then records no model step at all. So the trigger fires only on fresh
 evidence: the *latest* tick of a read must still show steady decode, and every request of
