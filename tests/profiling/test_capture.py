@@ -290,17 +290,28 @@ def test_existing_run_directory_is_refused(
         run_capture(options("prefill", fake_model, port, fake_entrypoint, run_name="taken"))
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def _ignore_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@pytest.mark.parametrize(("sig", "inherit_ignored"),
+                         [(signal.SIGINT, False), (signal.SIGTERM, False), (signal.SIGINT, True)],
+                         ids=["SIGINT", "SIGTERM", "SIGINT-inherited-ignored"])
 def test_signal_mid_capture_tears_down_and_writes_the_manifest(
-    project_root: Path, fake_model: str, port: int, sig: signal.Signals
+    project_root: Path, fake_model: str, port: int, sig: signal.Signals, inherit_ignored: bool
 ) -> None:
-    """The capture command gets a signal while the server is starting up."""
+    """The capture command gets a signal while the server is starting up.
+
+    ``inherit_ignored`` starts it the way ``cmd &`` in a script does, with SIGINT ignored:
+    ``kill -INT`` must still interrupt the capture.
+    """
     cmd = [sys.executable, "-m", "vllm_neuron.cli", "profile", "capture", "--recipe", "decode",
            "--model", fake_model, "--run-name", "sig", "--port", str(port), "--profiler",
            "torch", "--server-command", f"{sys.executable} {ROOT}/tests/profiling/fake_vllm.py",
            "--server-env", "FAKE_VLLM_STARTUP_S=60", "--teardown-grace", "5"]
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=dict(os.environ))
+                            text=True, env=dict(os.environ),
+                            preexec_fn=_ignore_sigint if inherit_ignored else None)
     run_dir = project_root / "agent_artifacts" / "profiles" / "sig"
     try:
         assert wait_until(lambda: (run_dir / "logs" / "serve.log").exists()

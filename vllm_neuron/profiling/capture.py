@@ -578,8 +578,14 @@ def _own_version() -> str:
 
 
 @contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM raises `Interrupted` in the main thread (SIGINT stays KeyboardInterrupt)."""
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM raises `Interrupted` and SIGINT raises KeyboardInterrupt in the main thread.
+
+    SIGINT is installed explicitly: a command started in the background by a
+    non-interactive shell (``cmd &`` in a script, CI runners) inherits SIGINT *ignored*,
+    and Python keeps it so; a capture that shrugs off ``kill -INT`` would leave its
+    server running until the recipe ends.
+    """
     if not _main_thread():
         yield
         return
@@ -587,11 +593,13 @@ def _sigterm_interrupts() -> Iterator[None]:
     def handler(signum: int, frame: FrameType | None) -> None:
         raise Interrupted(signum)
 
-    previous = signal.signal(signal.SIGTERM, handler)
+    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, handler),
+                signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for signum, restored in previous.items():
+            signal.signal(signum, restored)
 
 
 @contextlib.contextmanager
@@ -637,7 +645,7 @@ def run_capture(
     say(f"run directory {run.layout.run_dir} (profiler {run.profiler})")
     exit_code = EXIT_FAILED
     try:
-        with _sigterm_interrupts():
+        with _signals_interrupt():
             try:
                 run.run()
                 exit_code = EXIT_OK
