@@ -3,7 +3,7 @@
 
     python3 dev.py demo     # the compile-cache demo (local disk by default)
     python3 dev.py test     # the whole test suite (what CI runs)
-    python3 dev.py lint     # ruff + mypy
+    python3 dev.py lint     # ruff, mypy and the layer contract (also part of test)
     python3 dev.py bench    # the benchmarks
 
 Each command creates `.venv/` on first use and installs the project into it from
@@ -50,11 +50,10 @@ def run(argv: list[str]) -> int:
     if cmd == "test":
         return subprocess.call([str(PY), "-m", "pytest", "tests", *rest], cwd=ROOT, env=env)
     if cmd == "demo":
-        return subprocess.call([str(PY), "-m", "vllm_neuron.demo", *rest], cwd=ROOT, env=env)
+        return subprocess.call([str(PY), "-m", "vllm_neuron.cli", "demo", *rest], cwd=ROOT,
+                               env=env)
     if cmd == "lint":
-        code = subprocess.call([str(PY), "-m", "ruff", "check", "vllm_neuron", "backends", "tests",
-                                "benchmarks"], cwd=ROOT)
-        return code or subprocess.call([str(PY), "-m", "mypy", "vllm_neuron"], cwd=ROOT)
+        return subprocess.call([str(PY), "-m", "pytest", "-q", "tests/test_lint.py"], cwd=ROOT)
     return subprocess.call([str(PY), "-m", "benchmarks", *rest], cwd=ROOT, env=env)
 
 

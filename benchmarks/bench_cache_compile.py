@@ -51,8 +51,8 @@ def worker(barrier: str, warm_isa: bool) -> int:
     import torch._inductor.package  # noqa: F401
 
     import vllm_neuron  # noqa: F401 - registers the backend
+    from vllm_neuron.assembly import get_runtime
     from vllm_neuron.compile import key as _key  # noqa: F401
-    from vllm_neuron.compile.runtime import get_runtime
 
     model, x = _model()
     get_runtime()  # settings, toolchain, cache: part of start-up

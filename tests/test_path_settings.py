@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from vllm_neuron import envs
-from vllm_neuron.compile.runtime import reset_runtime
+from vllm_neuron.assembly import reset_runtime
 from vllm_neuron.envs import ConfigError, require_directory
-from vllm_neuron.snapshot.config import reset_snapshot_config
+from vllm_neuron.snapshot.context import reset_snapshot_config
 
 SNAPSHOT_DIR = "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR"
 _OURS = ("VLLM_CACHE_ROOT", "XDG_CACHE_HOME", "NEURON_LIBTORCH_REMOTE_CACHE",

@@ -8,11 +8,13 @@ never imports torch itself, so the CLI and the storage layer stay fast to start.
 
 import sys as _sys
 
-__version__ = "0.1.0"
+from .version import __version__
+
+__all__ = ["__version__"]
 
 if "torch" in _sys.modules:  # pragma: no branch - both paths are exercised by tests
     try:
-        from .compile.backend import register_backend as _register_backend
+        from .dynamo_backend import register_backend as _register_backend
 
         _register_backend()
     except Exception:  # noqa: BLE001 - the entry point still registers it lazily

@@ -263,7 +263,7 @@ def run_torch(args: Mapping[str, Any]) -> dict[str, Any]:
     import torch
 
     import vllm_neuron  # noqa: F401 - registers the backend
-    from vllm_neuron.compile.runtime import get_runtime
+    from vllm_neuron.assembly import get_runtime
 
     if args.get("rendezvous_dir"):
         cache = get_runtime().cache

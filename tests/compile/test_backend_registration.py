@@ -14,7 +14,8 @@ from torch._dynamo.backends.registry import lookup_backend
 {pre}
 fn = lookup_backend("vllm_neuron")
 print(fn.__module__ + "." + fn.__name__)
-print("vllm_neuron.compile.runtime" in sys.modules)
+assembly = sys.modules.get("vllm_neuron.assembly")
+print(assembly is not None and assembly._RUNTIME is not None)
 """
 
 
@@ -24,8 +25,8 @@ def test_backend_is_registered(pre):
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr
     name, runtime_loaded = proc.stdout.split()
-    assert name == "vllm_neuron.compile.backend.vllm_neuron_backend"
-    assert runtime_loaded == "False"  # registering the backend builds nothing yet
+    assert name == "vllm_neuron.dynamo_backend.vllm_neuron_backend"
+    assert runtime_loaded == "False"  # registering the backend builds no runtime yet
 
 
 COMPILE_WITHOUT_IMPORT = """

@@ -440,7 +440,7 @@ def test_precompiled_only_with_the_cache_disabled_is_a_startup_error(tmp_path):
 
 def test_precompiled_only_from_the_environment(tmp_path, monkeypatch, compile_fn):
     from vllm_neuron import envs
-    from vllm_neuron.compile.runtime import build_runtime
+    from vllm_neuron.assembly import build_runtime
 
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.setenv("VLLM_NEURON_TOOLCHAIN", "host")
@@ -467,7 +467,7 @@ def test_precompiled_only_from_the_environment(tmp_path, monkeypatch, compile_fn
 
 def test_disabled_cache_from_the_environment(tmp_path, monkeypatch):
     from vllm_neuron import envs
-    from vllm_neuron.compile.runtime import build_runtime
+    from vllm_neuron.assembly import build_runtime
 
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
     monkeypatch.setenv("VLLM_NEURON_TOOLCHAIN", "host")

@@ -93,7 +93,7 @@ def test_fetch_from_s3_configured_through_the_environment(
     tmp_path, compile_fn, s3_env, s3_store_url, monkeypatch
 ):
     from vllm_neuron import envs
-    from vllm_neuron.compile.runtime import build_runtime
+    from vllm_neuron.assembly import build_runtime
 
     builder = str(tmp_path / "builder")
     TwoTierCache(builder).get_or_compile(KEY, compile_fn(KEY))

@@ -1,4 +1,4 @@
-"""The README's main command: ``python -m vllm_neuron.demo`` on a fresh machine."""
+"""The README's main command: ``vllm-neuron demo`` (python3 dev.py demo) on a fresh machine."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ def test_demo_runs_end_to_end_and_prints_its_table(tmp_path):
     env["VLLM_NEURON_TOOLCHAIN"] = "host"
     workdir = tmp_path / "demo"
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_neuron.demo", "--workdir", str(workdir)],
+        [sys.executable, "-m", "vllm_neuron.cli", "demo", "--workdir", str(workdir)],
         env=env, capture_output=True, text=True, timeout=840, cwd=str(tmp_path),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr

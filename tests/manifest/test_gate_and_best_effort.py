@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from vllm_neuron import envs
-from vllm_neuron.compile.runtime import get_runtime, reset_runtime
+from vllm_neuron.assembly import get_runtime, reset_runtime
 from vllm_neuron.manifest import ManifestConfig, emit_for_this_engine
 
 

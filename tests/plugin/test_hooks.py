@@ -19,7 +19,7 @@ from vllm_neuron.envs import ConfigError, load_host_mode_settings
 from vllm_neuron.plugin import hooks
 from vllm_neuron.plugin.hooks import ForwardPublisher, install_forward_publisher
 from vllm_neuron.snapshot import context as snap_context
-from vllm_neuron.snapshot.config import reset_snapshot_config
+from vllm_neuron.snapshot.context import reset_snapshot_config
 
 SNAP = "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_"
 

@@ -343,7 +343,7 @@ def test_build_runtime_installs_capture_only_when_enabled(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, enable: str | None, wrappers: int
 ) -> None:
     from vllm_neuron import envs
-    from vllm_neuron.compile.runtime import build_runtime
+    from vllm_neuron.assembly import build_runtime
     from vllm_neuron.snapshot import reset_snapshot_config
 
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
@@ -365,7 +365,7 @@ def test_build_runtime_fails_at_startup_on_a_malformed_selection(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from vllm_neuron import envs
-    from vllm_neuron.compile.runtime import build_runtime
+    from vllm_neuron.assembly import build_runtime
     from vllm_neuron.envs import ConfigError
 
     monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))

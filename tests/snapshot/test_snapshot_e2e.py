@@ -41,8 +41,7 @@ class Run:
 
 @pytest.fixture(scope="module")
 def decode_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
-    from vllm_neuron import envs
-    from vllm_neuron.compile import runtime as runtime_mod
+    from vllm_neuron import assembly, envs
 
     cache_root = tmp_path_factory.mktemp("vllm-cache")
     env = {
@@ -61,7 +60,7 @@ def decode_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         mp.delenv("RANK", raising=False)
         envs.reset_for_tests()
         reset_snapshot_config()
-        runtime_mod.reset_runtime()
+        assembly.reset_runtime()
         torch._dynamo.reset()
         try:
             torch.manual_seed(0)
@@ -81,7 +80,7 @@ def decode_run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
                     torch.testing.assert_close(outputs[-1], model(x))
             yield Run(cache_root / "neuron" / "snapshots", cache_root, steps, outputs)
         finally:
-            runtime_mod.reset_runtime()
+            assembly.reset_runtime()
             torch._dynamo.reset()
             envs.reset_for_tests()
             reset_snapshot_config()

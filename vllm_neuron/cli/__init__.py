@@ -12,6 +12,7 @@ import sys
 from collections.abc import Sequence
 
 from . import cache as cache_cmd
+from . import demo as demo_cmd
 from . import manifest as manifest_cmd
 from . import profile as profile_cmd
 from . import snapshot as snapshot_cmd
@@ -24,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
     cache_cmd.register(sub)
+    demo_cmd.register(sub)
     manifest_cmd.register(sub)
     profile_cmd.register(sub)
     snapshot_cmd.register(sub)

@@ -57,6 +57,7 @@ from .entry import (
     read_record,
 )
 from .events import (
+    EVENTS_STREAM,
     CacheHit,
     CacheMiss,
     Compiled,
@@ -70,7 +71,6 @@ from .quarantine import quarantine_entry
 
 logger = logging.getLogger("vllm_neuron.compile")
 
-EVENTS_STREAM = ".events"
 FAILURES_DIR = ".failures"
 STAGING_MAX_AGE = 6 * 3600.0
 REMOTE_RETRY_AFTER = 60.0

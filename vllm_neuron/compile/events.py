@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vllm_neuron.backends import Record
+from vllm_neuron.backends import Record, open_store
+
+EVENTS_STREAM = ".events"
+"""The local tier's event stream (one segment per process) that stats fold."""
 
 
 class CacheHit(Record, frozen=True, tag="hit"):
@@ -134,10 +137,6 @@ class CacheStats:
 
 def read_stats(cache_dir: str) -> CacheStats:
     """Fold every process's event segment of the local cache at `cache_dir`."""
-    from vllm_neuron.backends import open_store
-
-    from .cache import EVENTS_STREAM
-
     log = open_store(cache_dir, create=False).log(EVENTS_STREAM)
     stats, skipped = log.fold(CACHE_EVENTS, lambda s, e: s.apply(e), CacheStats())
     stats.skipped_lines = skipped

@@ -23,9 +23,8 @@ from typing import Any
 
 from vllm_neuron.backends import Progress, Store, copy_tree, open_store, validate_hex
 
-from .cache import EVENTS_STREAM
 from .entry import ENTRY_RECORD, EntryProblem, EntryRecord, check_checksums, read_record
-from .events import Promoted
+from .events import EVENTS_STREAM, Promoted
 
 logger = logging.getLogger("vllm_neuron.compile")
 

@@ -1,14 +1,15 @@
-"""The process-wide compile runtime: settings + toolchain + cache, built once.
+"""The compile runtime: toolchain + two-tier cache, and the hooks features plug into.
 
 `torch.compile(backend="vllm_neuron")` and vLLM's compiler adapter both come here: key
 the graph, get its artifacts through the two-tier cache, load them, and tell whoever
-listens (the manifest ledger, the snapshot capturer) what was compiled.
+listens what was compiled. Who listens is not this package's business: the assembly
+(`vllm_neuron.assembly`) builds the process's runtime and plugs the features in
+(the manifest recorder as a listener, the snapshot capturer as a wrapper).
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -122,72 +123,3 @@ class CompileRuntime:
         for wrapper in self._wrappers:
             compiled = wrapper(event, compiled)
         return compiled, event
-
-
-_RUNTIME: CompileRuntime | None = None
-_RUNTIME_LOCK = threading.Lock()
-
-
-def build_runtime() -> CompileRuntime:
-    """A runtime from the environment (parsed once by `vllm_neuron.envs`).
-
-    Every setting is resolved before anything is built, so a malformed one (a cache root,
-    remote tier, manifest dir or snapshot root with a regular file in the way included)
-    ends a plain ``torch.compile`` in a `ConfigError` naming the variable and its value.
-    """
-    from vllm_neuron.envs import (
-        check_snapshot_root,
-        compile_cache_settings,
-        get_neuron_compile_cache_dir,
-        manifest_settings,
-    )
-    from vllm_neuron.snapshot.config import snapshot_config
-
-    from .toolchains.select import select_toolchain
-
-    settings = compile_cache_settings()
-    local_dir = get_neuron_compile_cache_dir()
-    manifest_dir = manifest_settings().manifest_dir
-    snapshots = snapshot_config()
-    if snapshots.enabled:
-        check_snapshot_root(snapshots.root)
-    name = settings.toolchain
-    if name == "auto":
-        from vllm_neuron.envs import host_mode_settings
-
-        if host_mode_settings().enabled:
-            name = "host"  # vLLM runs on the host CPU: only host artifacts can run there
-    toolchain = select_toolchain(name)
-    cache = TwoTierCache(
-        local_dir,
-        remote=settings.remote_cache,
-        timeout=settings.compilation_timeout,
-        disabled=settings.disable_compile_cache,
-        precompiled_only=settings.disable_warmup_compile,
-        toolchain=toolchain.name,
-        target=toolchain.target,
-    )
-    runtime = CompileRuntime(cache, toolchain)
-    from vllm_neuron.manifest.recorder import install_recorder
-
-    install_recorder(runtime, manifest_dir)
-    from vllm_neuron.snapshot.capture import install_snapshot_capture
-
-    install_snapshot_capture(runtime)
-    return runtime
-
-
-def get_runtime() -> CompileRuntime:
-    """The process's runtime, built on first use."""
-    global _RUNTIME
-    with _RUNTIME_LOCK:
-        if _RUNTIME is None:
-            _RUNTIME = build_runtime()
-        return _RUNTIME
-
-
-def reset_runtime(runtime: CompileRuntime | None = None) -> None:
-    """Replace (or drop) the process's runtime; for tests and for re-reading settings."""
-    global _RUNTIME
-    with _RUNTIME_LOCK:
-        _RUNTIME = runtime

@@ -176,7 +176,7 @@ def register() -> None:
             )
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     try:
-        from vllm_neuron.compile.backend import register_backend
+        from vllm_neuron.dynamo_backend import register_backend
 
         register_backend()
     except ImportError as exc:  # torch missing: vLLM itself cannot run either

@@ -25,14 +25,16 @@ from typing import Any
 
 from vllm.compilation.compiler_interface import CompilerInterface
 
+from vllm_neuron.assembly import get_runtime
+from vllm_neuron.compile.key import KEY_SCHEMA_VERSION
+from vllm_neuron.version import __version__
+
 __all__ = ["NeuronCompilerAdaptor"]
 
 logger = logging.getLogger("vllm_neuron.plugin")
 
 
 def _toolchain_id() -> str:
-    from vllm_neuron.compile.runtime import get_runtime
-
     toolchain = get_runtime().toolchain
     return f"vllm_neuron/{toolchain.name}/{toolchain.target}"
 
@@ -58,13 +60,9 @@ class NeuronCompilerAdaptor(CompilerInterface):
     def compute_hash(self, vllm_config: Any) -> str:
         """What decides this compiler's output beyond vLLM's own hash: package, key schema,
         toolchain, target, versions and flags (part of vLLM's cache directory name)."""
-        import vllm_neuron
-        from vllm_neuron.compile.key import KEY_SCHEMA_VERSION
-        from vllm_neuron.compile.runtime import get_runtime
-
         toolchain = get_runtime().toolchain
         material = {
-            "package": vllm_neuron.__version__,
+            "package": __version__,
             "key_schema": KEY_SCHEMA_VERSION,
             "toolchain": toolchain.name,
             "target": toolchain.target,
@@ -76,8 +74,6 @@ class NeuronCompilerAdaptor(CompilerInterface):
 
     def _through_cache(self, what: str, graph: Any, example_inputs: list[Any],
                        label: str) -> tuple[Callable[..., Any], str]:
-        from vllm_neuron.compile.runtime import get_runtime
-
         self.calls += 1
         fn, compiled = get_runtime().compile(graph, example_inputs)
         result = compiled.result

@@ -236,7 +236,7 @@ def emit_manifest_after_warm_up(vllm_config: Any, local_rank: int) -> bool:
     if local_rank != 0 or not manifest_settings().enabled:
         return False
     try:
-        from vllm_neuron.compile.runtime import get_runtime
+        from vllm_neuron.assembly import get_runtime
         from vllm_neuron.manifest.config import config_from_vllm
         from vllm_neuron.manifest.emit import emit_for_this_engine
 

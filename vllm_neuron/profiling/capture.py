@@ -34,6 +34,7 @@ import msgspec
 
 from vllm_neuron.backends import open_store
 from vllm_neuron.envs import ProfilingSettings, load_profiling_settings
+from vllm_neuron.version import __version__
 
 from . import artifacts as artifacts_mod
 from .client import HTTPFailure, VllmClient
@@ -572,8 +573,6 @@ def _move_contents(src: str, dest: str, paths: list[str]) -> list[str]:
 
 
 def _own_version() -> str:
-    from vllm_neuron import __version__
-
     return __version__
 
 

@@ -32,7 +32,6 @@ from .config import (
     SnapshotConfig,
     check_snapshot_gating,
     load_snapshot_config,
-    reset_snapshot_config,
     snapshot_config,
 )
 from .context import (
@@ -43,6 +42,7 @@ from .context import (
     get_capture_budget,
     get_current_forward,
     reset_capture_budget,
+    reset_snapshot_config,
     set_current_forward,
 )
 from .encoding import SnapshotEncodingError

@@ -42,7 +42,6 @@ __all__ = [
     "check_snapshot_gating",
     "default_snapshot_root",
     "load_snapshot_config",
-    "reset_snapshot_config",
     "snapshot_config",
 ]
 
@@ -359,14 +358,6 @@ def load_snapshot_config(environ: Mapping[str, str] | None = None) -> SnapshotCo
 def snapshot_config() -> SnapshotConfig:
     """The process's snapshot settings, parsed from os.environ on first use."""
     return load_snapshot_config()
-
-
-def reset_snapshot_config() -> None:
-    """Forget the cached settings and the capture budget (tests, or re-reading the env)."""
-    from .context import reset_capture_budget
-
-    snapshot_config.cache_clear()
-    reset_capture_budget()
 
 
 def check_snapshot_gating(

@@ -20,7 +20,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-from .config import CaptureSelector, ForwardVerdict
+from .config import CaptureSelector, ForwardVerdict, snapshot_config
 
 __all__ = [
     "CaptureBudget",
@@ -30,6 +30,7 @@ __all__ = [
     "get_capture_budget",
     "get_current_forward",
     "reset_capture_budget",
+    "reset_snapshot_config",
     "set_current_forward",
 ]
 
@@ -69,8 +70,6 @@ class SnapshotForwardContext:
         selector: CaptureSelector | None = None,
     ) -> SnapshotForwardContext:
         """A context with its verdict evaluated by ``selector`` (default: the process's)."""
-        from .config import snapshot_config
-
         sel = selector if selector is not None else snapshot_config().selector
         flags: bool | tuple[bool, ...] = (
             is_decode if isinstance(is_decode, bool) else tuple(bool(f) for f in is_decode)
@@ -179,9 +178,7 @@ def get_capture_budget() -> CaptureBudget:
     global _budget
     with _budget_lock:
         if _budget is None:
-            from .config import snapshot_config
-
-            _budget = CaptureBudget(snapshot_config().max_captures)
+                _budget = CaptureBudget(snapshot_config().max_captures)
         return _budget
 
 
@@ -190,3 +187,9 @@ def reset_capture_budget(budget: CaptureBudget | None = None) -> None:
     global _budget
     with _budget_lock:
         _budget = budget
+
+
+def reset_snapshot_config() -> None:
+    """Forget the cached settings and the capture budget (tests, or re-reading the env)."""
+    snapshot_config.cache_clear()
+    reset_capture_budget()

@@ -1,6 +1,6 @@
 """The demo: one model, three processes, two "nodes", one shared remote tier.
 
-    python3 dev.py demo [--workdir DIR] [--remote URL]
+    vllm-neuron demo [--workdir DIR] [--remote URL]     (python3 dev.py demo does this)
 
 1. a cold process on node A compiles every graph through ``backend="vllm_neuron"``;
    its entries are then promoted to the remote tier with ``save_cache``;
@@ -22,7 +22,12 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+from vllm_neuron.assembly import get_runtime
+from vllm_neuron.compile import save_cache
+
+from .format import ProgressBar, table
 
 if TYPE_CHECKING:
     import torch
@@ -51,9 +56,7 @@ def build_model() -> torch.nn.Module:
 
 def worker() -> int:
     """One demo process: compile through the cache, compare with eager, report as JSON."""
-    import torch
-
-    from vllm_neuron.compile.runtime import get_runtime
+    import torch  # heavy: imported only by the worker process that compiles
 
     model = build_model()
     x = torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
@@ -94,7 +97,7 @@ def run_worker(workdir: str, node: str, remote: str | None) -> dict[str, object]
     # A fresh Inductor cache per process: what is saved is saved by our cache, not Inductor's.
     env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(workdir, "inductor", f"{node}-{time.time_ns()}")
     proc = subprocess.run(
-        [sys.executable, "-m", "vllm_neuron.demo", "--worker"],
+        [sys.executable, "-m", "vllm_neuron.cli", "demo", "--worker"],
         env=env, capture_output=True, text=True, check=False,
     )
     for line in proc.stdout.splitlines():
@@ -104,21 +107,22 @@ def run_worker(workdir: str, node: str, remote: str | None) -> dict[str, object]
     raise RuntimeError(f"demo worker on {node} failed with exit status {proc.returncode}")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_neuron.demo", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+def register(sub: Any) -> None:
+    parser = sub.add_parser(
+        "demo", help="one model, three processes, two nodes, one shared remote tier",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--workdir", default=os.path.join(os.getcwd(), "demo-output"),
                         help="where the demo's caches live (default: ./demo-output, wiped first)")
     parser.add_argument("--remote", default=None,
                         help="remote tier URL (default: <workdir>/remote-cache; s3://... works)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    parser.set_defaults(handler=cmd_demo)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
     if args.worker:
         return worker()
-
-    from vllm_neuron.cli.format import ProgressBar, table
-    from vllm_neuron.compile import save_cache
-
     workdir = os.path.abspath(args.workdir)
     shutil.rmtree(workdir, ignore_errors=True)
     os.makedirs(workdir)
@@ -156,6 +160,3 @@ def main(argv: list[str] | None = None) -> int:
     print("demo " + ("passed" if ok else "FAILED"))
     return 0 if ok else 1
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,14 +1,17 @@
 """`torch.compile(model, backend="vllm_neuron")`.
 
-Registered by name when `vllm_neuron.compile` is imported, and through the
-``torch_dynamo_backends`` entry point, so an installed package works without an import.
-Every graph dynamo hands over goes through the process's `CompileRuntime`.
+Registered by name when `vllm_neuron` is imported with torch loaded (and by vLLM's
+general plugin), and through the ``torch_dynamo_backends`` entry point, so an installed
+package works without an import. Every graph dynamo hands over goes through the
+process's `CompileRuntime`, built by the assembly.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from vllm_neuron.assembly import get_runtime
 
 BACKEND_NAME = "vllm_neuron"
 
@@ -17,8 +20,6 @@ def vllm_neuron_backend(
     gm: Any, example_inputs: Sequence[Any], **_options: Any
 ) -> Callable[..., Any]:
     """The dynamo backend: key the graph, fetch or compile it through the cache, load it."""
-    from .runtime import get_runtime
-
     return get_runtime().compile_graph(gm, list(example_inputs))
 
 

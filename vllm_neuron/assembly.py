@@ -1,0 +1,78 @@
+"""The assembly: builds the process's compile runtime from settings and plugs features in.
+
+`compile` knows how to key, cache and load a graph, and offers two hooks (listeners and
+executable wrappers); it knows no feature. This module is the one place that decides
+which features listen: the manifest recorder (when VLLM_NEURON_MANIFEST_DIR is set) and
+the snapshot capturer (when snapshot capture is enabled). Everything that needs "the"
+runtime of this process (the torch.compile backend, vLLM's compiler adaptor, the worker
+hooks, the demo) gets it here with `get_runtime`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from vllm_neuron.compile.cache import TwoTierCache
+from vllm_neuron.compile.runtime import CompileRuntime
+from vllm_neuron.compile.toolchains.select import select_toolchain
+from vllm_neuron.envs import (
+    check_snapshot_root,
+    compile_cache_settings,
+    get_neuron_compile_cache_dir,
+    host_mode_settings,
+    manifest_settings,
+)
+from vllm_neuron.manifest.recorder import install_recorder
+from vllm_neuron.snapshot.capture import install_snapshot_capture
+from vllm_neuron.snapshot.config import snapshot_config
+
+_RUNTIME: CompileRuntime | None = None
+_RUNTIME_LOCK = threading.Lock()
+
+
+def build_runtime() -> CompileRuntime:
+    """A runtime from the environment (parsed once by `vllm_neuron.envs`), features on.
+
+    Every setting is resolved before anything is built, so a malformed one (a cache root,
+    remote tier, manifest dir or snapshot root with a regular file in the way included)
+    ends a plain ``torch.compile`` in a `ConfigError` naming the variable and its value.
+    """
+    settings = compile_cache_settings()
+    local_dir = get_neuron_compile_cache_dir()
+    manifest_dir = manifest_settings().manifest_dir
+    snapshots = snapshot_config()
+    if snapshots.enabled:
+        check_snapshot_root(snapshots.root)
+    name = settings.toolchain
+    if name == "auto" and host_mode_settings().enabled:
+        name = "host"  # vLLM runs on the host CPU: only host artifacts can run there
+    toolchain = select_toolchain(name)
+    cache = TwoTierCache(
+        local_dir,
+        remote=settings.remote_cache,
+        timeout=settings.compilation_timeout,
+        disabled=settings.disable_compile_cache,
+        precompiled_only=settings.disable_warmup_compile,
+        toolchain=toolchain.name,
+        target=toolchain.target,
+    )
+    runtime = CompileRuntime(cache, toolchain)
+    install_recorder(runtime, manifest_dir)
+    install_snapshot_capture(runtime, snapshots)
+    return runtime
+
+
+def get_runtime() -> CompileRuntime:
+    """The process's runtime, built on first use."""
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        if _RUNTIME is None:
+            _RUNTIME = build_runtime()
+        return _RUNTIME
+
+
+def reset_runtime(runtime: CompileRuntime | None = None) -> None:
+    """Replace (or drop) the process's runtime; for tests and for re-reading settings."""
+    global _RUNTIME
+    with _RUNTIME_LOCK:
+        _RUNTIME = runtime
