@@ -1,7 +1,10 @@
 """The storage layer: every byte the project writes goes through a `Store`.
 
 Get a store with `open_store(url)`; see `base.Store` for the operations and
-`base.Capabilities` for what each backend promises.
+`base.Capabilities` for what each backend promises. A new URL scheme is one
+`register_scheme` call. Whether a setting names a URL or a local directory is asked of
+`is_url`, `local_path_of` and `normalize_location`, never sniffed, so every caller agrees
+with `open_store`.
 """
 
 from ._local import read_local_file
@@ -27,7 +30,15 @@ from .records import (
     encode_line,
     register_upcaster,
 )
-from .router import open_store
+from .router import (
+    is_url,
+    local_path_of,
+    normalize_location,
+    open_store,
+    register_scheme,
+    registered_schemes,
+    unregister_scheme,
+)
 from .transfer import CopyResult, Progress, copy_file, copy_tree
 
 __all__ = [
@@ -56,10 +67,16 @@ __all__ = [
     "encode",
     "encode_into",
     "encode_line",
+    "is_url",
     "join",
+    "local_path_of",
+    "normalize_location",
     "open_store",
     "read_local_file",
+    "register_scheme",
     "register_upcaster",
+    "registered_schemes",
+    "unregister_scheme",
     "validate_hex",
     "validate_key",
 ]

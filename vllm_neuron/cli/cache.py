@@ -6,7 +6,7 @@ import argparse
 import os
 from typing import Any
 
-from vllm_neuron.backends import open_store
+from vllm_neuron.backends import local_path_of, open_store
 
 from .format import ProgressBar, human_age, human_size, print_json, table
 
@@ -69,9 +69,10 @@ def _cache_dir(args: argparse.Namespace) -> str:
 
 def _tier(args: argparse.Namespace) -> Any:
     url = getattr(args, "url", None) or _cache_dir(args)
-    if "://" not in url and not os.path.isdir(url):
+    path = local_path_of(url)
+    if path is not None and not os.path.isdir(path):
         raise ValueError(f"no compile cache at {url}")
-    return open_store(url, **({} if "://" in url else {"create": False}))
+    return open_store(url, create=False)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:

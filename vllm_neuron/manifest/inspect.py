@@ -9,17 +9,17 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends import open_store
+from vllm_neuron.backends import is_url, local_path_of, normalize_location, open_store
 
 from .schema import MANIFEST_FILE, GraphEntry, Manifest, decode_manifest
 
 
 def _split(location: str) -> tuple[str, str]:
-    if "://" in location:
+    """(parent, last component) of a normalized location (a URL stays a URL)."""
+    if is_url(location):
         scheme, rest = location.split("://", 1)
         parent, name = posixpath.split(rest.rstrip("/"))
         return f"{scheme}://{parent}", name
-    location = os.path.abspath(location)
     return os.path.dirname(location), os.path.basename(location)
 
 
@@ -28,14 +28,15 @@ def load_manifest(location: str) -> tuple[str, Manifest]:
 
     Returns (where it was read from, the manifest).
     """
-    parent, name = _split(location)
+    root = normalize_location(location)
+    parent, name = _split(root)
     if name.endswith(".json"):
-        store, key = open_store(parent, **({} if "://" in parent else {"create": False})), name
+        store, key = open_store(parent, create=False), name
     else:
-        root = location if "://" in location else os.path.abspath(location)
-        if "://" not in root and not os.path.isdir(root):
+        path = local_path_of(root)
+        if path is not None and not os.path.isdir(path):
             raise FileNotFoundError(f"no manifest at {location}")
-        store = open_store(root, **({} if "://" in root else {"create": False}))
+        store = open_store(root, create=False)
         if store.exists(MANIFEST_FILE):
             key = MANIFEST_FILE
         else:

@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from vllm_neuron.backends import Store, join, open_store
+from vllm_neuron.backends import Store, is_url, join, local_path_of, open_store
 from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
 
 from .encoding import SnapshotFormat, decode_tensor
@@ -167,9 +167,10 @@ def find_bundles(store: Store, prefix: str = "") -> list[str]:
 
 
 def open_snapshot_root(url: str) -> Store:
-    if "://" in url:
-        return open_store(url)
-    if not os.path.isdir(url):
+    """The store at a snapshot root, read-only in spirit: nothing is created, and a local
+    root (a path or ``file://`` URL) that is not a directory is a ReplayError."""
+    path = local_path_of(url)
+    if path is not None and not os.path.isdir(path):
         raise ReplayError(f"no snapshot directory at {url}")
     return open_store(url, create=False)
 
@@ -182,19 +183,19 @@ def locate(arg: str, root: str | None = None) -> tuple[Store, str]:
     (default: the configured snapshot root).
     """
     arg = arg.strip()
-    is_url = "://" in arg
-    if not is_url and not os.path.isabs(arg) and not os.path.exists(arg):
+    url = is_url(arg)
+    if not url and not os.path.isabs(arg) and not os.path.exists(arg):
         from .config import load_snapshot_config
 
         base = root or load_snapshot_config().root
         return open_snapshot_root(base), arg.strip("/")
-    location = arg if is_url else os.path.abspath(arg)
+    location = arg if url else os.path.abspath(arg)
     trimmed = location.rstrip("/")
     m = _TAIL.search(trimmed)
     if m is None:
         return open_snapshot_root(location), ""
     base = trimmed[: m.start()] or "/"
-    if is_url and base.endswith(":/"):  # "memory://<hash>...": the root is the bare scheme
+    if url and base.endswith(":/"):  # "memory://<hash>...": the root is the bare scheme
         base += "/"
     prefix = "/".join(p for p in m.groups() if p)
     return open_snapshot_root(base), prefix
@@ -296,9 +297,10 @@ def _cache_runner(compilation_hash: str, cache_dir: str | None) -> Callable[...,
         from vllm_neuron.envs import get_neuron_compile_cache_dir
 
         cache_dir = get_neuron_compile_cache_dir()
-    if "://" not in cache_dir and not os.path.isdir(cache_dir):
+    path = local_path_of(cache_dir)
+    if path is not None and not os.path.isdir(path):
         raise ReplayError(f"no compile cache at {cache_dir}")
-    store = open_store(cache_dir, **({} if "://" in cache_dir else {"create": False}))
+    store = open_store(cache_dir, create=False)
     content = store.published(compilation_hash)
     if content is None:
         raise ReplayError(f"the compile cache {cache_dir} has no entry {compilation_hash}")
