@@ -38,6 +38,7 @@ from vllm_neuron.backends import (
     Record,
     Store,
     join,
+    normalize_location,
     open_store,
     read_local_file,
     validate_hex,
@@ -127,7 +128,9 @@ class TwoTierCache:
                 "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE=1: with no cache nothing can be "
                 "pre-compiled"
             )
-        self.local: Store = open_store(os.path.abspath(local)) if isinstance(local, str) else local
+        self.local: Store = (
+            open_store(normalize_location(local)) if isinstance(local, str) else local
+        )
         self.local_dir = self.local.local_path("") or self.local.url
         # Published by rename on local disk: an entry is the directory <root>/<key>.
         caps = self.local.capabilities
