@@ -42,7 +42,11 @@ _UPCASTERS: dict[tuple[str, int], Upcaster] = {}
 
 
 def register_upcaster(tag: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
-    """Register a function that rewrites a version-`from_version` record of `tag` as v+1."""
+    """Register a function that rewrites a version-`from_version` record of `tag` as v+1.
+
+    Versioned documents (`decode_document` with ``tag=``) use the same registry, with a tag
+    of their own (e.g. ``"profile-manifest"``) and their version field in place of ``v``.
+    """
 
     def deco(fn: Upcaster) -> Upcaster:
         _UPCASTERS[(tag, from_version)] = fn
@@ -164,13 +168,41 @@ def decode_document(
     supported: object,
     what: str,
     error: type[ValueError] = ValueError,
+    tag: str | None = None,
+    missing_version: int | None = None,
 ) -> _DOC:
-    """Decode a versioned document; `error` names `what` and the field on any mismatch."""
+    """Decode a versioned document; `error` names `what` and the field on any mismatch.
+
+    With `tag`, an older integer version is upcast step by step through the functions
+    registered with `register_upcaster(tag, version)` (the same registry as the records'),
+    until it reaches `supported`. `missing_version` is the version a document *without*
+    `version_field` is taken to be: a format another writer defines without a version
+    field (the Neuron plugin's profile manifest) is version 0 of ours and is upcast like
+    any old version, instead of being refused. Without it, a missing field is refused as
+    before. An upcaster that rejects the document raises ValueError (msgspec's
+    ValidationError is one); it is reported as `error`, naming `what`.
+    """
     try:
         raw = msgspec.json.decode(data)
     except msgspec.DecodeError as exc:
         raise error(f"{what}: not JSON: {exc}") from exc
     version = raw.get(version_field) if isinstance(raw, dict) else None
+    if isinstance(raw, dict) and version_field not in raw and missing_version is not None:
+        version = missing_version
+    if (
+        version != supported
+        and tag is not None
+        and isinstance(raw, dict)
+        and type(version) is int
+        and (tag, version) in _UPCASTERS
+    ):
+        try:
+            while version != supported and (tag, version) in _UPCASTERS:
+                raw = _UPCASTERS[(tag, version)](dict(raw))
+                version += 1
+                raw[version_field] = version
+        except ValueError as exc:
+            raise error(f"{what}: {exc}") from exc
     if version != supported:
         raise error(
             f"{what}: {version_field} {version!r} is not supported "

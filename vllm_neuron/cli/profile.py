@@ -206,10 +206,15 @@ def _load_manifest(run_dir: str) -> Any:
 
 
 def _print_manifest(m: Any) -> None:
+    from vllm_neuron.profiling.manifest import STATUS_UNRECORDED
+
     print(f"run {m.run_name}  recipe {m.recipe}  status {m.status}"
           + (f" (at {m.failed_stage})" if m.failed_stage else ""))
     if m.error:
         print(f"error: {m.error}")
+    if m.status == STATUS_UNRECORDED:
+        print("manifest.json is in the Neuron plugin's form (no schema_version): it records no "
+              "capture status; run `profile validate` to judge the artifacts it names")
     p = m.profile
     print(f"profiler {p.profiler}  output {p.output_dir}")
     rows = []

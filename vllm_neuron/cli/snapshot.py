@@ -8,6 +8,11 @@ ROOT defaults to the configured snapshot root ($VLLM_NEURON_RUNTIME_INPUT_SNAPSH
 $VLLM_CACHE_ROOT/neuron/snapshots). BUNDLE is a path or URL of a call directory, or a hash or
 rank directory (every bundle below it: all ranks of a tensor-parallel capture), or such a
 ``<hash>[/rank<N>[/call<K>]]`` relative to --root. `replay` exits 1 when any output fails.
+
+Bundles written by AWS's Neuron plugin (``meta.json`` without our record tag; see
+`vllm_neuron.snapshot.meta`) are listed and shown like ours, with ``-`` for what the plugin
+does not record (step, phase, age). They hold inputs only, so `replay` reports, per bundle,
+that there is nothing to run and compare against, and exits 1.
 """
 
 from __future__ import annotations
@@ -73,9 +78,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     now = time.time()
     rows = [
-        (b.compilation_hash[:12], b.global_rank, b.tp_rank, b.call_index, b.global_step,
-         "prefill" if b.is_prompt else "decode", ",".join(b.selected_by), b.format,
-         f"{b.inputs}/{b.outputs}", human_size(b.size), human_age(max(0.0, now - b.created)))
+        (b.compilation_hash[:12], b.global_rank, b.tp_rank, b.call_index, _step(b.global_step),
+         _phase(b.is_prompt), ",".join(b.selected_by), b.format, f"{b.inputs}/{b.outputs}",
+         human_size(b.size), human_age(max(0.0, now - b.created)) if b.created else "-")
         for b in listing.bundles
     ]  # fmt: skip
     headers = ["HASH", "RANK", "TP", "CALL", "STEP", "PHASE", "SELECTED_BY", "FORMAT",
@@ -87,6 +92,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for prefix in listing.unreadable:
         print(f"unreadable meta.json: {prefix}")
     return 0
+
+
+def _step(step: int | None) -> str:
+    return "-" if step is None else str(step)
+
+
+def _phase(is_prompt: bool | None) -> str:
+    """A Neuron plugin bundle captured without a forward context records no phase."""
+    return "-" if is_prompt is None else ("prefill" if is_prompt else "decode")
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -107,13 +121,17 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"bundle        {bundle.location}")
         print(f"hash          {m.compilation_hash}")
         print(f"ranks         global {m.global_rank}, tp {m.tp_rank}, dp {m.dp_rank}")
-        print(f"call          {m.call_index} (step {m.global_step}, "
-              f"{'prefill' if m.is_prompt else 'decode'})")  # fmt: skip
+        print(f"call          {m.call_index} (step {_step(m.global_step)}, "
+              f"{_phase(m.is_prompt)})")  # fmt: skip
         print(f"selected by   {', '.join(m.selected_by)}")
         print(f"format        {m.format} (writer: {m.writer})")
         if m.toolchain:
             print(f"compiled by   {m.toolchain}/{m.target}")
-        print(f"graph         {m.graph or '(not saved: replay needs the compile cache)'}")
+        if m.from_plugin:
+            print("graph         none: written by the Neuron plugin, which stores inputs only "
+                  "(no outputs or graph to replay with)")  # fmt: skip
+        else:
+            print(f"graph         {m.graph or '(not saved: replay needs the compile cache)'}")
         print(f"requests      {', '.join(m.req_ids) or '-'}")
         print(f"positions     {', '.join(str(p) for p in m.positions) or '-'}")
         for match in m.matches:

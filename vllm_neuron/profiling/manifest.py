@@ -13,22 +13,39 @@ and ``max_windows`` the bound it ran under.
 torch-profiler capture uses the same structure with ``profiler: "torch"``, its worker
 traces in ``traces`` and the rank-0 trace as ``device_trace`` (the trace whose absence or
 emptiness is the failure to look for, whatever the profiler).
+
+**The Neuron plugin's form.** AWS's plugin writes ``manifest.json`` with exactly the keys the
+profiling document lists (``recipe``, ``profile.{device_ntff, system_trace_pb,
+trace_info_pb, neff_dir, cpu_util_pb, host_mem_pb}``, ``neff_hashes``) and no
+``schema_version``. Such a file is read as version 0 of this schema (``SEED_VERSION``) and
+upcast by `_upcast_seed_form`: ``profiler`` is ``neuron`` (those keys are the Neuron
+profiler's), ``device_trace`` is ``device_ntff``, ``phase`` follows from ``recipe``, and
+``status`` is ``unrecorded`` (`STATUS_UNRECORDED`): the form records no outcome, so the run
+is judged by its artifacts alone. What only the file's location can tell (``run_dir``,
+``run_name``, ``run_spec``, ``serve_log``, ``profile.output_dir``) is filled in by
+`with_location` from the directory it was read from, following the document's layout
+(``run_spec.json``, ``logs/serve.log``, ``output/`` beside it). Every other field of ours
+takes its default.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends import Store
+from vllm_neuron.backends import Store, register_upcaster
 from vllm_neuron.backends.records import decode_document, encode_document
 
-from .artifacts import Artifacts
-from .layout import MANIFEST_FILE
+from .artifacts import NEURON, Artifacts
+from .layout import MANIFEST_FILE, OUTPUT_DIR, RUN_SPEC_FILE, SERVE_LOG
 
 SCHEMA_VERSION = 1
-STATUSES = ("running", "ok", "failed", "interrupted")
+SEED_VERSION = 0  # the Neuron plugin's manifest.json: no schema_version field
+MANIFEST_TAG = "profile-manifest"  # the upcaster registry's name for this document
+STATUS_UNRECORDED = "unrecorded"  # a manifest in the plugin's form says nothing of outcome
+STATUSES = ("running", "ok", "failed", "interrupted", STATUS_UNRECORDED)
 
 
 class TraceEntry(msgspec.Struct, frozen=True, kw_only=True):
@@ -146,13 +163,91 @@ def profile_from_artifacts(found: Artifacts, activities: list[str]) -> ProfileAr
     )
 
 
+class SeedProfile(msgspec.Struct, frozen=True, kw_only=True):
+    """``profile`` in the Neuron plugin's manifest: absolute paths, null when not written."""
+
+    device_ntff: str | None = None
+    system_trace_pb: str | None = None
+    trace_info_pb: str | None = None
+    neff_dir: str | None = None
+    cpu_util_pb: str | None = None
+    host_mem_pb: str | None = None
+
+
+class SeedManifest(msgspec.Struct, frozen=True, kw_only=True):
+    """The Neuron plugin's ``manifest.json``: the keys the profiling document lists.
+
+    Used only to type-check that form before it is upcast; unknown keys are ignored.
+    """
+
+    recipe: str
+    profile: SeedProfile
+    neff_hashes: list[str] = msgspec.field(default_factory=list)
+
+
+@register_upcaster(MANIFEST_TAG, SEED_VERSION)
+def _upcast_seed_form(raw: dict[str, Any]) -> dict[str, Any]:
+    """The plugin's form (version 0) as version 1; see the module docstring.
+
+    Keys the two forms share keep their values (and are type-checked by the final
+    conversion), so a plugin file that also carries one of our fields is not overridden.
+    """
+    from .run_spec import PHASES  # run_spec does not import this module; kept local anyway
+
+    seed = msgspec.convert(raw, SeedManifest)  # raises ValidationError, naming the key
+    out = dict(raw)
+    profile = dict(raw["profile"])
+    profile.setdefault("profiler", NEURON)
+    profile.setdefault("output_dir", "")
+    profile.setdefault("device_trace", seed.profile.device_ntff)
+    out["profile"] = profile
+    out.setdefault("run_name", "")
+    out.setdefault("phase", PHASES.get(seed.recipe, ""))
+    out.setdefault("status", STATUS_UNRECORDED)
+    out.setdefault("run_dir", "")
+    out.setdefault("run_spec", "")
+    out.setdefault("serve_log", "")
+    return out
+
+
+def with_location(manifest: ProfileManifest, run_dir: str) -> ProfileManifest:
+    """`manifest` with the paths only its location can tell filled in where they are empty.
+
+    Our own manifests always carry them, so this changes only a manifest in the plugin's
+    form, after the document's layout: ``<run_dir>/run_spec.json``, ``logs/serve.log``,
+    ``output/``.
+    """
+    run_dir = run_dir.rstrip("/") or "/"
+    changes: dict[str, Any] = {}
+    if not manifest.run_dir:
+        changes["run_dir"] = run_dir
+    if not manifest.run_name:
+        changes["run_name"] = os.path.basename(run_dir)
+    if not manifest.run_spec:
+        changes["run_spec"] = os.path.join(run_dir, RUN_SPEC_FILE)
+    if not manifest.serve_log:
+        changes["serve_log"] = os.path.join(run_dir, SERVE_LOG)
+    if not manifest.profile.output_dir:
+        changes["profile"] = msgspec.structs.replace(
+            manifest.profile, output_dir=os.path.join(run_dir, OUTPUT_DIR)
+        )
+    return msgspec.structs.replace(manifest, **changes) if changes else manifest
+
+
 def encode_manifest(value: ProfileManifest) -> bytes:
     return encode_document(value)
 
 
-def decode_manifest(data: bytes) -> ProfileManifest:
-    return decode_document(data, ProfileManifest, version_field="schema_version",
-                           supported=SCHEMA_VERSION, what="profile manifest")
+def decode_manifest(data: bytes, run_dir: str | None = None) -> ProfileManifest:
+    """Our ``manifest.json`` (any supported version) or the Neuron plugin's form.
+
+    `run_dir`, the directory the file was read from, fills in the paths the plugin's form
+    does not record (`with_location`); without it they stay empty.
+    """
+    manifest = decode_document(data, ProfileManifest, version_field="schema_version",
+                               supported=SCHEMA_VERSION, what="profile manifest",
+                               tag=MANIFEST_TAG, missing_version=SEED_VERSION)  # fmt: skip
+    return manifest if run_dir is None else with_location(manifest, run_dir)
 
 
 def write_manifest(store: Store, manifest: ProfileManifest) -> None:
@@ -162,4 +257,6 @@ def write_manifest(store: Store, manifest: ProfileManifest) -> None:
 
 def read_manifest(store: Store) -> ProfileManifest | None:
     data = store.read(MANIFEST_FILE)
-    return None if data is None else decode_manifest(data)
+    if data is None:
+        return None
+    return decode_manifest(data, store.local_path("") or store.url)

@@ -4,7 +4,9 @@ A server can serve correctly and still write no device trace, so a capture is ch
 not trusted:
 
 - ``manifest.json`` and ``run_spec.json`` exist and decode; a run whose manifest says it
-  failed or was interrupted fails with that reason;
+  failed or was interrupted fails with that reason. A manifest in the Neuron plugin's form
+  (no ``schema_version``, see `manifest`) records no outcome: it is upcast, noted as such,
+  and the run is judged by the artifacts it names;
 - the device trace is named and is a non-empty file (a null or zero-byte device trace is
   *the* failure to look for); for Neuron captures the system trace, ``trace_info.pb`` and
   the NEFF directory are present and non-empty too;
@@ -31,7 +33,7 @@ from vllm_neuron.backends import open_store
 
 from .artifacts import HOST_ACTIVITIES, NEURON, TORCH, collect
 from .layout import MANIFEST_FILE, RUN_SPEC_FILE
-from .manifest import ProfileArtifacts, ProfileManifest, decode_manifest
+from .manifest import STATUS_UNRECORDED, ProfileArtifacts, ProfileManifest, decode_manifest
 from .run_spec import DECODE, MAX_ITERATIONS, PREFILL, RunSpec, decode_run_spec
 from .trace import TraceError, check_decode_steps, check_prefill_steps, read_trace
 
@@ -72,7 +74,7 @@ def _load(run_dir: str, report: ValidationReport) -> tuple[RunSpec | None, Profi
             if name == RUN_SPEC_FILE:
                 spec = decode_run_spec(data)
             else:
-                manifest = decode_manifest(data)
+                manifest = decode_manifest(data, run_dir)
         except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
             report.failures.append(f"{name} cannot be read: {exc}")
     return spec, manifest
@@ -86,7 +88,12 @@ def validate_run(run_dir: str) -> ValidationReport:
         return report
     spec, manifest = _load(run_dir, report)
 
-    if manifest is not None and manifest.status != "ok":
+    if manifest is not None and manifest.status == STATUS_UNRECORDED:
+        report.notes.append(
+            f"{MANIFEST_FILE} is in the Neuron plugin's form (no schema_version): it records "
+            "no capture status, so the run is judged by the artifacts it names"
+        )
+    elif manifest is not None and manifest.status != "ok":
         detail = f": {manifest.error}" if manifest.error else ""
         stage = f" at {manifest.failed_stage}" if manifest.failed_stage else ""
         report.failures.append(f"capture status is {manifest.status!r}{stage}{detail}")

@@ -81,8 +81,8 @@ class BundleInfo:
     tp_rank: int
     dp_rank: int
     call_index: int
-    global_step: int
-    is_prompt: bool
+    global_step: int | None  # null only in a Neuron plugin bundle without a forward context
+    is_prompt: bool | None
     selected_by: tuple[str, ...]
     format: str
     inputs: int
@@ -511,6 +511,36 @@ def compare_outputs(
     return [_compare_one(i, a, e, atol, rtol) for i, (a, e) in pairs]
 
 
+def _no_reference(bundle: Bundle) -> str:
+    """Why ``bundle``, which holds no captured outputs, cannot be replayed.
+
+    A bundle from the Neuron plugin holds the call's inputs and ``meta.json`` only, so the
+    message names the bundle and everything replay would need from it; its inputs are still
+    loaded, so a bad tensor file is reported rather than hidden behind the missing outputs.
+    """
+    meta = bundle.meta
+    if not meta.from_plugin:
+        return "the bundle has no captured outputs to compare against"
+    graph_key = meta.graph or join(meta.compilation_hash, GRAPH_FILE)
+    missing = [f"no captured outputs (output<j>.{meta.format}, listed as outputs in "
+               f"{META_FILE}) to compare a replay against"]  # fmt: skip
+    if not bundle.store.exists(graph_key):
+        missing.append(f"no exported graph ({graph_key}) to run it with")
+    loaded = f"its {len(meta.inputs)} inputs load"
+    for spec in meta.inputs:
+        try:
+            bundle._load(spec)
+        except (ReplayError, ValueError) as exc:  # SnapshotEncodingError is a ValueError
+            where = "" if spec.file is None or spec.file in str(exc) else f"{spec.file}: "
+            loaded = f"its inputs do not load either: {where}{exc}"
+            break
+    return (
+        f"cannot replay {bundle.location}: it was written by the Neuron plugin, which stores "
+        f"a call's inputs (tensor<i>.{meta.format}) and {META_FILE} only, so it has no "
+        f"artifact replay can use: {'; and '.join(missing)} ({loaded})"
+    )
+
+
 def replay_bundle(
     bundle: Bundle,
     *,
@@ -532,7 +562,7 @@ def replay_bundle(
                             meta.global_rank, meta.call_index)  # fmt: skip
 
     if not meta.outputs:
-        return report(runner, problem="the bundle has no captured outputs to compare against")
+        return report(runner, problem=_no_reference(bundle))
     cache_key = (meta.compilation_hash, runner)
     if runners is not None and cache_key in runners:
         name, fn = runners[cache_key]
