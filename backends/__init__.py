@@ -1,6 +1,6 @@
 """The storage layer: every byte the project writes goes through a `Store`.
 
-Get a store with `open_store(url)`; see `base.Store` for the operations and
+Get a store with `open_store(url)`; see `store.Store` (and `base.StoreBase`) for the operations and
 `base.Capabilities` for what each backend promises. A new URL scheme is one
 `register_scheme` call. Whether a setting names a URL or a local directory is asked of
 `is_url`, `local_path_of` and `normalize_location`, never sniffed, so every caller agrees
@@ -8,7 +8,7 @@ with `open_store`.
 """
 
 from ._local import read_local_file
-from .base import Capabilities, FileInfo, Staging, Store
+from .base import Capabilities, FileInfo, Staging
 from .errors import (
     InvalidKey,
     LeaseLost,
@@ -39,6 +39,7 @@ from .router import (
     registered_schemes,
     unregister_scheme,
 )
+from .store import Store
 from .transfer import CopyResult, Progress, copy_file, copy_tree
 
 __all__ = [

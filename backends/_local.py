@@ -33,8 +33,9 @@ from typing import IO
 
 from fsspec.implementations.local import LocalFileSystem
 
-from .base import Appender, Capabilities, FileInfo, Store
+from .base import Appender, Capabilities, FileInfo
 from .keys import validate_key, validate_prefix
+from .store import Store
 
 PROFILES = ("local", "nfs", "lustre")
 _O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)

@@ -19,8 +19,9 @@ from typing import IO
 
 from fsspec.implementations.memory import MemoryFileSystem
 
-from .base import Appender, Capabilities, FileInfo, SegmentAppender, Store
+from .base import Appender, Capabilities, FileInfo, SegmentAppender
 from .keys import validate_key
+from .store import Store
 
 _TABLES: dict[str, MemoryFileSystem] = {}
 _TABLES_LOCK = threading.Lock()

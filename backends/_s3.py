@@ -21,9 +21,10 @@ from collections.abc import Callable, Mapping
 from datetime import datetime
 from typing import IO, Any, TypeVar
 
-from .base import Appender, Capabilities, FileInfo, SegmentAppender, Store
+from .base import Appender, Capabilities, FileInfo, SegmentAppender
 from .errors import MissingDependency, StoreUnavailable
 from .keys import validate_key
+from .store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
 

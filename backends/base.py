@@ -1,4 +1,8 @@
-"""The `Store` interface and the parts of it every backend shares.
+"""`StoreBase`: the byte operations and the publication protocol every backend shares.
+
+`Store` (``store.py``) adds the protocols that are built from these operations: named
+locks and event logs. The split keeps the imports one-way: locks and event logs are
+written against `StoreBase`, and `Store` is assembled on top of all three.
 
 A store is a key -> bytes map rooted at a URL. Backends differ in what they can promise,
 and say so in `Capabilities`; the protocols built on top (publication, locking, event
@@ -30,11 +34,10 @@ from typing import IO, TYPE_CHECKING, Any
 
 from .errors import StoreError
 from .keys import join, validate_key, validate_prefix
+from .records import Record, encode
 
 if TYPE_CHECKING:
-    from .eventlog import EventLog
-    from .locks import Lock
-    from .records import Record
+    from typing_extensions import Self  # typing.Self is 3.11+; annotations only
 
 COMMIT_RECORD = ".commit"
 VERSIONS_DIR = ".v"
@@ -87,7 +90,7 @@ class SegmentAppender(Appender):
     reader sees a prefix of the writer's records, never a torn line.
     """
 
-    def __init__(self, store: Store, key: str, truncate: bool) -> None:
+    def __init__(self, store: StoreBase, key: str, truncate: bool) -> None:
         self._store, self._key = store, key
         existing = None if truncate else store.read(key)
         self._buffer = bytearray(existing or b"")
@@ -111,7 +114,7 @@ class Staging:
     Leaving the context without committing removes the staged files.
     """
 
-    def __init__(self, store: Store, final: str, prefix: str) -> None:
+    def __init__(self, store: StoreBase, final: str, prefix: str) -> None:
         self.store = store
         self.final = final
         self.prefix = prefix
@@ -148,8 +151,8 @@ class Staging:
         self.abort()
 
 
-class Store(ABC):
-    """A key -> bytes store at a URL. Get one with `open_store`, never by constructing it."""
+class StoreBase(ABC):
+    """A key -> bytes store at a URL: what every backend implements (see `store.Store`)."""
 
     capabilities: Capabilities
 
@@ -363,35 +366,7 @@ class Store(ABC):
     def _rename_dir(self, src: str, dst: str, *, publish: bool = False) -> bool:
         raise StoreError(f"{self.url} cannot rename directories atomically")
 
-    # ------------------------------------------------------------ protocols
-    def lock(
-        self, name: str, *, timeout: float | None = None, lease_duration: float = 30.0
-    ) -> Lock:
-        """A named lock: a kernel lock where trustworthy, otherwise a fenced lease.
-
-        `timeout` is what entering the lock as a context manager waits (None: forever).
-        """
-        from .locks import KernelLock, LeaseLock
-
-        validate_key(name)
-        if self.capabilities.kernel_locks:
-            path = self.local_path(join(LOCKS_DIR, name + ".lock"))
-            if path is None:
-                raise StoreError(f"{self.url} claims kernel locks but has no local paths")
-            return KernelLock(path, name=name, timeout=timeout)
-        return LeaseLock(
-            self, join(LOCKS_DIR, name), lease_duration=lease_duration, timeout=timeout
-        )
-
-    def log(
-        self, stream: str, *, writer: str | None = None, truncate_first: bool = False
-    ) -> EventLog:
-        """The append-only event stream `stream` (one segment per writer)."""
-        from .eventlog import EventLog
-
-        return EventLog(self, validate_key(stream), writer=writer, truncate_first=truncate_first)
-
-    def sub(self, prefix: str) -> Store:
+    def sub(self, prefix: str) -> Self:
         """A view of this store rooted at `prefix` (same backend, same capabilities)."""
         validate_key(prefix)
         clone = object.__new__(type(self))
@@ -407,8 +382,6 @@ class Store(ABC):
 
     def write_record(self, key: str, record: Record) -> None:
         """Atomically write one record as a JSON document."""
-        from .records import encode
-
         self.write(key, encode(record))
 
     def iter_files(self, prefix: str) -> Iterator[FileInfo]:

@@ -18,7 +18,7 @@ from .keys import join, validate_key
 from .records import _ENCODER, Decoded, Record, RecordCodec, encode, encode_into
 
 if TYPE_CHECKING:
-    from .base import Appender, Store
+    from .base import Appender, StoreBase
 
 T = TypeVar("T")
 SEGMENT_SUFFIX = ".jsonl"
@@ -48,7 +48,12 @@ class EventLog:
     """Writer and reader of one stream in one store."""
 
     def __init__(
-        self, store: Store, stream: str, *, writer: str | None = None, truncate_first: bool = False
+        self,
+        store: StoreBase,
+        stream: str,
+        *,
+        writer: str | None = None,
+        truncate_first: bool = False,
     ) -> None:
         self.store = store
         self.stream = stream

@@ -28,7 +28,7 @@ from .errors import LeaseLost, LockTimeout
 from .keys import join
 
 if TYPE_CHECKING:
-    from .base import Store
+    from .base import StoreBase
 
 
 class Lock(ABC):
@@ -90,11 +90,11 @@ class KernelLock(Lock):
 
 
 class LeaseLock(Lock):
-    """A lease with expiry, heartbeat and fencing generation, over any `Store`."""
+    """A lease with expiry, heartbeat and fencing generation, over any store."""
 
     def __init__(
         self,
-        store: Store,
+        store: StoreBase,
         directory: str,
         *,
         lease_duration: float = 30.0,

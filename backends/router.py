@@ -30,8 +30,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .base import Store
 from .errors import MissingDependency, UnknownScheme
+from .store import Store
 
 # RFC 3986 scheme syntax, followed by "://". Anchored: "a/b://c" is a local path.
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")

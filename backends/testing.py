@@ -36,12 +36,12 @@ from typing import Any
 
 import pytest
 
-from .base import Store
 from .errors import InvalidKey, LeaseLost, LockTimeout, StoreError
 from .keys import join
 from .locks import KernelLock, LeaseLock, Lock
 from .records import Record, RecordCodec, encode_line
 from .router import open_store
+from .store import Store
 from .transfer import copy_tree
 
 __all__ = [

@@ -15,8 +15,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .base import Staging, Store
+from .base import Staging
 from .keys import join, validate_prefix
+from .store import Store
 
 Progress = Callable[[int, int], None]
 """Called with (bytes_done, bytes_total) after each file."""
