@@ -1,0 +1,73 @@
+"""Compile-cache files written before the record layer was unified still read.
+
+The files under ``data/records/`` were written by the code of commit 6d14dc9 (an
+``entry.json`` whose ``meta`` is a host ``CompiledArtifact``, artifact metadata, a
+quarantine note, a failure note, an event segment) and are never regenerated: a cache
+outlives the version that filled it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import msgspec
+
+from vllm_neuron.backends import open_store
+from vllm_neuron.compile.cache import FAILURES_DIR, TwoTierCache
+from vllm_neuron.compile.entry import decode_record
+from vllm_neuron.compile.events import EVENTS_STREAM, read_stats
+from vllm_neuron.compile.quarantine import QUARANTINE_DIR
+from vllm_neuron.compile.toolchains.base import CompiledArtifact
+
+DATA = Path(__file__).parent / "data" / "records"
+KEY = "0123456789abcdef0123456789abcdef"
+
+
+def fixture(name: str) -> bytes:
+    return (DATA / name).read_bytes()
+
+
+def test_an_old_entry_record_reads_with_its_artifact() -> None:
+    record = decode_record(fixture("entry.json"))
+    assert (record.schema, record.key, record.toolchain) == (1, KEY, "host")
+    assert record.files["graph.pt2"].size == 240 and record.files["graph.pt2"].blake3
+    artifact = msgspec.convert(record.meta, CompiledArtifact)
+    assert artifact.files == ("graph.pt2",) and artifact.derived_inputs == (4,)
+
+
+def test_old_artifact_metadata_reads() -> None:
+    host = CompiledArtifact.decode(fixture("compiled-artifact-host.json"))
+    assert host.output_shapes == ("4, 8", "") and host.hlo_file is None
+    neuron = CompiledArtifact.decode(fixture("compiled-artifact-neuron.json"))
+    assert (neuron.toolchain, neuron.hlo_file, neuron.num_inputs) == ("neuron", "graph.hlo.pb", 3)
+
+
+def test_an_old_quarantine_note_reads() -> None:
+    note = json.loads(fixture("quarantine-note.json"))
+    assert note["key"] == KEY and "240" in note["reason"] and note["at"] > 0
+
+
+def test_an_old_failure_note_is_seen_by_a_waiter(tmp_path: Path) -> None:
+    os.makedirs(tmp_path / FAILURES_DIR)
+    (tmp_path / FAILURES_DIR / f"{KEY}.json").write_bytes(fixture("failure-note.json"))
+    failure = TwoTierCache(str(tmp_path))._recent_failure(KEY, since=0)
+    assert failure is not None
+    assert failure["error"] == "RuntimeError: neuronx-cc exited with status 70"
+
+
+def test_an_old_event_segment_folds(tmp_path: Path) -> None:
+    os.makedirs(tmp_path / EVENTS_STREAM)
+    (tmp_path / EVENTS_STREAM / "old.jsonl").write_bytes(fixture("events.jsonl"))
+    stats = read_stats(str(tmp_path))
+    assert stats.skipped_lines == 0
+    assert (stats.hits, stats.misses, stats.compiles, stats.compile_failures) == (1, 1, 1, 1)
+    assert (stats.fetches, stats.promotions, stats.verification_failures) == (1, 1, 1)
+    assert stats.remote_outages == 1 and stats.lock_wait_seconds == 0.5
+
+
+def test_the_quarantine_dir_is_where_old_notes_are() -> None:
+    store = open_store("memory://")
+    store.write(f"{QUARANTINE_DIR}/{KEY}.json", fixture("quarantine-note.json"))
+    assert store.list(QUARANTINE_DIR) == [f"{QUARANTINE_DIR}/{KEY}.json"]
