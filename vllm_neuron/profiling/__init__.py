@@ -13,10 +13,11 @@ The modules, one job each:
 - `capture`    one capture end to end (windows retried up to ``max_windows``)
 """
 
-from .capture import CaptureOptions, CaptureResult, run_capture
+from .capture import CaptureResult, run_capture
 from .layout import RunLayout
 from .lifecycle import ServerProcess, TeardownRecord, UnsafeSignal, check_signalable_group
 from .manifest import ProfileManifest, read_manifest, write_manifest
+from .options import CaptureOptions
 from .run_spec import (
     DECODE,
     DECODE_ONLY_CONNECTOR,

@@ -22,18 +22,16 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
-from types import FrameType
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
 from vllm_neuron.backends import open_store
-from vllm_neuron.envs import ProfilingSettings, load_profiling_settings
+from vllm_neuron.envs import load_profiling_settings
 from vllm_neuron.version import __version__
 
 from . import artifacts as artifacts_mod
@@ -49,6 +47,14 @@ from .manifest import (
     profile_from_artifacts,
     write_manifest,
 )
+from .options import (
+    FALLBACK_MODES,
+    CaptureOptions,
+    build_serve_config,
+    build_workload,
+    detect_profiler,
+    server_environment,
+)
 from .recipes import (
     NeedsFallback,
     ProfilerControl,
@@ -60,85 +66,25 @@ from .recipes import (
 )
 from .run_spec import (
     DECODE,
-    DECODE_ONLY_CONNECTOR,
-    DEFAULT_ACTIVITIES,
-    DEFAULT_ENTRYPOINT,
     DEFAULT_MODEL_ENV,
     PHASES,
     PREFILL,
     KVTransfer,
     Launch,
     RunSpec,
-    ServeConfig,
-    Workload,
     normalize_recipe,
-    profiler_settings,
     serve_command,
     snapshot_model_env,
     utc_now,
     write_run_spec,
 )
+from .signals import Interrupted, shielded, signals_interrupt
 from .trace import TraceError, read_trace
 from .validate import check_phase_traces, validate_run
 
-FALLBACK_MODES = ("auto", "never", "always")
-# Profiling windows per server launch. A window misses its phase only when the host is so
-# busy that the trigger's evidence goes stale (see `recipes`), so one or two more windows
-# are what a loaded host needs, and a capture that misses three is reported, not retried
-# forever.
-DEFAULT_MAX_WINDOWS = 3
+__all__ = ["CaptureOptions", "CaptureResult", "run_capture"]
+
 EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
-
-
-class Interrupted(BaseException):
-    """SIGTERM (or SIGINT) arrived: stop the capture, but still tear down and record."""
-
-    def __init__(self, signum: int) -> None:
-        self.signum = signum
-        super().__init__(signal.Signals(signum).name)
-
-
-@dataclass
-class CaptureOptions:
-    """Everything a capture needs; `vllm-neuron profile capture` maps its flags onto it."""
-
-    recipe: str
-    model: str
-    project_root: str | None = None
-    run_name: str | None = None
-    profiler: str = "auto"
-    # serving
-    host: str = "127.0.0.1"
-    port: int = 8041
-    served_model_name: str | None = None
-    tensor_parallel_size: int = 1
-    max_model_len: int | None = None
-    max_num_seqs: int | None = None
-    enforce_eager: bool = False
-    distributed_executor_backend: str | None = None
-    extra_args: list[str] = field(default_factory=list)
-    entrypoint: list[str] | None = None
-    server_env: dict[str, str] = field(default_factory=dict)
-    activities: list[str] = field(default_factory=lambda: list(DEFAULT_ACTIVITIES))
-    model_env: list[str] = field(default_factory=list)
-    # workload
-    input_len: int = 128
-    output_len: int | None = None
-    concurrency: int | None = None
-    num_requests: int | None = None
-    # decode trigger and fallback
-    stats_interval: float | None = None
-    decode_fallback: str = "auto"
-    decode_connector: dict[str, Any] = field(default_factory=lambda: dict(DECODE_ONLY_CONNECTOR))
-    fallback_patience: int = 12
-    # profiling windows per server launch (see DEFAULT_MAX_WINDOWS)
-    max_windows: int = DEFAULT_MAX_WINDOWS
-    # time limits (seconds)
-    ready_timeout: float = 3600.0
-    request_timeout: float = 600.0
-    start_profile_timeout: float = 60.0
-    stop_profile_timeout: float = 180.0
-    teardown_grace: float = 30.0
 
 
 @dataclass
@@ -146,85 +92,6 @@ class CaptureResult:
     run_dir: str
     manifest: ProfileManifest
     exit_code: int
-
-
-def detect_profiler() -> str:
-    """``neuron`` on a machine with Neuron devices, otherwise vLLM's ``torch`` profiler."""
-    if os.path.exists("/dev/neuron0") or shutil.which("neuron-ls"):
-        return artifacts_mod.NEURON
-    return artifacts_mod.TORCH
-
-
-def build_workload(opts: CaptureOptions, recipe: str) -> Workload:
-    if recipe == PREFILL:
-        if opts.output_len not in (None, 1):
-            raise ValueError("prefill isolation sends one request with output length 1")
-        if opts.concurrency not in (None, 1) or opts.num_requests not in (None, 1):
-            raise ValueError("prefill isolation sends exactly one request (concurrency 1)")
-        return Workload(input_len=opts.input_len, output_len=1, concurrency=1, num_requests=1)
-    concurrency = opts.concurrency or 4
-    workload = Workload(
-        input_len=opts.input_len,
-        output_len=opts.output_len or 256,
-        concurrency=concurrency,
-        num_requests=opts.num_requests or concurrency * 2,
-    )
-    if workload.output_len < 2:
-        raise ValueError("decode isolation needs an output length of at least 2")
-    if workload.num_requests < workload.concurrency:
-        raise ValueError("num_requests must be at least the concurrency")
-    return workload
-
-
-def build_serve_config(
-    opts: CaptureOptions, profiler: str, layout: RunLayout, recipe: str
-) -> ServeConfig:
-    profiler_config, additional = profiler_settings(
-        profiler, layout.output_dir, activities=opts.activities
-    )
-    env = dict(opts.server_env)
-    if opts.stats_interval is not None:
-        env["VLLM_LOG_STATS_INTERVAL"] = f"{opts.stats_interval:g}"
-    if profiler == artifacts_mod.NEURON:
-        # At the 5 s default, workers die before the runtime flushes its system traces.
-        env.setdefault("VLLM_NEURON_WORKER_TERMINATION_TIMEOUT", "60")
-    if (recipe == DECODE and opts.max_num_seqs is not None and opts.concurrency
-            and opts.max_num_seqs < opts.concurrency):
-            raise ValueError(
-                f"--max-num-seqs {opts.max_num_seqs} is below the concurrency "
-                f"{opts.concurrency}: Running can never reach the target"
-            )
-    return ServeConfig(
-        model=opts.model,
-        served_model_name=opts.served_model_name,
-        host=opts.host,
-        port=opts.port,
-        tensor_parallel_size=opts.tensor_parallel_size,
-        max_model_len=opts.max_model_len,
-        max_num_seqs=opts.max_num_seqs,
-        enforce_eager=opts.enforce_eager,
-        distributed_executor_backend=opts.distributed_executor_backend,
-        profiler_config=profiler_config,
-        additional_config=additional,
-        extra_args=list(opts.extra_args),
-        entrypoint=list(opts.entrypoint or DEFAULT_ENTRYPOINT),
-        env=env,
-    )
-
-
-def server_environment(
-    cfg: ServeConfig, settings: ProfilingSettings, base: dict[str, str] | None = None
-) -> tuple[dict[str, str], str | None]:
-    """The server's environment and the PATH prefix that was put first (if any)."""
-    env = dict(os.environ if base is None else base)
-    env.setdefault("HF_HOME", settings.hf_home)
-    prefix = None
-    if settings.venv_path:
-        prefix = os.path.join(settings.venv_path, "bin")
-        env["PATH"] = prefix + os.pathsep + env.get("PATH", "")
-        env["VIRTUAL_ENV"] = settings.venv_path
-    env.update(cfg.env)
-    return env, prefix
 
 
 class _Run:
@@ -467,7 +334,7 @@ class _Run:
     def finish_attempt(self, attempt: int, outcome: str, reason: str) -> None:
         """Tear down a failed attempt's server and keep its log beside the next one."""
         kept = os.path.join(os.path.dirname(self.layout.serve_log), f"serve.attempt{attempt}.log")
-        with _shielded(self.log, reraise=True):  # a Ctrl-C here ends the run after teardown
+        with shielded(self.log, reraise=True):  # a Ctrl-C here ends the run after teardown
             self.teardown()
         with contextlib.suppress(OSError):
             os.replace(self.layout.serve_log, kept)
@@ -576,65 +443,6 @@ def _own_version() -> str:
     return __version__
 
 
-@contextlib.contextmanager
-def _signals_interrupt() -> Iterator[None]:
-    """SIGTERM raises `Interrupted` and SIGINT raises KeyboardInterrupt in the main thread.
-
-    SIGINT is installed explicitly: a command started in the background by a
-    non-interactive shell (``cmd &`` in a script, CI runners) inherits SIGINT *ignored*,
-    and Python keeps it so; a capture that shrugs off ``kill -INT`` would leave its
-    server running until the recipe ends.
-    """
-    if not _main_thread():
-        yield
-        return
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise Interrupted(signum)
-
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, handler),
-                signal.SIGINT: signal.signal(signal.SIGINT, signal.default_int_handler)}
-    try:
-        yield
-    finally:
-        for signum, restored in previous.items():
-            signal.signal(signum, restored)
-
-
-@contextlib.contextmanager
-def _shielded(log: Callable[[str], None], *, reraise: bool = False) -> Iterator[None]:
-    """Defer SIGINT/SIGTERM while a teardown runs: it must not be cut short.
-
-    With ``reraise``, the first deferred signal is raised when the block ends (as
-    KeyboardInterrupt or `Interrupted`); otherwise it is only logged.
-    """
-    if not _main_thread():
-        yield
-        return
-    pending: list[int] = []
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        pending.append(signum)
-        log(f"{signal.Signals(signum).name} deferred: tearing the server down, please wait")
-
-    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-    if reraise and pending:
-        if pending[0] == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise Interrupted(pending[0])
-
-
-def _main_thread() -> bool:
-    import threading
-
-    return threading.current_thread() is threading.main_thread()
-
-
 def run_capture(
     opts: CaptureOptions, *, log: Callable[[str], None] | None = None
 ) -> CaptureResult:
@@ -644,7 +452,7 @@ def run_capture(
     say(f"run directory {run.layout.run_dir} (profiler {run.profiler})")
     exit_code = EXIT_FAILED
     try:
-        with _signals_interrupt():
+        with signals_interrupt():
             try:
                 run.run()
                 exit_code = EXIT_OK
@@ -660,7 +468,7 @@ def run_capture(
             except (RecipeFailed, HTTPFailure, OSError, ValueError) as exc:
                 run.fail("failed", f"{type(exc).__name__}: {exc}")
     finally:
-        with _shielded(say):
+        with shielded(say):
             if run.status == "running":  # an unexpected exception is propagating
                 run.fail("failed", f"unexpected error in stage {run.stage}")
             for step in (run.stop_owed_profile, run.write_early_manifest):
