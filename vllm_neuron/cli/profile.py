@@ -113,7 +113,7 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 def options_from_args(args: argparse.Namespace) -> Any:
     import shlex
 
-    from vllm_neuron.profiling.capture import DEFAULT_MAX_WINDOWS, CaptureOptions
+    from vllm_neuron.profiling.options import DEFAULT_MAX_WINDOWS, CaptureOptions
     from vllm_neuron.profiling.run_spec import DECODE_ONLY_CONNECTOR, DEFAULT_ACTIVITIES
 
     extra = list(args.serve_args or [])
