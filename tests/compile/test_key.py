@@ -21,15 +21,13 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
+from vllm_neuron.compile.compiler_args import canonicalize_compiler_args
+from vllm_neuron.compile.graph_canon import KeyComputationError, graph_digest, normalize_device
 from vllm_neuron.compile.key import (
     COMPONENTS,
     CacheKey,
-    KeyComputationError,
-    canonicalize_compiler_args,
     compute_cache_key,
     explain_key_difference,
-    graph_digest,
-    normalize_device,
 )
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]

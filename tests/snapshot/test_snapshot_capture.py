@@ -28,9 +28,9 @@ from vllm_neuron.snapshot import (
     install_snapshot_capture,
     read_call_meta,
 )
+from vllm_neuron.snapshot.bundles import list_bundles, load_bundle
 from vllm_neuron.snapshot.capture import neuron_serialize_op
 from vllm_neuron.snapshot.encoding import FORMATS
-from vllm_neuron.snapshot.replay import list_bundles, load_bundle
 
 CapturerFactory = Callable[..., SnapshotCapturer]  # the capturer_for fixture
 

@@ -13,8 +13,8 @@ import torch
 
 from vllm_neuron.cli import main
 from vllm_neuron.snapshot import SnapshotForwardContext, forward_context, reset_snapshot_config
+from vllm_neuron.snapshot.bundles import list_bundles, load_bundle, open_snapshot_root
 from vllm_neuron.snapshot.encoding import decode_tensor, encode_tensor
-from vllm_neuron.snapshot.replay import list_bundles, load_bundle, open_snapshot_root
 
 PROMPT_LEN = 7
 TARGET_STEP = 3  # decode step k generates position PROMPT_LEN + k

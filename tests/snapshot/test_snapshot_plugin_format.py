@@ -35,6 +35,7 @@ from snapshot_helpers import ctx, make_config
 from vllm_neuron.backends import encode, open_store
 from vllm_neuron.cli import main
 from vllm_neuron.snapshot import SnapshotCapturer, forward_context
+from vllm_neuron.snapshot.bundles import list_bundles, load_bundle
 from vllm_neuron.snapshot.meta import (
     PLUGIN_WRITER,
     CallMeta,
@@ -44,7 +45,7 @@ from vllm_neuron.snapshot.meta import (
     decode_call_meta,
     read_call_meta,
 )
-from vllm_neuron.snapshot.replay import list_bundles, load_bundle, replay
+from vllm_neuron.snapshot.replay import replay
 
 CapturerFactory = Callable[..., SnapshotCapturer]  # the capturer_for fixture
 PREFIX = f"{PLUGIN_HASH}/rank1/call{CALL_INDEX}"

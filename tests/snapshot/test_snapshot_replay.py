@@ -15,8 +15,9 @@ from snapshot_helpers import HASH, ctx, make_config
 from vllm_neuron.backends import open_store
 from vllm_neuron.cli import main
 from vllm_neuron.snapshot import RankInfo, SnapshotCapturer, SnapshotConfig, forward_context
+from vllm_neuron.snapshot.bundles import locate
+from vllm_neuron.snapshot.compare import compare_outputs
 from vllm_neuron.snapshot.encoding import encode_tensor
-from vllm_neuron.snapshot.replay import compare_outputs, locate
 
 CapturerFactory = Callable[..., SnapshotCapturer]  # the capturer_for fixture
 

@@ -27,7 +27,7 @@ from vllm_neuron.snapshot import (
     resolve_capture_spec,
     set_current_forward,
 )
-from vllm_neuron.snapshot.replay import list_bundles
+from vllm_neuron.snapshot.bundles import list_bundles
 
 CapturerFactory = Callable[..., SnapshotCapturer]  # the capturer_for fixture
 

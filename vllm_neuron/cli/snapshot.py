@@ -23,6 +23,16 @@ from typing import Any
 
 import msgspec
 
+from vllm_neuron.snapshot.bundles import (
+    find_bundles,
+    list_bundles,
+    load_bundle,
+    locate,
+    open_snapshot_root,
+)
+from vllm_neuron.snapshot.config import load_snapshot_config
+from vllm_neuron.snapshot.replay import replay
+
 from .format import human_age, human_size, print_json, table
 
 
@@ -63,15 +73,10 @@ def register(sub: Any) -> None:
 
 
 def _root(arg: str | None) -> Any:
-    from vllm_neuron.snapshot.config import load_snapshot_config
-    from vllm_neuron.snapshot.replay import open_snapshot_root
-
     return open_snapshot_root(arg or load_snapshot_config().root)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from vllm_neuron.snapshot.replay import list_bundles
-
     listing = list_bundles(_root(args.root))
     if args.json:
         print_json(listing)
@@ -104,8 +109,6 @@ def _phase(is_prompt: bool | None) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from vllm_neuron.snapshot.replay import find_bundles, load_bundle, locate
-
     store, prefix = locate(args.bundle, args.root)
     prefixes = find_bundles(store, prefix)
     if not prefixes:
@@ -155,8 +158,6 @@ def _fmt(x: float) -> str:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
-    from vllm_neuron.snapshot.replay import locate, replay
-
     store, prefix = locate(args.bundle, args.root)
     reports = replay(
         store, prefix, runner=args.runner, cache_dir=args.cache_dir, atol=args.atol,

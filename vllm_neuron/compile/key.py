@@ -3,57 +3,41 @@
 Why this shape: a key must be equal exactly when a compiled artifact can be reused. Every
 rank of a tensor-parallel job, every node and every restart must compute the same key for
 the same graph, and anything that changes the compiled code must change it. So the key
-hashes a *canonical* serialization of each input to the compiler and nothing else:
+hashes a *canonical* serialization of each input to the compiler and nothing else, one
+component each:
 
-``graph``
-    The FX graph: node ops, names, targets (by qualified name), argument structure, the
-    node metadata that describes values (``val`` / ``example_value`` / ``tensor_meta``:
-    dtype, shape, stride, device type), and the *contents* of every tensor reachable
-    through ``get_attr`` or ``call_module`` (weights baked into a graph are part of the
-    compiled program). Stack traces, module stacks, timestamps, object ids and addresses are
-    left out; they differ between processes without changing the program.
-``inputs``
-    dtype, shape, stride and device type of each example input (``requires_grad`` does not
-    change the compiled code). Symbolic sizes keep their symbolic name (``s0``).
-``versions``, ``compiler_args``, ``target``, ``replica_groups``
-    The toolchain's versions, its canonicalised flags, the hardware target and the
-    collective groups.
+``graph``, ``inputs``
+    The FX graph and the example inputs, in the process-independent form of
+    :mod:`.graph_canon` (device indices normalised to 0, provenance left out, constant
+    tensors by content).
+``compiler_args``
+    The toolchain's flags, canonicalised by :mod:`.compiler_args` (output-location flags
+    left out, sorted).
+``versions``, ``target``, ``replica_groups``
+    The toolchain's versions, the hardware target and the collective groups.
 
-Device indices are never part of the key: ``neuron:3``, ``cuda:1`` and ``xla:2`` are
-normalised to index 0 wherever they appear (arguments, keyword arguments, metadata, inputs),
-so all ranks of one node produce one key. The components are kept next to the key so that
-"why did this miss?" has an answer (:func:`explain_key_difference`).
-
-MD5 is used as a content fingerprint, not for security, hence ``usedforsecurity=False``
-(required on FIPS-enabled hosts).
+The components are kept next to the key so that "why did this miss?" has an answer
+(:func:`explain_key_difference`). MD5 is a content fingerprint here, not a security measure.
 """
 
 from __future__ import annotations
 
-import enum
-import hashlib
-import json
 import numbers
-import re
-import types
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
-import torch
 import torch.fx
+
+from .compiler_args import canonicalize_compiler_args
+from .graph_canon import KeyComputationError, digest_json, graph_digest, inputs_canon, md5
 
 __all__ = [
     "COMPONENTS",
     "KEY_SCHEMA_VERSION",
-    "OUTPUT_LOCATION_FLAGS",
     "CacheKey",
-    "KeyComputationError",
-    "canonicalize_compiler_args",
     "compute_cache_key",
     "explain_key_difference",
-    "graph_digest",
-    "normalize_device",
 ]
 
 # Bump when the canonical form changes: old entries then stop matching instead of being
@@ -69,343 +53,12 @@ COMPONENTS: tuple[str, ...] = (
     "replica_groups",
 )
 
-# Flags that only choose where outputs and logs go; they never change the compiled code,
-# and they usually hold per-process paths, so keeping them would split the cache per rank.
-# Compared after mapping "_" to "-".
-OUTPUT_LOCATION_FLAGS = frozenset(
-    {"--output", "--logfile", "--log-file", "--workdir", "--work-dir", "--cache-dir"}
-)
-
-# Node metadata that describes values; everything else (stack traces, module stacks,
-# source_fn, timestamps, seq_nr, from_node ...) is provenance and differs between runs.
-_VALUE_META_KEYS = ("val", "example_value", "tensor_meta")
-
-_DEVICE_RE = re.compile(r"^(neuron|cuda|xla|privateuseone)(?::\d+)?$")
-_NUMERIC_TOKEN_RE = re.compile(r"^-\.?\d")
-
 
 class CacheKey(msgspec.Struct, frozen=True):
     """A cache key and the per-component hashes it was made from."""
 
     key: str
     components: dict[str, str]
-
-
-class KeyComputationError(ValueError):
-    """The graph holds something that cannot be fingerprinted reliably.
-
-    Raised rather than guessed: a key that ignores part of the program could hand one
-    graph another graph's artifact. Callers may compile without the cache instead.
-    """
-
-
-def _md5(data: Any = b"") -> Any:
-    return hashlib.md5(data, usedforsecurity=False)
-
-
-def _digest_json(obj: Any) -> str:
-    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True)
-    return str(_md5(text.encode("utf-8")).hexdigest())
-
-
-def normalize_device(device: str) -> str:
-    """``neuron:3`` -> ``neuron:0`` (also cuda, xla, privateuseone); other strings as is.
-
-    A bare accelerator type (``neuron``) also maps to index 0: the index is a placement
-    decision made after compilation and never part of the compiled program.
-    """
-    match = _DEVICE_RE.match(device)
-    return f"{match.group(1)}:0" if match else device
-
-
-# Canonical forms ---------------------------------------------------------------------------
-
-
-def _type_name(obj: object) -> str:
-    cls = obj if isinstance(obj, type) else type(obj)
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _dim(value: Any) -> Any:
-    """A size or stride entry: an int, or the string form of a symbolic size."""
-    if isinstance(value, int):
-        return value
-    return str(value)
-
-
-def _tensor_meta(t: torch.Tensor) -> list[Any]:
-    """dtype, shape, stride, layout and device type; never requires_grad or the index."""
-    try:
-        stride: list[Any] | None = [_dim(s) for s in t.stride()]
-    except (RuntimeError, NotImplementedError):  # sparse and other stride-less layouts
-        stride = None
-    return [
-        "tensor",
-        str(t.dtype),
-        [_dim(s) for s in t.shape],
-        stride,
-        str(t.layout),
-        normalize_device(str(t.device)),
-    ]
-
-
-def _callable_name(fn: Any) -> str:
-    """A stable, address-free name for a call target."""
-    if isinstance(fn, str):
-        return fn
-    if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        return f"torch.ops.{fn}"
-    if isinstance(fn, torch._ops.HigherOrderOperator):
-        return f"torch.ops.higher_order.{fn.name()}"
-    name: str | None = None
-    try:
-        name = torch.fx.node._get_qualified_name(fn)
-    except Exception:  # lambdas without source, C callables without a module
-        name = None
-    if name is None:
-        module = getattr(fn, "__module__", None) or ""
-        qualname = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
-        if qualname is None:
-            raise KeyComputationError(f"call target of type {_type_name(fn)} has no name")
-        name = f"{module}.{qualname}"
-    # Local functions and lambdas share qualified names across different bodies: add
-    # the bytecode so two different lambdas never share a key.
-    code = getattr(fn, "__code__", None)
-    local_name = f"{name} {getattr(fn, '__qualname__', '')}"
-    if ("<locals>" in local_name or "<lambda>" in local_name) and isinstance(code, types.CodeType):
-        name += "#" + _digest_json(_code_canon(code))
-    return name
-
-
-def _code_canon(code: types.CodeType) -> list[Any]:
-    consts = [
-        _code_canon(c) if isinstance(c, types.CodeType) else _canon(c, strict=False)
-        for c in code.co_consts
-    ]
-    return [code.co_code.hex(), consts, list(code.co_names)]
-
-
-def _canon(obj: Any, strict: bool) -> Any:
-    """A JSON-able, process-independent form of an FX argument or metadata value.
-
-    ``strict`` (arguments) raises on unknown types; metadata is lenient and records only
-    the type name of values it does not understand.
-    """
-    if obj is None or isinstance(obj, (bool, int, float)):
-        if isinstance(obj, float) and obj != obj:
-            return ["float", "nan"]
-        return obj
-    if isinstance(obj, str):
-        return normalize_device(obj)
-    if isinstance(obj, torch.fx.Node):
-        return ["node", obj.name]
-    if isinstance(obj, torch.device):
-        return ["device", normalize_device(str(obj))]
-    if isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
-        return [type(obj).__name__, str(obj)]
-    if isinstance(obj, (torch.SymInt, torch.SymFloat, torch.SymBool)):
-        return ["sym", str(obj)]
-    if isinstance(obj, torch.Tensor):
-        # In arguments a tensor is a constant of the program: its values count too.
-        if strict:
-            return [*_tensor_meta(obj), _tensor_content_digest(obj)]
-        return _tensor_meta(obj)
-    if type(obj).__name__ == "TensorMetadata" and hasattr(obj, "dtype"):
-        # torch.fx.passes.shape_prop.TensorMetadata: keep what shapes the program,
-        # drop requires_grad.
-        return [
-            "tensor_meta",
-            str(obj.dtype),
-            [_dim(s) for s in obj.shape],
-            [_dim(s) for s in obj.stride],
-            str(obj.memory_format),
-            bool(obj.is_quantized),
-            _canon(obj.qparams, strict=False),
-        ]
-    if isinstance(obj, enum.Enum):
-        return ["enum", _type_name(obj), obj.name]
-    if isinstance(obj, tuple):
-        items = [_canon(x, strict) for x in obj]
-        if hasattr(obj, "_fields"):  # namedtuple: the type is part of the meaning
-            return ["namedtuple", _type_name(obj), items]
-        return ["tuple", items]
-    if isinstance(obj, list):
-        return ["list", [_canon(x, strict) for x in obj]]
-    if isinstance(obj, dict):
-        pairs = [[_canon(k, strict), _canon(v, strict)] for k, v in obj.items()]
-        pairs.sort(key=lambda kv: json.dumps(kv, sort_keys=True, allow_nan=True))
-        return ["dict", pairs]
-    if isinstance(obj, slice):
-        return [
-            "slice",
-            _canon(obj.start, strict),
-            _canon(obj.stop, strict),
-            _canon(obj.step, strict),
-        ]
-    if isinstance(obj, complex):
-        return ["complex", repr(obj)]
-    if obj is Ellipsis:
-        return ["ellipsis"]
-    if isinstance(obj, numbers.Integral):  # numpy integers
-        return int(obj)
-    if isinstance(obj, numbers.Real):
-        return float(obj)
-    if isinstance(obj, (torch._ops.OperatorBase, torch._ops.OpOverloadPacket)) or callable(obj):
-        return ["callable", _callable_name(obj)]
-    if strict:
-        raise KeyComputationError(f"cannot fingerprint a graph argument of type {_type_name(obj)}")
-    return ["opaque", _type_name(obj)]
-
-
-# Graph -------------------------------------------------------------------------------------
-
-
-def _tensor_content_digest(t: torch.Tensor) -> str:
-    """MD5 of a tensor's bytes (values baked into the graph are part of the program)."""
-    t = t.detach()
-    if t.device.type == "meta" or isinstance(t, torch._subclasses.FakeTensor):
-        return "no-data"
-    if t.layout != torch.strided:
-        raise KeyComputationError(f"cannot fingerprint a constant tensor with layout {t.layout}")
-    if t.is_quantized:
-        raise KeyComputationError("cannot fingerprint a quantized constant tensor")
-    t = t.resolve_conj().resolve_neg()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    flat = t.contiguous().reshape(-1).view(torch.uint8)
-    return str(_md5(flat.numpy().tobytes()).hexdigest())
-
-
-class _GraphHasher:
-    """Walks one GraphModule (and the modules it reaches) into a canonical structure."""
-
-    def __init__(self) -> None:
-        # Memo keyed by id() within one computation only; ids never enter the hash.
-        self._memo: dict[int, str] = {}
-
-    def attr(self, obj: Any, where: str) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return [_tensor_meta(obj), _tensor_content_digest(obj)]
-        if isinstance(obj, torch.fx.GraphModule):
-            return ["graph", self.graph(obj)]
-        if isinstance(obj, torch.nn.Module):
-            return self.module(obj)
-        if isinstance(obj, torch.ScriptObject):
-            flatten = getattr(obj, "__obj_flatten__", None)
-            if flatten is None:
-                raise KeyComputationError(f"cannot fingerprint script object at {where!r}")
-            return ["script_object", _canon(flatten(), strict=True)]
-        try:
-            return ["value", _canon(obj, strict=True)]
-        except KeyComputationError as exc:
-            raise KeyComputationError(f"{exc} (attribute {where!r})") from None
-
-    def module(self, mod: torch.nn.Module) -> Any:
-        """A called submodule: its type, configuration and every parameter and buffer."""
-        state = [
-            [name, self.attr(value, name)]
-            for name, value in sorted(mod.state_dict(keep_vars=True).items())
-        ]
-        kinds = [[name, _type_name(m)] for name, m in mod.named_modules()]
-        return ["module", _type_name(mod), mod.extra_repr(), kinds, state]
-
-    def graph(self, gm: torch.fx.GraphModule) -> str:
-        cached = self._memo.get(id(gm))
-        if cached is not None:
-            return cached
-        nodes: list[Any] = []
-        for node in gm.graph.nodes:
-            entry: list[Any] = [
-                node.op,
-                node.name,
-                _callable_name(node.target),
-                _canon(node.args, strict=True),
-                _canon(dict(node.kwargs), strict=True),
-                [
-                    [k, _canon(node.meta[k], strict=False)]
-                    for k in _VALUE_META_KEYS
-                    if k in node.meta
-                ],
-            ]
-            if node.op == "get_attr":
-                entry.append(self.attr(_fetch_attr(gm, node.target), node.target))
-            elif node.op == "call_module":
-                entry.append(self.attr(gm.get_submodule(node.target), node.target))
-            nodes.append(entry)
-        digest = _digest_json(["fx", _codegen_canon(gm), nodes])
-        self._memo[id(gm)] = digest
-        return digest
-
-
-def _fetch_attr(gm: torch.nn.Module, target: str) -> Any:
-    obj: Any = gm
-    for atom in target.split("."):
-        if not hasattr(obj, atom):
-            raise KeyComputationError(f"get_attr target {target!r} does not exist")
-        obj = getattr(obj, atom)
-    return obj
-
-
-def _codegen_canon(gm: torch.fx.GraphModule) -> Any:
-    """The calling convention: exported graphs flatten inputs/outputs through a pytree."""
-    codegen = getattr(gm.graph, "_codegen", None)
-    info = getattr(codegen, "pytree_info", None)
-    if info is None:
-        return _type_name(codegen) if codegen is not None else None
-    return [_type_name(codegen), str(info.in_spec), str(info.out_spec)]
-
-
-def graph_digest(gm: torch.fx.GraphModule) -> str:
-    """The ``graph`` component alone (useful to compare graphs across processes)."""
-    return _GraphHasher().graph(gm)
-
-
-# Other components --------------------------------------------------------------------------
-
-
-def _inputs_canon(example_inputs: Sequence[Any]) -> list[Any]:
-    out: list[Any] = []
-    for x in example_inputs:
-        if isinstance(x, torch.Tensor):
-            out.append(_tensor_meta(x))
-        else:
-            out.append(_canon(x, strict=True))
-    return out
-
-
-def _is_flag(token: str) -> bool:
-    return token.startswith("-") and token != "-" and not _NUMERIC_TOKEN_RE.match(token)
-
-
-def canonicalize_compiler_args(args: Sequence[str]) -> list[str]:
-    """Canonical compiler flags: ``--flag value`` -> ``--flag=value``, output-only flags
-    dropped, sorted.
-
-    Sorting makes the key independent of the order flags were assembled in (env var,
-    config file, defaults), which is arbitrary for the compilers we drive. A token that
-    does not start with ``-`` (or is a negative number) after a flag is that flag's value.
-    """
-    canon: list[str] = []
-    tokens = [str(t) for t in args]
-    i = 0
-    while i < len(tokens):
-        token = tokens[i]
-        i += 1
-        if not _is_flag(token):
-            canon.append(token)
-            continue
-        if "=" in token:
-            flag = token.split("=", 1)[0]
-            item = token
-        elif i < len(tokens) and not _is_flag(tokens[i]):
-            flag = token
-            item = f"{token}={tokens[i]}"
-            i += 1
-        else:
-            flag = item = token
-        if flag.replace("_", "-") not in OUTPUT_LOCATION_FLAGS:
-            canon.append(item)
-    return sorted(canon)
 
 
 def _replica_groups_canon(groups: Sequence[Sequence[int]] | None) -> Any:
@@ -435,17 +88,17 @@ def compute_cache_key(
     versions = {str(k): str(v) for k, v in toolchain_versions.items()}
     components = {
         "graph": graph_digest(gm),
-        "inputs": _digest_json(_inputs_canon(example_inputs)),
-        "versions": _digest_json(versions),
-        "compiler_args": _digest_json(canonicalize_compiler_args(compiler_args)),
-        "target": _digest_json(str(target)),
-        "replica_groups": _digest_json(_replica_groups_canon(replica_groups)),
+        "inputs": digest_json(inputs_canon(example_inputs)),
+        "versions": digest_json(versions),
+        "compiler_args": digest_json(canonicalize_compiler_args(compiler_args)),
+        "target": digest_json(str(target)),
+        "replica_groups": digest_json(_replica_groups_canon(replica_groups)),
     }
     material = "\n".join(
         [f"vllm-neuron-cache-key/v{KEY_SCHEMA_VERSION}"]
         + [f"{name}={components[name]}" for name in COMPONENTS]
     )
-    return CacheKey(key=str(_md5(material.encode()).hexdigest()), components=components)
+    return CacheKey(key=str(md5(material.encode()).hexdigest()), components=components)
 
 
 def explain_key_difference(

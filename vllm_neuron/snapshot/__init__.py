@@ -8,7 +8,10 @@ write sits behind a narrow writer interface (:mod:`.capture`).
 - :mod:`.capture` - per-executable capturer, writers, ``install_snapshot_capture``;
 - :mod:`.meta` - ``meta.json``, the bundle's identity and commit record;
 - :mod:`.encoding` - pt / npy / safetensors, bit-exact for every dtype they can hold;
-- :mod:`.replay` - list, load, replay and compare.
+- :mod:`.bundles` - find, address (``<hash>/rank<N>/call<K>`` or a path) and load bundles;
+- :mod:`.runners` - the compile-cache entry or the exported graph that replay runs;
+- :mod:`.compare` - replayed against captured outputs: errors, cosine, tolerances;
+- :mod:`.replay` - replay bundles and report per bundle.
 """
 
 from .capture import (
