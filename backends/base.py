@@ -34,7 +34,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 from .errors import StoreError
 from .keys import join, validate_key, validate_prefix
-from .records import Record, encode
+from .records import COMMIT_RECORDS, CommitRecord, Record, RecordError, encode
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; annotations only
@@ -296,7 +296,7 @@ class StoreBase(ABC):
         if self.capabilities.atomic_rename:
             return final if self._is_dir(final) else None
         record = self._read_commit(final)
-        return None if record is None else join(final, VERSIONS_DIR, record["version"])
+        return None if record is None else join(final, VERSIONS_DIR, record.version)
 
     def published_children(self, parent: str = "") -> builtins.list[str]:
         """Names under `parent` that are published directories."""
@@ -323,18 +323,16 @@ class StoreBase(ABC):
             return False
         if not self.delete(join(final, COMMIT_RECORD)):
             return False
-        self.delete_tree(join(final, VERSIONS_DIR, record["version"]))
+        self.delete_tree(join(final, VERSIONS_DIR, record.version))
         return True
 
-    def _read_commit(self, final: str) -> dict[str, Any] | None:
-        data = self.read(join(final, COMMIT_RECORD))
-        if data is None:
-            return None
+    def _read_commit(self, final: str) -> CommitRecord | None:
         try:
-            record = json.loads(data)
-            validate_key(record["version"])
+            record = COMMIT_RECORDS.read(self, join(final, COMMIT_RECORD))
+            if record is not None:
+                validate_key(record.version)
             return record
-        except (ValueError, KeyError, TypeError):
+        except (RecordError, ValueError):  # unreadable, or naming no key: unpublished
             return None
 
     def _commit_staged(self, staging: Staging) -> bool:
@@ -344,7 +342,7 @@ class StoreBase(ABC):
                 self.delete_tree(staging.prefix)
             return won
         version = staging.prefix.rsplit("/", 1)[-1]
-        record = json.dumps({"version": version, "committed_at": time.time()}).encode()
+        record = encode(CommitRecord(version=version, committed_at=time.time()))
         won = self.create(join(staging.final, COMMIT_RECORD), record)
         if not won:
             self.delete_tree(staging.prefix)

@@ -8,27 +8,45 @@ A lease is a sequence of generation records ``<dir>/<generation>``, each created
 create-if-absent, so taking over an expired or released lease is a race that exactly one
 taker wins on every backend (O_EXCL/link on POSIX, If-None-Match on S3). The generation is
 the fencing token: a holder whose lease was taken over sees a newer generation and gets
-`LeaseLost` from `check()`, so it can refuse to commit.
+`LeaseLost` from `check()`, so it can refuse to commit. A generation record is a
+`LeaseRecord`; one written before records were tagged reads as its version 1.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import filelock
 
 from .errors import LeaseLost, LockTimeout
 from .keys import join
+from .records import Record, RecordCodec, RecordError, Untagged, encode
 
 if TYPE_CHECKING:
     from .base import StoreBase
+
+
+class LeaseRecord(Record, frozen=True, tag="lease"):
+    """One generation of a lease: who holds it, until when, and whether it was let go."""
+
+    owner: str
+    generation: int
+    expires: float  # epoch seconds; 0 once released
+    released: bool = False
+
+    def free(self, now: float) -> bool:
+        return self.released or self.expires < now
+
+
+LEASE_RECORDS = RecordCodec(
+    LeaseRecord, untagged=Untagged("lease", 1, "a lease record from before records had tags")
+)
 
 
 class Lock(ABC):
@@ -122,27 +140,19 @@ class LeaseLock(Lock):
 
     def _record(self, generation: int, *, released: bool = False) -> bytes:
         expires = 0.0 if released else time.time() + self.lease_duration
-        body = {
-            "owner": self.owner,
-            "generation": generation,
-            "expires": expires,
-            "released": released,
-        }
-        return json.dumps(body).encode()
+        return encode(LeaseRecord(owner=self.owner, generation=generation, expires=expires,
+                                  released=released))  # fmt: skip
 
-    def _latest(self) -> tuple[int, dict[str, Any] | None]:
+    def _latest(self) -> tuple[int, LeaseRecord | None]:
         generations = [int(n) for n in self.store.list_dir(self.directory) if n.isdigit()]
         if not generations:
             return 0, None
         latest = max(generations)
-        data = self.store.read(self._key(latest))
-        if data is None:
-            return latest, None
         try:
-            return latest, json.loads(data)
-        except ValueError:
+            return latest, LEASE_RECORDS.read(self.store, self._key(latest))
+        except RecordError:
             # A torn or foreign record cannot be trusted to be live; treat as expired.
-            return latest, {"expires": 0.0, "released": False}
+            return latest, LeaseRecord(owner="", generation=latest, expires=0.0)
 
     # ------------------------------------------------------------ protocol
     def acquire(self, timeout: float | None = None) -> None:
@@ -152,9 +162,7 @@ class LeaseLock(Lock):
         delay = self.poll_interval
         while True:
             latest, record = self._latest()
-            free = latest == 0 or (
-                record is not None and (record.get("released") or record["expires"] < time.time())
-            )
+            free = latest == 0 or (record is not None and record.free(time.time()))
             if free and self.store.create(self._key(latest + 1), self._record(latest + 1)):
                 self._on_acquired(latest + 1)
                 return
@@ -201,9 +209,9 @@ class LeaseLock(Lock):
                 f"lease {self.name!r} generation {self._generation} was taken over "
                 f"(now generation {latest})"
             )
-        if record is not None and record.get("owner") != self.owner:
+        if record is not None and record.owner != self.owner:
             self._lost = True
-            raise LeaseLost(f"lease {self.name!r} is owned by {record.get('owner')}")
+            raise LeaseLost(f"lease {self.name!r} is owned by {record.owner}")
 
     def release(self) -> None:
         if not self._held:

@@ -1,26 +1,58 @@
-"""The project's one event codec: frozen, tagged msgspec records as JSON lines.
+"""The project's one record layer: every persisted object is a versioned msgspec struct.
 
-Every record the layer persists subclasses `Record`. The tag (``"type"``) lets one decoder
-read a stream that mixes record kinds; ``v`` is the schema version, so a reader can upcast
-an old record explicitly (`register_upcaster`) instead of guessing.
+Two shapes, read by one codec (`RecordCodec`):
 
-A line that does not decode is skipped and counted (`Decoded.skipped`): a torn line from a
-killed writer or one written by a newer version must never make a whole stream unreadable.
+* `Record`: tagged on disk (``"type"``), its version in ``v``. The tag lets one decoder read
+  a stream that mixes kinds (event logs, the manifest ledger) as well as a file holding one
+  (a lease, a commit record, a note, a snapshot's ``meta.json``).
+* `Document`: a format someone else fixes, so nothing is added on disk: the class names its
+  registry tag and the field its format keeps the version in (the manifest's
+  ``manifest_version``, the profile ``schema_version``, the compile entry's ``schema``).
+
+An older version is upcast explicitly, by the functions registered per (tag, version) with
+`register_upcaster`, one registry for both shapes; a version newer than this reader, or an
+older one nothing upcasts, is refused rather than misread. Files written before their
+records were tagged read through `Untagged`: a JSON object without ``"type"`` is taken as a
+given version of a given tag. Every refusal is a `RecordError` naming the file and the
+problem; the caller decides what it means (a cache entry: a miss and a quarantine; a line
+of an event stream: skipped and counted, since a torn line from a killed writer must never
+make a whole stream unreadable).
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar, Union
 
 import msgspec
 
-R = TypeVar("R", bound="Record")
+from .errors import StoreError
+
+if TYPE_CHECKING:
+    from .base import StoreBase
+
+T = TypeVar("T")
+MAX_ERRORS = 20  # error messages a `Decoded` keeps (its count of skipped lines is exact)
+
+
+class RecordError(StoreError, ValueError):
+    """A persisted record that cannot be read: `source` (the file) and `problem`."""
+
+    def __init__(self, source: str, problem: str) -> None:
+        super().__init__(f"{source}: {problem}")
+        self.source = source
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in worker processes, pickled back
+        return type(self), (self.source, self.problem)
 
 
 class Record(msgspec.Struct, frozen=True, tag_field="type", kw_only=True, gc=False):
-    """Base of every persisted record. Subclasses set ``tag=`` and may bump ``v``.
+    """Base of every record tagged on disk. Subclasses set ``tag=`` and may bump ``v``.
+
+    ``v``'s default is the version this code writes; a line without ``v`` is version 1.
 
     ``gc=False``: records hold only builtins and cannot form reference cycles, so the
     garbage collector need not track them; decoding a large stream is then about twice as
@@ -31,21 +63,68 @@ class Record(msgspec.Struct, frozen=True, tag_field="type", kw_only=True, gc=Fal
     v: int = 1
 
 
+class Document(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of a record whose format is fixed elsewhere: no ``type`` on disk.
+
+    A subclass names its tag in the upcaster registry (`record_tag`, never written), the
+    field holding its version (`version_field`; its default is the version this code
+    writes, ``int`` or a decimal ``str``), and the version a document without that field is
+    taken to be (`missing_version`; None refuses such a document).
+    """
+
+    record_tag: ClassVar[str]
+    version_field: ClassVar[str]
+    missing_version: ClassVar[int | str | None] = None
+
+
+class Untagged(NamedTuple):
+    """How a codec reads a JSON object without ``"type"``: as `version` of `tag`.
+
+    For files written before their records were tagged, and for another writer's untagged
+    form of one of ours (the Neuron plugin's ``meta.json``); `form` names it in errors.
+    """
+
+    tag: str
+    version: int
+    form: str = "the untagged form"
+
+
+# ------------------------------------------------------------------ encoding
+
 _ENCODER = msgspec.json.Encoder()
 encode_into = _ENCODER.encode_into
 """Encode a record into a reused bytearray (truncated to the record): the hot paths that
 append a line per event (`EventLog.append`, the manifest ledger) avoid allocating it."""
 
-# (tag, version) -> function turning the raw dict of that version into the current one.
+
+def encode(record: Any) -> bytes:
+    """One record as compact JSON (no newline)."""
+    return _ENCODER.encode(record)
+
+
+def encode_line(record: Any) -> bytes:
+    """One record as a JSON line ending in a newline."""
+    return _ENCODER.encode(record) + b"\n"
+
+
+def encode_document(record: Any, *, indent: int = 2) -> bytes:
+    """One record as indented JSON, newline-terminated: for files people read too."""
+    return msgspec.json.format(_ENCODER.encode(record), indent=indent) + b"\n"
+
+
+# ------------------------------------------------------------------ upcasters
+
 Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+"""Rewrites the raw dict of one version as the next; a ValueError rejects the record."""
 _UPCASTERS: dict[tuple[str, int], Upcaster] = {}
 
 
 def register_upcaster(tag: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
-    """Register a function that rewrites a version-`from_version` record of `tag` as v+1.
+    """Register the function that rewrites version `from_version` of `tag` as the next one.
 
-    Versioned documents (`decode_document` with ``tag=``) use the same registry, with a tag
-    of their own (e.g. ``"profile-manifest"``) and their version field in place of ``v``.
+    `tag` is a `Record`'s tag or a `Document`'s ``record_tag``. The codec sets the version
+    field itself after each step; a decimal-string version (the manifest's ``"1"``) is
+    registered by its number.
     """
 
     def deco(fn: Upcaster) -> Upcaster:
@@ -55,14 +134,7 @@ def register_upcaster(tag: str, from_version: int) -> Callable[[Upcaster], Upcas
     return deco
 
 
-def encode(record: Record) -> bytes:
-    """Encode one record as compact JSON (no newline)."""
-    return _ENCODER.encode(record)
-
-
-def encode_line(record: Record) -> bytes:
-    """Encode one record as a JSON line ending in a newline."""
-    return _ENCODER.encode(record) + b"\n"
+# ------------------------------------------------------------------ decoding
 
 
 @dataclass
@@ -79,85 +151,220 @@ class Decoded:
         self.errors.extend(other.errors)
 
 
-class RecordCodec:
-    """Decodes lines into a closed set of record types (a tagged union)."""
+@dataclass(frozen=True)
+class _Kind:
+    """What the codec knows of one record type."""
 
-    def __init__(self, types: Sequence[type[Record]]) -> None:
-        if not types:
+    type: type[Any]
+    tag: str
+    field: str  # where the version is
+    current: int | str  # the version this code writes
+    missing: int | str | None  # the version of an object without `field`; None: refused
+
+
+def _default_of(cls: type[Any], name: str) -> Any:
+    for info in msgspec.structs.fields(cls):
+        if info.name == name:
+            if info.default is msgspec.NODEFAULT:
+                break
+            return info.default
+    raise TypeError(f"{cls.__name__}.{name} must default to the version this code writes")
+
+
+def _kind_of(cls: type[Any]) -> _Kind:
+    if isinstance(cls, type) and issubclass(cls, Record):
+        tag = cls.__struct_config__.tag
+        if not isinstance(tag, str):
+            raise TypeError(f"{cls.__name__} needs a string tag= to be read")
+        current = _default_of(cls, "v")
+        if cls.__struct_config__.omit_defaults and current != 1:
+            raise TypeError(
+                f"{cls.__name__}: omit_defaults leaves v={current} out of every line, and a "
+                "line without v is version 1; turn omit_defaults off to bump the version"
+            )
+        return _Kind(cls, tag, "v", current, 1)
+    if isinstance(cls, type) and issubclass(cls, Document):
+        current = _default_of(cls, cls.version_field)
+        return _Kind(cls, cls.record_tag, cls.version_field, current, cls.missing_version)
+    raise TypeError(f"{cls!r} is neither a Record nor a Document")
+
+
+def _number(version: object) -> int | None:
+    if type(version) is int:
+        return version
+    if isinstance(version, str) and version.isdigit():
+        return int(version)
+    return None
+
+
+class RecordCodec(Generic[T]):
+    """Reads a closed set of record types: several `Record` kinds, or one `Document`.
+
+    Straight into the structs where that cannot misread (every kind's version-less form is
+    its current version), checked and upcast otherwise and whenever a record is not current.
+    """
+
+    def __init__(self, types: type[T] | Sequence[type[T]], *,
+                 untagged: Untagged | None = None) -> None:  # fmt: skip
+        classes: tuple[type[Any], ...] = (types,) if isinstance(types, type) else tuple(types)
+        if not classes:
             raise ValueError("RecordCodec needs at least one record type")
-        self._types = tuple(types)
-        union: Any = self._types[0] if len(self._types) == 1 else _union(self._types)
+        kinds = [_kind_of(cls) for cls in classes]
+        self._by_tag = {kind.tag: kind for kind in kinds}
+        self._by_type = {kind.type: kind for kind in kinds}
+        if len(self._by_tag) != len(kinds):
+            raise TypeError("two record types of one codec share a tag")
+        documents = [kind for kind in kinds if issubclass(kind.type, Document)]
+        if documents and (len(kinds) > 1 or untagged is not None):
+            raise TypeError("a Document is read alone: no union, no untagged form")
+        if untagged is not None and untagged.tag not in self._by_tag:
+            raise ValueError(f"untagged form of {untagged.tag!r}, which the codec does not read")
+        self._document = documents[0] if documents else None
+        self._untagged = untagged
+        union: Any = classes[0] if len(classes) == 1 else Union[classes]  # noqa: UP007
         self._decoder: msgspec.json.Decoder[Any] = msgspec.json.Decoder(union)
-        self._by_tag = {t.__struct_config__.tag: t for t in self._types}
+        self._typed = all(kind.missing == kind.current for kind in kinds) and (
+            untagged is None or untagged.version == self._by_tag[untagged.tag].current
+        )
+        fields, currents = {k.field for k in kinds}, {k.current for k in kinds}
+        self._one_version = (
+            (operator.attrgetter(fields.pop()), currents.pop())
+            if len(fields) == 1 and len(currents) == 1
+            else None
+        )
 
-    def decode(self, data: bytes) -> Any:
-        """Decode one JSON document into its record type (raises on a bad document)."""
+    def _all_current(self, records: list[Any]) -> bool:
+        if self._one_version is not None:
+            version_of, current = self._one_version
+            return operator.countOf(map(version_of, records), current) == len(records)
+        by_type = self._by_type
+        return all(getattr(r, by_type[type(r)].field) == by_type[type(r)].current for r in records)
+
+    def decode(self, data: bytes, *, source: str = "record") -> T:
+        """One record from JSON bytes, upcast to the current version, or `RecordError`."""
+        if self._typed:
+            try:
+                record = self._decoder.decode(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                pass
+            else:
+                if self._all_current([record]):
+                    return record
         try:
-            return self._decoder.decode(data)
-        except msgspec.ValidationError:
-            upcast = self._upcast(data)
-            if upcast is None:
-                raise
-            return upcast
+            raw = msgspec.json.decode(data)
+        except msgspec.DecodeError as exc:
+            raise RecordError(source, f"not a JSON record (garbage or truncated): {exc}") from exc
+        return self.convert(raw, source=source)
 
-    def _upcast(self, data: bytes) -> Any:
-        raw = msgspec.json.decode(data)
+    def convert(self, raw: Any, *, source: str = "record") -> T:
+        """One record from parsed JSON (a record nested in another's field, or bytes
+        already decoded), upcast to the current version, or `RecordError`."""
         if not isinstance(raw, dict):
-            return None
-        tag, version = raw.get("type"), raw.get("v", 1)
-        if not isinstance(tag, str) or tag not in self._by_tag or not isinstance(version, int):
-            return None
-        changed = False
-        while (tag, version) in _UPCASTERS:
-            raw = _UPCASTERS[(tag, version)](dict(raw))
-            version += 1
-            raw["v"] = version
-            changed = True
-        if not changed:
-            return None
-        return msgspec.convert(raw, self._by_tag[tag])
+            raise RecordError(source, f"not a JSON object but a {type(raw).__name__}")
+        kind, version, prefix = self._identify(raw, source)
+        current = _number(kind.current)
+        number = _number(version) if type(version) is type(kind.current) else None
+        if version is None:
+            raise RecordError(source, f"{prefix}has no {kind.field} "
+                                      f"(this version reads {kind.current!r})")  # fmt: skip
+        if number is None or current is None or number > current:
+            newer = " (written by a newer version?)" if number is not None else ""
+            raise RecordError(source, f"{prefix}{kind.field} {version!r} is not supported: "
+                                      f"this version reads {kind.current!r}{newer}")  # fmt: skip
+        while number < current:
+            upcast = _UPCASTERS.get((kind.tag, number))
+            if upcast is None:
+                raise RecordError(source, f"{prefix}{kind.field} {version!r} is not supported: "
+                                          f"this version reads {kind.current!r}, and nothing "
+                                          f"upcasts {kind.tag} {number}")  # fmt: skip
+            try:
+                raw = upcast(dict(raw))
+            except ValueError as exc:
+                raise RecordError(source, f"{prefix}{exc}") from exc
+            number += 1
+            raw[kind.field] = number if isinstance(kind.current, int) else str(number)
+        try:
+            return msgspec.convert(raw, kind.type)
+        except msgspec.ValidationError as exc:
+            raise RecordError(source, f"{prefix}not a valid {kind.tag} record: {exc}") from exc
+
+    def _identify(self, raw: dict[str, Any], source: str) -> tuple[_Kind, Any, str]:
+        """The kind, the version and the error prefix of a raw record."""
+        if self._document is not None:
+            kind = self._document
+            return kind, raw.get(kind.field, kind.missing), ""
+        untagged = self._untagged
+        if "type" not in raw and untagged is not None:
+            prefix = f"no record tag, so it was read as {untagged.form}, and is not that either: "
+            return self._by_tag[untagged.tag], untagged.version, prefix
+        tag = raw.get("type")
+        kind_or_none = self._by_tag.get(tag) if isinstance(tag, str) else None
+        if kind_or_none is None:
+            known = ", ".join(sorted(self._by_tag))
+            raise RecordError(source, f"record type {tag!r} is not one this reader knows ({known})")
+        return kind_or_none, raw.get("v", 1), ""
 
     def decode_lines(self, data: bytes | Iterable[bytes]) -> Decoded:
         """Decode a JSONL blob (or an iterable of lines), skipping lines that don't decode.
 
         A clean blob is decoded in one call (msgspec's JSON-lines decoder), several times
-        faster than line by line; only a blob with a bad line pays for the per-line path.
+        faster than line by line; only a blob with a bad or older line pays for the per-line
+        path.
         """
-        if isinstance(data, bytes):
+        if isinstance(data, bytes) and self._typed:
             try:
-                return Decoded(records=self._decoder.decode_lines(data))
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError):
+                records = self._decoder.decode_lines(data)
+            except (msgspec.DecodeError, msgspec.ValidationError):
                 pass
+            else:
+                if self._all_current(records):
+                    return Decoded(records=records)
         out = Decoded()
         lines = data.split(b"\n") if isinstance(data, bytes) else data
         for lineno, line in enumerate(lines, 1):
             if not line.strip():
                 continue
             try:
-                out.records.append(self.decode(line))
-            except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
+                out.records.append(self.decode(line, source=f"line {lineno}"))
+            except RecordError as exc:
                 out.skipped += 1
-                if len(out.errors) < 20:
-                    out.errors.append(f"line {lineno}: {exc}")
+                if len(out.errors) < MAX_ERRORS:
+                    out.errors.append(str(exc))
         return out
 
+    def read(self, store: StoreBase, key: str) -> T | None:
+        """The record at `key` of `store`; None when absent, `RecordError` naming
+        ``<store url>/<key>`` when it does not read."""
+        data = store.read(key)
+        if data is None:
+            return None
+        url = store.url if store.url.endswith("/") else store.url + "/"
+        return self.decode(data, source=url + key)
 
-def _union(types: tuple[type[Record], ...]) -> Any:
-    from typing import Union
 
-    return Union[types]  # noqa: UP007 - a runtime union over a tuple of classes
+# ------------------------------------------------------------------ the layer's own
 
 
-# ------------------------------------------------------------------ documents
+class CommitRecord(Record, frozen=True, tag="commit"):
+    """``<final>/.commit`` on a store without atomic rename: the version published.
+
+    Created with create-if-absent, so the first writer's version is the one published.
+    """
+
+    version: str
+    committed_at: float
+
+
+COMMIT_RECORDS = RecordCodec(
+    CommitRecord, untagged=Untagged("commit", 1, "a commit record from before records had tags")
+)
+
+
+# ------------------------------------------------------------------ transitional
 # Whole JSON documents (manifests, run specs) rather than event lines: indented for people,
 # versioned by a named field, refused rather than misread when the version is unknown.
 
 _DOC = TypeVar("_DOC")
-
-
-def encode_document(value: Any, *, indent: int = 2) -> bytes:
-    """A human-readable JSON document, newline-terminated."""
-    return msgspec.json.format(_ENCODER.encode(value), indent=indent) + b"\n"
 
 
 def decode_document(

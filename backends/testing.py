@@ -34,6 +34,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import msgspec
 import pytest
 
 from .errors import InvalidKey, LeaseLost, LockTimeout, StoreError
@@ -144,7 +145,7 @@ def lease_record(lease: LeaseLock) -> dict[str, Any]:
     """The lease's current generation record in its store (owner, generation, expires)."""
     generation, record = lease._latest()
     assert record is not None, f"lease {lease.name!r} has no record"
-    return {**record, "generation": generation}
+    return {**msgspec.structs.asdict(record), "generation": generation}
 
 
 class _Tripwire:
