@@ -1,4 +1,8 @@
-"""vllm_neuron.envs: parsing, validation, the cached accessor and the cache directory."""
+"""vllm_neuron.envs: parsing, validation and the cached accessors.
+
+Where the local tier goes (the NFS fallback) is the compile feature's decision:
+tests/compile/test_local_tier.py.
+"""
 
 from __future__ import annotations
 
@@ -10,13 +14,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_neuron import envs
-from vllm_neuron.envs import (
-    CompileCacheSettings,
-    ConfigError,
-    filesystem_type,
-    get_neuron_compile_cache_dir,
-    load_compile_cache_settings,
-)
+from vllm_neuron.envs import CompileCacheSettings, ConfigError, load_compile_cache_settings
 
 HOME_ENV = {"HOME": "/home/alice", "USER": "alice"}
 
@@ -205,87 +203,81 @@ def test_path_settings_with_a_regular_file_in_the_way_are_refused_when_parsed(
     assert remote.remote_cache == "s3://b/p"
 
 
-# /proc/mounts ------------------------------------------------------------------------------
+# One reset for every group ----------------------------------------------------------------
 
-MOUNTS = """\
-overlay / overlay rw,relatime 0 0
-proc /proc proc rw 0 0
-server:/export/home /home nfs4 rw,vers=4.1 0 0
-/dev/sdb1 /home/alice/local\\040disk ext4 rw 0 0
-/dev/sdc1 /homework xfs rw 0 0
-tmpfs /scratch tmpfs rw 0 0
-fsx@tcp:/fsx /scratch lustre rw,flock 0 0
-"""
+SNAPSHOT_MAX = "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_MAX_CAPTURES"
 
 
-@pytest.mark.parametrize(
-    "path,fstype",
-    [
-        ("/home/alice", "nfs4"),
-        ("/home", "nfs4"),
-        ("/home/", "nfs4"),
-        ("/homework/x", "xfs"),  # a mount point prefix must end at a path separator
-        ("/home/alice/local disk/cache", "ext4"),  # \040 decoded, longest prefix wins
-        ("/home/alice/local diskette", "nfs4"),
-        ("/scratch/job", "lustre"),  # over-mounted: the later line wins
-        ("/usr/lib", "overlay"),
-    ],
-)
-def test_filesystem_type_longest_mount_prefix(path: str, fstype: str) -> None:
-    assert filesystem_type(path, MOUNTS) == fstype
-
-
-def test_filesystem_type_unknown_is_empty() -> None:
-    assert filesystem_type("/anything", "") == ""
-    assert filesystem_type("/anything", "garbage line\n") == ""
-
-
-def test_filesystem_type_reads_proc_mounts() -> None:
-    # Linux only, like the project (vLLM on Neuron runs on Linux): /proc/mounts must exist.
-    with open("/proc/mounts") as f:
-        text = f.read()
-    assert filesystem_type("/") == filesystem_type("/", text) != ""
-
-
-# Cache directory ---------------------------------------------------------------------------
-
-
-def test_cache_dir_default_on_local_home() -> None:
-    local = "/dev/sda1 / ext4 rw 0 0\n"
-    d = get_neuron_compile_cache_dir(environ=HOME_ENV, mounts_text=local)
-    assert d == "/home/alice/.cache/vllm/neuron/compile_cache"
-
-
-def test_cache_dir_falls_back_to_tmp_when_home_is_on_nfs() -> None:
-    d = get_neuron_compile_cache_dir(environ=HOME_ENV, mounts_text=MOUNTS)
-    assert d == "/tmp/vllm_neuron_wdir_alice/neuron/compile_cache"
-    nfs3 = "/dev/sda1 / ext4 rw 0 0\nsrv:/h /home/alice nfs rw 0 0\n"
-    assert get_neuron_compile_cache_dir(environ=HOME_ENV, mounts_text=nfs3).startswith(
-        "/tmp/vllm_neuron_wdir_alice/"
-    )
-
-
-def test_cache_dir_fallback_user_name_is_one_safe_path_component() -> None:
-    env = {"HOME": "/home/alice", "USER": "dom\\ali/ce"}
-    d = get_neuron_compile_cache_dir(environ=env, mounts_text=MOUNTS)
-    assert d == "/tmp/vllm_neuron_wdir_dom_ali_ce/neuron/compile_cache"
-
-
-def test_explicit_cache_root_is_never_moved_even_on_nfs() -> None:
-    env = {**HOME_ENV, "VLLM_CACHE_ROOT": "/home/alice/shared"}
-    d = get_neuron_compile_cache_dir(environ=env, mounts_text=MOUNTS)
-    assert d == "/home/alice/shared/neuron/compile_cache"
-
-
-def test_cache_dir_uses_the_process_settings(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: os.PathLike[str]
+def test_reset_for_tests_makes_a_changed_snapshot_variable_take_effect(
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setenv("VLLM_CACHE_ROOT", str(tmp_path))
+    from vllm_neuron.snapshot.config import snapshot_config
+
+    monkeypatch.setenv("VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_ENABLE", "1")
+    monkeypatch.setenv(SNAPSHOT_MAX, "2")
     envs.reset_for_tests()
     try:
-        assert get_neuron_compile_cache_dir() == os.path.join(
-            str(tmp_path), "neuron", "compile_cache"
-        )
+        first = snapshot_config()
+        assert envs.snapshot_settings().max_captures == first.max_captures == 2
+        monkeypatch.setenv(SNAPSHOT_MAX, "7")
+        assert snapshot_config() is first  # parsed once per process
+        envs.reset_for_tests()  # the same reset as every other group: no second one needed
+        assert envs.snapshot_settings().max_captures == snapshot_config().max_captures == 7
     finally:
         monkeypatch.undo()
         envs.reset_for_tests()
+
+
+def test_reset_for_tests_forgets_every_cached_group() -> None:
+    accessors = (envs.compile_cache_settings, envs.manifest_settings, envs.host_mode_settings,
+                 envs.snapshot_settings)  # fmt: skip
+    envs.reset_for_tests()
+    try:
+        before = [accessor() for accessor in accessors]
+        envs.reset_for_tests()
+        after = [accessor() for accessor in accessors]
+        assert all(a is not b for a, b in zip(before, after, strict=True))
+    finally:
+        envs.reset_for_tests()
+
+
+# Identity, host mode, the CLI's remote default ------------------------------------------------
+
+
+def test_identity_is_read_as_set_and_never_refused() -> None:
+    ident = envs.load_identity_settings(
+        {"NEURON_VISIBLE_DEVICES": " 0-7 ", "RANK": "3", "VLLM_DP_RANK": "x", "USER": "bob"}
+    )
+    assert ident == envs.IdentitySettings(visible_devices="0-7", rank=3, dp_rank=None,
+                                          user="bob")  # fmt: skip
+    assert envs.load_identity_settings({"RANK": "-1", "NEURON_VISIBLE_DEVICES": " "}) == (
+        envs.IdentitySettings()
+    )
+
+
+@pytest.mark.parametrize("value,requested", [(None, False), ("", False), (" 0 ", False),
+                                             ("1", True), ("true", True)])  # fmt: skip
+def test_host_mode_keeps_vllms_aot_variable_as_text(value: str | None, requested: bool) -> None:
+    env = {"VLLM_NEURON_HOST_MODE": "1"}
+    if value is not None:
+        env["VLLM_USE_AOT_COMPILE"] = value
+    assert envs.load_host_mode_settings(env).vllm_aot_compile_requested is requested
+
+
+def test_remote_cache_default_of_the_cli_does_not_validate_the_group() -> None:
+    env = {"NEURON_LIBTORCH_REMOTE_CACHE": " s3://b/p ", "NEURON_LIBTORCH_COMPILATION_TIMEOUT": "x"}
+    assert envs.remote_cache_url(env) == "s3://b/p"
+    assert envs.remote_cache_url({"NEURON_LIBTORCH_REMOTE_CACHE": " "}) is None
+    with pytest.raises(ConfigError):
+        load_compile_cache_settings(env)
+
+
+def test_manifest_dir_is_a_normalised_location() -> None:
+    assert envs.load_manifest_settings({**HOME_ENV, "VLLM_NEURON_MANIFEST_DIR": "~/m"}) == (
+        envs.ManifestSettings("/home/alice/m")
+    )
+    assert envs.load_manifest_settings({"VLLM_NEURON_MANIFEST_DIR": "s3://b/m"}).manifest_dir == (
+        "s3://b/m"
+    )
+    with pytest.raises(ConfigError, match="NUL"):
+        envs.load_manifest_settings({"VLLM_NEURON_MANIFEST_DIR": "a\x00b"})

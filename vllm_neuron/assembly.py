@@ -13,12 +13,12 @@ from __future__ import annotations
 import threading
 
 from vllm_neuron.compile.cache import TwoTierCache
+from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
 from vllm_neuron.compile.runtime import CompileRuntime
 from vllm_neuron.compile.toolchains.select import select_toolchain
 from vllm_neuron.envs import (
     check_snapshot_root,
     compile_cache_settings,
-    get_neuron_compile_cache_dir,
     host_mode_settings,
     manifest_settings,
 )

@@ -5,15 +5,19 @@
 data-parallel deployment narrow the variable to disjoint slices before anything is written,
 so the prefix is per engine by the time the manifest and ledger paths are resolved: it is
 therefore read at use time, never cached at import.
+
+The variables are read by :mod:`vllm_neuron.envs.identity`; this module decides what they
+mean (the core window, which rank source wins).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from vllm_neuron.envs import load_identity_settings
 
 logger = logging.getLogger("vllm_neuron")
 
@@ -58,9 +62,8 @@ def get_server_prefix(environ: Mapping[str, str] | None = None) -> str:
     A malformed value is reported once and treated as ``nodev`` (best-effort: the prefix
     only names files, it must never stop a compile).
     """
-    env = os.environ if environ is None else environ
-    raw = env.get("NEURON_VISIBLE_DEVICES", "").strip()
-    if not raw:
+    raw = load_identity_settings(environ).visible_devices
+    if raw is None:
         return NO_DEVICE
     cached = _prefixes.get(raw)
     if cached is not None:  # read on every ledger line: parse each distinct value once
@@ -94,11 +97,6 @@ class RankInfo:
     dp_rank: int = 0
 
 
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name, "").strip()
-    return int(raw) if raw.isdigit() else None
-
-
 def detect_ranks() -> RankInfo:
     """The ranks of this process: torch.distributed and vLLM's groups when initialised,
     else the launcher's ``RANK``/``VLLM_DP_RANK`` variables, else 0."""
@@ -110,9 +108,10 @@ def detect_ranks() -> RankInfo:
             global_rank = int(dist.get_rank())
     except Exception:  # noqa: BLE001 - torch may be absent or half-initialised
         global_rank = None
+    launcher = load_identity_settings()
     if global_rank is None:
-        global_rank = _env_int("RANK") or 0
-    tp_rank, dp_rank = global_rank, _env_int("VLLM_DP_RANK") or 0
+        global_rank = launcher.rank or 0
+    tp_rank, dp_rank = global_rank, launcher.dp_rank or 0
     try:
         from vllm.distributed.parallel_state import get_tp_group
 

@@ -7,12 +7,13 @@ import os
 from typing import Any
 
 from vllm_neuron.backends import local_path_of, open_store
+from vllm_neuron.envs import remote_cache_url
 
 from .format import ProgressBar, human_age, human_size, print_json, table
 
 
 def _default_cache_dir() -> str:
-    from vllm_neuron.envs import get_neuron_compile_cache_dir
+    from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
 
     return get_neuron_compile_cache_dir()
 
@@ -42,7 +43,7 @@ def register(sub: Any) -> None:
     verify.set_defaults(handler=cmd_verify)
 
     promote = cmds.add_parser("promote", help="copy entries to a remote tier (save_cache)")
-    promote.add_argument("--to", dest="to", default=os.environ.get("NEURON_LIBTORCH_REMOTE_CACHE"),
+    promote.add_argument("--to", dest="to", default=remote_cache_url(),
                          help="remote tier URL (default: $NEURON_LIBTORCH_REMOTE_CACHE)")
     which = promote.add_mutually_exclusive_group(required=True)
     which.add_argument("--key", action="append", help="an entry to promote (repeatable)")

@@ -86,7 +86,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
     cache_dir = args.cache_dir
     if cache_dir is None:
-        from vllm_neuron.envs import get_neuron_compile_cache_dir
+        from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
 
         cache_dir = get_neuron_compile_cache_dir()
     where, manifest = load_manifest(args.location)

@@ -28,6 +28,8 @@ import msgspec
 
 from vllm_neuron.backends import Store, join, open_store, read_local_file
 from vllm_neuron.compile.entry import ENTRY_RECORD
+from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
+from vllm_neuron.envs import manifest_settings
 from vllm_neuron.identity import get_server_prefix
 
 from .fold import FoldedGraph, fold_ledger
@@ -206,8 +208,6 @@ def emit_for_this_engine(
     What the model runner calls after warm-up on ``local_rank == 0``; returns None when the
     feature is off or the emit failed (logged).
     """
-    from vllm_neuron.envs import get_neuron_compile_cache_dir, manifest_settings
-
     settings = manifest_settings()
     if settings.manifest_dir is None:
         return None

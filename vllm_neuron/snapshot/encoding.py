@@ -25,9 +25,11 @@ import math
 import os
 import re
 from collections.abc import Sequence
-from typing import IO, TYPE_CHECKING, Any, Literal
+from typing import IO, TYPE_CHECKING, Any
 
 import numpy as np
+
+from vllm_neuron.envs.snapshot import FORMAT, SNAPSHOT_FORMATS, SnapshotFormat
 
 if TYPE_CHECKING:
     import torch
@@ -47,9 +49,9 @@ __all__ = [
     "write_tensor",
 ]
 
-SnapshotFormat = Literal["pt", "npy", "safetensors"]
-FORMATS: tuple[SnapshotFormat, ...] = ("pt", "npy", "safetensors")
-FORMAT_VARIABLE = "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_FORMAT"
+# The format names are the settings' (the variable's accepted values), defined once there.
+FORMATS: tuple[SnapshotFormat, ...] = SNAPSHOT_FORMATS
+FORMAT_VARIABLE = FORMAT
 
 # dtypes without a numpy scalar type that npy stores as raw fixed-width bytes; each name is
 # also an ml_dtypes type, so numpy users can reinterpret the bytes themselves.

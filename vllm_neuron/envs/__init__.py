@@ -1,0 +1,128 @@
+"""Every environment variable of vllm_neuron: parsed once, typed, validated.
+
+Why one package: a deployment is configured through environment variables that are read
+in every vLLM process (API server, engine core, each worker). Parsing them in one place
+means a typo such as ``NEURON_LIBTORCH_DISABLE_COMPILE_CACHE=ture`` fails loudly at
+start-up with the variable's name and value, instead of being silently read as "false" by
+one process and differently by another. No other module of the package reads
+``os.environ`` for a setting (tests/test_single_reader.py checks it).
+
+Settings are grouped per feature, one module each: a frozen dataclass, a pure ``load_*``
+function that takes a mapping (tests feed it dicts), and, for the groups a process reads
+many times, a cached accessor that parses ``os.environ`` once per process. Groups only
+parse: what a value means for a feature (where the local tier finally goes, which forward
+a snapshot rule selects) is decided in that feature, from the parsed group.
+
+- :mod:`.compile_cache` - the two-tier compile cache;
+- :mod:`.manifest` and :mod:`.run` - the manifest directory and the engine run's id;
+- :mod:`.snapshot` - input snapshot capture;
+- :mod:`.host_mode` - the vLLM plugin's host mode;
+- :mod:`.profiling` - profile capture;
+- :mod:`.identity` - cores, ranks and user (read at each use, never cached);
+- :mod:`._parse` - the shared primitives.
+
+Conventions shared by every variable:
+
+- surrounding whitespace is ignored, and a variable set to the empty string counts as
+  unset (``export VAR=`` is how shells "unset" a variable in many launch scripts);
+- booleans accept ``0/1/true/false/yes/no/on/off`` in any case, nothing else;
+- a malformed value raises :class:`ConfigError` naming the variable and the value.
+"""
+
+from __future__ import annotations
+
+from . import compile_cache, host_mode, identity, manifest, profiling, run, snapshot
+from ._parse import (
+    ConfigError,
+    EnvVar,
+    forget_parsed_groups,
+    parse_bool,
+    parse_positive_float,
+    require_directory,
+)
+from .compile_cache import (
+    TOOLCHAIN_NAMES,
+    CompileCacheSettings,
+    ToolchainName,
+    compile_cache_settings,
+    default_cache_root,
+    load_compile_cache_settings,
+    remote_cache_url,
+)
+from .host_mode import HostModeSettings, host_mode_settings, load_host_mode_settings
+from .identity import IdentitySettings, load_identity_settings
+from .manifest import ManifestSettings, load_manifest_settings, manifest_settings
+from .profiling import ProfilingSettings, load_profiling_settings
+from .run import load_run_id, run_id
+from .snapshot import (
+    SNAPSHOT_FORMATS,
+    SnapshotFormat,
+    SnapshotSettings,
+    check_snapshot_root,
+    load_snapshot_settings,
+    snapshot_settings,
+)
+
+__all__ = [
+    "ENVIRONMENT_VARIABLES",
+    "READ_VARIABLES",
+    "SNAPSHOT_FORMATS",
+    "TOOLCHAIN_NAMES",
+    "CompileCacheSettings",
+    "ConfigError",
+    "EnvVar",
+    "HostModeSettings",
+    "IdentitySettings",
+    "ManifestSettings",
+    "ProfilingSettings",
+    "SnapshotFormat",
+    "SnapshotSettings",
+    "ToolchainName",
+    "check_snapshot_root",
+    "compile_cache_settings",
+    "default_cache_root",
+    "host_mode_settings",
+    "load_compile_cache_settings",
+    "load_host_mode_settings",
+    "load_identity_settings",
+    "load_manifest_settings",
+    "load_profiling_settings",
+    "load_run_id",
+    "load_snapshot_settings",
+    "manifest_settings",
+    "parse_bool",
+    "parse_positive_float",
+    "remote_cache_url",
+    "require_directory",
+    "reset_for_tests",
+    "run_id",
+    "snapshot_settings",
+]
+
+# Every documented variable, grouped by feature, so the CLI and docs can list them all.
+ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (
+    compile_cache.VARIABLES
+    + manifest.VARIABLES
+    + run.VARIABLES
+    + snapshot.VARIABLES
+    + profiling.VARIABLES
+    + host_mode.VARIABLES
+    + identity.VARIABLES
+)
+
+# Every variable this package reads: the documented ones, vLLM's VLLM_USE_AOT_COMPILE
+# (host mode turns it off) and the standard ones defaults are derived from. No module
+# outside this package may read one of them (tests/test_single_reader.py).
+READ_VARIABLES: frozenset[str] = frozenset(v.name for v in ENVIRONMENT_VARIABLES) | {
+    host_mode.VLLM_USE_AOT_COMPILE,
+    identity.USER,
+    "HOME",
+    "XDG_CACHE_HOME",
+}
+
+
+def reset_for_tests() -> None:
+    """Forget every cached settings group, snapshot settings included, so the next access
+    re-reads os.environ. The snapshot capture budget is the snapshot feature's state, not
+    a setting: ``vllm_neuron.snapshot.reset_snapshot_config`` resets both."""
+    forget_parsed_groups()

@@ -1,0 +1,233 @@
+"""Settings of the two-tier compile cache (docs/compile-cache.md).
+
+Only parsing lives here: where the local tier finally goes (it moves to /tmp when the
+default root is on NFS) is the compile feature's decision, in
+:mod:`vllm_neuron.compile.local_tier`, made from these settings.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal, cast
+
+from ._parse import (
+    ConfigError,
+    EnvVar,
+    bool_var,
+    environ_or_default,
+    expand_path,
+    location_var,
+    parse_positive_float,
+    parsed_once,
+    raw,
+    require_directory,
+    require_local_directory,
+)
+
+__all__ = [
+    "DEFAULT_COMPILATION_TIMEOUT",
+    "NEURON_LIBTORCH_COMPILATION_TIMEOUT",
+    "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE",
+    "NEURON_LIBTORCH_REMOTE_CACHE",
+    "TOOLCHAIN_NAMES",
+    "VARIABLES",
+    "VLLM_CACHE_ROOT",
+    "VLLM_NEURON_DISABLE_WARMUP_COMPILE",
+    "VLLM_NEURON_TOOLCHAIN",
+    "CompileCacheSettings",
+    "ToolchainName",
+    "compile_cache_settings",
+    "default_cache_root",
+    "load_compile_cache_settings",
+    "remote_cache_url",
+]
+
+ToolchainName = Literal["auto", "host", "neuron"]
+TOOLCHAIN_NAMES: tuple[ToolchainName, ...] = ("auto", "host", "neuron")
+
+VLLM_CACHE_ROOT = "VLLM_CACHE_ROOT"
+NEURON_LIBTORCH_REMOTE_CACHE = "NEURON_LIBTORCH_REMOTE_CACHE"
+NEURON_LIBTORCH_DISABLE_COMPILE_CACHE = "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE"
+NEURON_LIBTORCH_COMPILATION_TIMEOUT = "NEURON_LIBTORCH_COMPILATION_TIMEOUT"
+VLLM_NEURON_DISABLE_WARMUP_COMPILE = "VLLM_NEURON_DISABLE_WARMUP_COMPILE"
+VLLM_NEURON_TOOLCHAIN = "VLLM_NEURON_TOOLCHAIN"
+
+DEFAULT_COMPILATION_TIMEOUT = 600.0
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar(
+        VLLM_CACHE_ROOT,
+        "$XDG_CACHE_HOME/vllm or ~/.cache/vllm",
+        "compile-cache",
+        "vLLM cache root; the local compile cache is $VLLM_CACHE_ROOT/neuron/compile_cache.",
+    ),
+    EnvVar(
+        NEURON_LIBTORCH_REMOTE_CACHE,
+        "(unset)",
+        "compile-cache",
+        "URL or path of the shared remote cache tier (NFS/FSx path, s3://...).",
+    ),
+    EnvVar(
+        NEURON_LIBTORCH_DISABLE_COMPILE_CACHE,
+        "0",
+        "compile-cache",
+        "1 disables the compile cache: every process compiles on its own.",
+    ),
+    EnvVar(
+        NEURON_LIBTORCH_COMPILATION_TIMEOUT,
+        "600",
+        "compile-cache",
+        "Seconds to wait for another process to finish compiling a graph.",
+    ),
+    EnvVar(
+        VLLM_NEURON_DISABLE_WARMUP_COMPILE,
+        "0",
+        "compile-cache",
+        "1 makes a cache miss fatal (pre-compiled-only mode).",
+    ),
+    EnvVar(
+        VLLM_NEURON_TOOLCHAIN,
+        "auto",
+        "compile-cache",
+        "auto | host | neuron: which toolchain compiles graphs (auto: neuron if installed).",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class CompileCacheSettings:
+    """Configuration of the two-tier compile cache (see docs/compile-cache.md).
+
+    ``cache_root_explicit`` records whether VLLM_CACHE_ROOT was set: only the default
+    location falls back to /tmp when the home directory is on NFS; an explicit root is the
+    user's decision and is never second-guessed.
+
+    ``cache_root_setting`` is how an error about a directory under the root names it: the
+    variable and its value as set, or where the default came from. It is fixed when the
+    variables are parsed, so the features that derive directories from the root (the local
+    tier, the snapshot bundles) quote the environment this group was read from without
+    reading it again. It describes the settings and is not one, so equality ignores it.
+    """
+
+    cache_root: str
+    cache_root_explicit: bool = False
+    remote_cache: str | None = None
+    disable_compile_cache: bool = False
+    compilation_timeout: float = DEFAULT_COMPILATION_TIMEOUT
+    disable_warmup_compile: bool = False
+    toolchain: ToolchainName = "auto"
+    cache_root_setting: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.cache_root_setting:  # built by hand (tests): name the root itself
+            object.__setattr__(
+                self, "cache_root_setting", f"{VLLM_CACHE_ROOT} (resolved to {self.cache_root})"
+            )
+
+
+def default_cache_root(environ: Mapping[str, str] | None = None) -> str:
+    """vLLM's own default: ``$XDG_CACHE_HOME/vllm``, else ``~/.cache/vllm``.
+
+    Mirrors ``vllm.envs`` so that, with nothing set, our cache sits where vLLM's does.
+    """
+    env = environ_or_default(environ)
+    xdg = raw(env, "XDG_CACHE_HOME")
+    base = xdg if xdg is not None else os.path.join("~", ".cache")
+    return expand_path(os.path.join(base, "vllm"), env)
+
+
+def remote_cache_url(environ: Mapping[str, str] | None = None) -> str | None:
+    """NEURON_LIBTORCH_REMOTE_CACHE as set (stripped), or None when unset or blank.
+
+    Not validated, unlike :func:`load_compile_cache_settings`: the ``vllm-neuron cache``
+    command offers it as a default while its parser is built, and a tool for inspecting
+    and repairing caches must start even when another compile-cache variable is malformed.
+    """
+    return raw(environ_or_default(environ), NEURON_LIBTORCH_REMOTE_CACHE)
+
+
+def _cache_root_setting(env: Mapping[str, str], root: str, explicit: bool) -> str:
+    if explicit:
+        return f"{VLLM_CACHE_ROOT}={env.get(VLLM_CACHE_ROOT)!r}"
+    xdg = raw(env, "XDG_CACHE_HOME")
+    origin = f"XDG_CACHE_HOME={env.get('XDG_CACHE_HOME')!r}" if xdg else "~/.cache"
+    return f"{VLLM_CACHE_ROOT} (unset; default {root} from {origin})"
+
+
+def _toolchain(env: Mapping[str, str]) -> ToolchainName:
+    value = raw(env, VLLM_NEURON_TOOLCHAIN)
+    if value is None:
+        return "auto"
+    lowered = value.lower()
+    if lowered not in TOOLCHAIN_NAMES:
+        raise ConfigError(
+            f"{VLLM_NEURON_TOOLCHAIN}={env[VLLM_NEURON_TOOLCHAIN]!r} is not a toolchain; "
+            f"use one of {', '.join(TOOLCHAIN_NAMES)}"
+        )
+    return cast(ToolchainName, lowered)
+
+
+def load_compile_cache_settings(environ: Mapping[str, str] | None = None) -> CompileCacheSettings:
+    """Parse and validate the compile-cache variables from ``environ`` (default os.environ)."""
+    env = environ_or_default(environ)
+
+    root_raw = raw(env, VLLM_CACHE_ROOT)
+    explicit = root_raw is not None
+    if root_raw is None:
+        # The default root is checked where it is used: on NFS the local tier moves to /tmp.
+        cache_root = default_cache_root(env)
+    else:
+        cache_root = require_directory(
+            expand_path(root_raw, env),
+            setting=f"{VLLM_CACHE_ROOT}={env[VLLM_CACHE_ROOT]!r}",
+            purpose="vLLM's and this package's caches",
+        )
+
+    remote = location_var(env, NEURON_LIBTORCH_REMOTE_CACHE)
+    if remote is not None:
+        require_local_directory(
+            remote, env,
+            setting=f"{NEURON_LIBTORCH_REMOTE_CACHE}={env[NEURON_LIBTORCH_REMOTE_CACHE]!r}",
+            purpose="the remote compile-cache tier",
+        )  # fmt: skip
+
+    timeout = (
+        DEFAULT_COMPILATION_TIMEOUT
+        if raw(env, NEURON_LIBTORCH_COMPILATION_TIMEOUT) is None
+        else parse_positive_float(
+            NEURON_LIBTORCH_COMPILATION_TIMEOUT, env[NEURON_LIBTORCH_COMPILATION_TIMEOUT]
+        )
+    )
+
+    toolchain = _toolchain(env)
+    disable_cache = bool_var(env, NEURON_LIBTORCH_DISABLE_COMPILE_CACHE, False)
+    disable_warmup = bool_var(env, VLLM_NEURON_DISABLE_WARMUP_COMPILE, False)
+    if disable_cache and disable_warmup:
+        # Pre-compiled-only mode needs the cache to find the pre-compiled graphs; with the
+        # cache off every graph would be a miss, so the combination can only be a mistake.
+        raise ConfigError(
+            f"{VLLM_NEURON_DISABLE_WARMUP_COMPILE}={env[VLLM_NEURON_DISABLE_WARMUP_COMPILE]!r}"
+            f" (pre-compiled graphs only) cannot be combined with "
+            f"{NEURON_LIBTORCH_DISABLE_COMPILE_CACHE}="
+            f"{env[NEURON_LIBTORCH_DISABLE_COMPILE_CACHE]!r} (no compile cache): "
+            "unset one of them"
+        )
+
+    return CompileCacheSettings(
+        cache_root=cache_root,
+        cache_root_explicit=explicit,
+        remote_cache=remote,
+        disable_compile_cache=disable_cache,
+        compilation_timeout=timeout,
+        disable_warmup_compile=disable_warmup,
+        toolchain=toolchain,
+        cache_root_setting=_cache_root_setting(env, cache_root, explicit),
+    )
+
+
+@parsed_once
+def compile_cache_settings() -> CompileCacheSettings:
+    """The process's compile-cache settings, parsed from os.environ on first use."""
+    return load_compile_cache_settings()

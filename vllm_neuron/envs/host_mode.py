@@ -1,0 +1,72 @@
+"""Settings of the vLLM plugin's host mode (vllm_neuron/plugin)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ._parse import ConfigError, EnvVar, bool_var, environ_or_default, parsed_once, raw
+from .compile_cache import VLLM_NEURON_TOOLCHAIN
+
+__all__ = [
+    "VARIABLES",
+    "VLLM_NEURON_HOST_MODE",
+    "VLLM_USE_AOT_COMPILE",
+    "HostModeSettings",
+    "host_mode_settings",
+    "load_host_mode_settings",
+]
+
+VLLM_NEURON_HOST_MODE = "VLLM_NEURON_HOST_MODE"
+# vLLM's own variable; read here because host mode must turn it off (see the plugin).
+VLLM_USE_AOT_COMPILE = "VLLM_USE_AOT_COMPILE"
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar(
+        VLLM_NEURON_HOST_MODE,
+        "0",
+        "vllm-plugin",
+        "1 runs the whole artifact system inside a real vLLM without Trainium: a platform "
+        "extending vLLM's CPU platform whose compiler is the two-tier cache (host toolchain).",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class HostModeSettings:
+    """Whether vLLM runs on this package's host platform (CPU, host toolchain).
+
+    ``vllm_aot_compile`` is vLLM's VLLM_USE_AOT_COMPILE as set (stripped; None when unset
+    or blank). It is vLLM's to interpret, so it is kept as text and never refused here;
+    the plugin only needs to know whether the user turned vLLM's AOT artifact on, which
+    would let warm restarts bypass this package's cache.
+    """
+
+    enabled: bool = False
+    vllm_aot_compile: str | None = None
+
+    @property
+    def vllm_aot_compile_requested(self) -> bool:
+        """Whether VLLM_USE_AOT_COMPILE is set to anything but ``0``."""
+        return self.vllm_aot_compile not in (None, "0")
+
+
+def load_host_mode_settings(environ: Mapping[str, str] | None = None) -> HostModeSettings:
+    """VLLM_NEURON_HOST_MODE, a strict boolean; host mode compiles with the host toolchain,
+    so asking for the Neuron toolchain at the same time is refused."""
+    env = environ_or_default(environ)
+    enabled = bool_var(env, VLLM_NEURON_HOST_MODE, False)
+    toolchain = raw(env, VLLM_NEURON_TOOLCHAIN)
+    if enabled and toolchain is not None and toolchain.lower() == "neuron":
+        raise ConfigError(
+            f"{VLLM_NEURON_HOST_MODE}={env[VLLM_NEURON_HOST_MODE]!r} runs vLLM on the host CPU "
+            f"and compiles with the host toolchain, but {VLLM_NEURON_TOOLCHAIN}="
+            f"{env[VLLM_NEURON_TOOLCHAIN]!r} asks for Neuron: unset one of them"
+        )
+    return HostModeSettings(enabled=enabled, vllm_aot_compile=raw(env, VLLM_USE_AOT_COMPILE))
+
+
+@parsed_once
+def host_mode_settings() -> HostModeSettings:
+    """The process's host-mode setting, parsed from os.environ on first use."""
+    return load_host_mode_settings()
