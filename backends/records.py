@@ -253,7 +253,7 @@ class RecordCodec(Generic[T]):
         try:
             raw = msgspec.json.decode(data)
         except msgspec.DecodeError as exc:
-            raise RecordError(source, f"not a JSON record (garbage or truncated): {exc}") from exc
+            raise RecordError(source, f"not JSON (garbage or truncated): {exc}") from exc
         return self.convert(raw, source=source)
 
     def convert(self, raw: Any, *, source: str = "record") -> T:
@@ -358,64 +358,3 @@ class CommitRecord(Record, frozen=True, tag="commit"):
 COMMIT_RECORDS = RecordCodec(
     CommitRecord, untagged=Untagged("commit", 1, "a commit record from before records had tags")
 )
-
-
-# ------------------------------------------------------------------ transitional
-# Whole JSON documents (manifests, run specs) rather than event lines: indented for people,
-# versioned by a named field, refused rather than misread when the version is unknown.
-
-_DOC = TypeVar("_DOC")
-
-
-def decode_document(
-    data: bytes,
-    type_: type[_DOC],
-    *,
-    version_field: str,
-    supported: object,
-    what: str,
-    error: type[ValueError] = ValueError,
-    tag: str | None = None,
-    missing_version: int | None = None,
-) -> _DOC:
-    """Decode a versioned document; `error` names `what` and the field on any mismatch.
-
-    With `tag`, an older integer version is upcast step by step through the functions
-    registered with `register_upcaster(tag, version)` (the same registry as the records'),
-    until it reaches `supported`. `missing_version` is the version a document *without*
-    `version_field` is taken to be: a format another writer defines without a version
-    field (the Neuron plugin's profile manifest) is version 0 of ours and is upcast like
-    any old version, instead of being refused. Without it, a missing field is refused as
-    before. An upcaster that rejects the document raises ValueError (msgspec's
-    ValidationError is one); it is reported as `error`, naming `what`.
-    """
-    try:
-        raw = msgspec.json.decode(data)
-    except msgspec.DecodeError as exc:
-        raise error(f"{what}: not JSON: {exc}") from exc
-    version = raw.get(version_field) if isinstance(raw, dict) else None
-    if isinstance(raw, dict) and version_field not in raw and missing_version is not None:
-        version = missing_version
-    if (
-        version != supported
-        and tag is not None
-        and isinstance(raw, dict)
-        and type(version) is int
-        and (tag, version) in _UPCASTERS
-    ):
-        try:
-            while version != supported and (tag, version) in _UPCASTERS:
-                raw = _UPCASTERS[(tag, version)](dict(raw))
-                version += 1
-                raw[version_field] = version
-        except ValueError as exc:
-            raise error(f"{what}: {exc}") from exc
-    if version != supported:
-        raise error(
-            f"{what}: {version_field} {version!r} is not supported "
-            f"(this version reads {supported!r})"
-        )
-    try:
-        return msgspec.convert(raw, type_)
-    except msgspec.ValidationError as exc:
-        raise error(f"{what}: {exc}") from exc

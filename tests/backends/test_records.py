@@ -132,7 +132,7 @@ def test_a_stream_skips_and_counts_older_newer_and_torn_lines() -> None:
     assert decoded.records == [Tally(count=1), Tally(count=10), Note(text="n")]
     assert decoded.skipped == 2
     assert decoded.errors[0].startswith("line 3: v 9 is not supported")
-    assert decoded.errors[1].startswith("line 5: not a JSON record")
+    assert decoded.errors[1].startswith("line 5: not JSON (garbage or truncated)")
 
 
 def test_untagged_objects_read_as_the_declared_version() -> None:
@@ -155,7 +155,7 @@ def test_read_names_the_store_and_key() -> None:
     store = open_store("memory://")
     assert TALLIES.read(store, "a/b.json") is None
     store.write("a/b.json", b"{not json")
-    with pytest.raises(RecordError, match="^memory://a/b.json: not a JSON record"):
+    with pytest.raises(RecordError, match="^memory://a/b.json: not JSON"):
         TALLIES.read(store, "a/b.json")
     store.write("a/b.json", encode(Note(text="t")))
     assert TALLIES.read(store, "a/b.json") == Note(text="t")

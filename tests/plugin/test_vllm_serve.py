@@ -420,7 +420,7 @@ def test_profile_capture_against_a_host_mode_server(
     restart: ServerRun,
 ) -> None:
     from vllm_neuron.backends import open_store
-    from vllm_neuron.profiling.manifest import read_manifest
+    from vllm_neuron.profiling.run_record import read_manifest
     from vllm_neuron.profiling.validate import validate_run
 
     project = work / "project"

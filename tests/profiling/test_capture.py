@@ -18,8 +18,8 @@ from profiling_support import ROOT, group_alive, wait_until
 
 from vllm_neuron.backends import open_store
 from vllm_neuron.profiling.capture import run_capture
-from vllm_neuron.profiling.manifest import read_manifest
 from vllm_neuron.profiling.options import CaptureOptions
+from vllm_neuron.profiling.run_record import read_manifest
 from vllm_neuron.profiling.run_spec import read_run_spec
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vllm_neuron.profiling.manifest import decode_manifest
+from vllm_neuron.profiling.run_record import decode_manifest
 from vllm_neuron.profiling.run_spec import DECODE, decode_run_spec
 
 DATA = Path(__file__).parent / "data" / "records"

@@ -13,17 +13,16 @@ import json
 import os
 from pathlib import Path
 
-import msgspec
 import pytest
 from profiling_support import DATA
 
-from vllm_neuron.backends import open_store, register_upcaster
-from vllm_neuron.backends.records import decode_document
+from vllm_neuron.backends import open_store
+from vllm_neuron.backends.records import RecordError
 from vllm_neuron.cli import main as cli_main
+from vllm_neuron.profiling.artifacts import ProfileArtifacts
 from vllm_neuron.profiling.layout import RunLayout
-from vllm_neuron.profiling.manifest import (
+from vllm_neuron.profiling.run_record import (
     STATUS_UNRECORDED,
-    ProfileArtifacts,
     ProfileManifest,
     Teardown,
     Validation,
@@ -186,43 +185,6 @@ def test_seed_run_spec_reads(tmp_path: Path) -> None:
     assert spec.model_env["XLA_IR_DEBUG"] == "1"
 
 
-# -- the shared decoder ----------------------------------------------------------------------
-
-
-class Doc(msgspec.Struct, frozen=True, kw_only=True):
-    version: int
-    name: str
-
-
-@register_upcaster("test-plugin-format-doc", 0)
-def _doc_v0(raw: dict[str, object]) -> dict[str, object]:
-    if "title" not in raw:
-        raise ValueError("a version 0 doc has a title")
-    return {**raw, "name": str(raw.pop("title"))}
-
-
-def test_decode_document_missing_version() -> None:
-    def decode(data: bytes, **kwargs: object) -> Doc:
-        return decode_document(data, Doc, version_field="version", supported=1, what="doc",
-                               **kwargs)  # type: ignore[arg-type]  # fmt: skip
-
-    assert decode(b'{"version": 1, "name": "a"}') == Doc(version=1, name="a")
-    # as before: without missing_version a document without the field is refused
-    with pytest.raises(ValueError, match="doc: version None is not supported"):
-        decode(b'{"title": "a"}', tag="test-plugin-format-doc")
-    # with it, it is version 0 and goes through the registered upcaster
-    assert decode(b'{"title": "a"}', tag="test-plugin-format-doc",
-                  missing_version=0) == Doc(version=1, name="a")  # fmt: skip
-    assert decode(b'{"version": 0, "title": "b"}', tag="test-plugin-format-doc") == Doc(
-        version=1, name="b")
-    # an upcaster that rejects the document is reported in the caller's terms
-    with pytest.raises(ValueError, match="doc: a version 0 doc has a title"):
-        decode(b'{"name": "c"}', tag="test-plugin-format-doc", missing_version=0)
-    # no upcaster for that version: refused with the old message
-    with pytest.raises(ValueError, match="version 0 is not supported"):
-        decode(b'{"name": "c"}', tag="unknown-tag", missing_version=0)
-
-
 # -- our own files still read ---------------------------------------------------------------
 
 
@@ -250,5 +212,5 @@ def test_our_manifest_and_run_spec_round_trip(tmp_path: Path) -> None:
                    workload=Workload(concurrency=2), serve_config=ServeConfig(model="/m"),
                    profiler="neuron")  # fmt: skip
     assert decode_run_spec(encode_run_spec(spec)) == spec
-    with pytest.raises(ValueError, match="schema_version None is not supported"):
+    with pytest.raises(RecordError, match="^run_spec.json: has no schema_version"):
         decode_run_spec(b'{"run_name": "x"}')

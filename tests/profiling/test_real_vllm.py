@@ -26,7 +26,7 @@ from profiling_support import group_alive
 
 from vllm_neuron.backends import open_store
 from vllm_neuron.profiling.logfollow import LogFollower
-from vllm_neuron.profiling.manifest import ProfileManifest, read_manifest
+from vllm_neuron.profiling.run_record import ProfileManifest, read_manifest
 from vllm_neuron.profiling.run_spec import RunSpec, read_run_spec
 from vllm_neuron.profiling.stats import parse_stats_line
 from vllm_neuron.profiling.validate import validate_run

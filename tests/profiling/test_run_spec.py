@@ -10,10 +10,9 @@ import pytest
 
 from vllm_neuron.backends import open_store
 from vllm_neuron.envs import ConfigError, load_profiling_settings
-from vllm_neuron.profiling.artifacts import collect
+from vllm_neuron.profiling.artifacts import ProfileArtifacts, collect
 from vllm_neuron.profiling.layout import RunLayout, default_run_name, validate_run_name
-from vllm_neuron.profiling.manifest import (
-    ProfileArtifacts,
+from vllm_neuron.profiling.run_record import (
     ProfileManifest,
     Teardown,
     decode_manifest,

@@ -15,12 +15,7 @@ from vllm_neuron.backends import open_store
 from vllm_neuron.cli import main as cli_main
 from vllm_neuron.profiling import artifacts
 from vllm_neuron.profiling.layout import RunLayout
-from vllm_neuron.profiling.manifest import (
-    ProfileManifest,
-    profile_from_artifacts,
-    read_manifest,
-    write_manifest,
-)
+from vllm_neuron.profiling.run_record import ProfileManifest, read_manifest, write_manifest
 from vllm_neuron.profiling.run_spec import (
     DECODE,
     DECODE_ONLY_CONNECTOR,
@@ -159,15 +154,15 @@ def make_run(
     write_run_spec(store, spec)
     if callable(setup):
         setup(Path(layout.output_dir))
-    found = artifacts.collect(layout.output_dir, profiler)
     acts = activities if activities is not None else (
         ["device_profile", "system_profile"] if profiler == "neuron" else [])
+    found = artifacts.collect(layout.output_dir, profiler, activities=acts)
     write_manifest(store, ProfileManifest(
         run_name=name, recipe=recipe, phase=spec.phase, status=status,
         error=None if status == "ok" else "server exited with code 1 before it was ready",
         failed_stage=None if status == "ok" else "ready",
         run_dir=layout.run_dir, run_spec=layout.run_spec, serve_log=layout.serve_log,
-        profile=profile_from_artifacts(found, acts), neff_hashes=found.neff_hashes,
+        profile=found, neff_hashes=found.neff_hashes,
     ))
     return Path(layout.run_dir)
 

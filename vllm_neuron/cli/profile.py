@@ -5,9 +5,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 from typing import Any
 
 import msgspec
+
+from vllm_neuron.backends import open_store
+from vllm_neuron.envs import load_profiling_settings
+from vllm_neuron.profiling.capture import run_capture
+from vllm_neuron.profiling.layout import artifacts_root
+from vllm_neuron.profiling.options import DEFAULT_MAX_WINDOWS, CaptureOptions
+from vllm_neuron.profiling.run_record import STATUS_UNRECORDED, read_manifest
+from vllm_neuron.profiling.run_spec import DECODE_ONLY_CONNECTOR, DEFAULT_ACTIVITIES
+from vllm_neuron.profiling.validate import validate_run
 
 from .format import human_size, print_json, table
 
@@ -111,11 +121,6 @@ def _env_pairs(pairs: list[str]) -> dict[str, str]:
 
 
 def options_from_args(args: argparse.Namespace) -> Any:
-    import shlex
-
-    from vllm_neuron.profiling.options import DEFAULT_MAX_WINDOWS, CaptureOptions
-    from vllm_neuron.profiling.run_spec import DECODE_ONLY_CONNECTOR, DEFAULT_ACTIVITIES
-
     extra = list(args.serve_args or [])
     if extra and extra[0] == "--":
         extra = extra[1:]
@@ -165,8 +170,6 @@ def options_from_args(args: argparse.Namespace) -> Any:
 
 
 def cmd_capture(args: argparse.Namespace) -> int:
-    from vllm_neuron.profiling.capture import run_capture
-
     result = run_capture(options_from_args(args))
     if args.json:
         print_json(msgspec.to_builtins(result.manifest))
@@ -176,8 +179,6 @@ def cmd_capture(args: argparse.Namespace) -> int:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from vllm_neuron.profiling.validate import validate_run
-
     report = validate_run(args.run_dir)
     if args.json:
         print_json({"run_dir": report.run_dir, "ok": report.ok, "failures": report.failures,
@@ -194,9 +195,6 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _load_manifest(run_dir: str) -> Any:
-    from vllm_neuron.backends import open_store
-    from vllm_neuron.profiling.manifest import read_manifest
-
     if not os.path.isdir(run_dir):
         raise ValueError(f"{run_dir} is not a directory")
     manifest = read_manifest(open_store(run_dir, create=False))
@@ -206,8 +204,6 @@ def _load_manifest(run_dir: str) -> Any:
 
 
 def _print_manifest(m: Any) -> None:
-    from vllm_neuron.profiling.manifest import STATUS_UNRECORDED
-
     print(f"run {m.run_name}  recipe {m.recipe}  status {m.status}"
           + (f" (at {m.failed_stage})" if m.failed_stage else ""))
     if m.error:
@@ -264,11 +260,6 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    from vllm_neuron.backends import open_store
-    from vllm_neuron.envs import load_profiling_settings
-    from vllm_neuron.profiling.layout import artifacts_root
-    from vllm_neuron.profiling.manifest import read_manifest
-
     root = load_profiling_settings(project_root=args.project_root).project_root
     profiles = os.path.join(artifacts_root(root), "profiles")
     rows = []

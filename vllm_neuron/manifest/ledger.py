@@ -60,7 +60,8 @@ class LedgerEntry(Record, frozen=True, tag="ledger", omit_defaults=True):
     Fields at their default are not written (``omit_defaults``): the line is those four
     fields plus the record tag, ~20% less to encode on every traced graph and to decode at
     emit. That includes ``v`` while it is 1, so a reader takes a line without ``v`` as
-    version 1; a version 2 must therefore always be written (tested), not become a default.
+    version 1; a version 2 must therefore always be written, not become a default (the
+    record codec refuses to read a type that omits a default ``v`` other than 1).
     """
 
     key: str

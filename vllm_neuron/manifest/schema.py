@@ -1,8 +1,10 @@
 """The manifest schema, version "1" (docs/manifest.md).
 
-Field names, order and nesting are the documented format. A reader decodes with
-`decode_manifest`, which refuses any other `manifest_version` with a clear error rather
-than misreading it.
+Field names, order and nesting are the documented format, so `Manifest` is a `Document` of
+the record layer: nothing is added on disk, and its version stays in ``manifest_version``.
+A reader decodes with `decode_manifest`, which refuses any other ``manifest_version`` (or
+one that is missing) with an error naming the file, rather than misreading it; a later
+version is read by registering an upcaster for ``MANIFEST_TAG``.
 """
 
 from __future__ import annotations
@@ -11,10 +13,11 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends.records import decode_document, encode_document
+from vllm_neuron.backends.records import Document, RecordCodec, RecordError, encode_document
 
 MANIFEST_VERSION = "1"
 MANIFEST_FILE = "manifest.json"
+MANIFEST_TAG = "manifest"  # the upcaster registry's name for this document
 
 
 class Topology(msgspec.Struct, frozen=True, kw_only=True):
@@ -53,15 +56,20 @@ class GraphEntry(msgspec.Struct, frozen=True, kw_only=True):
     output_snapshot_paths: list[str] = msgspec.field(default_factory=list)
 
 
-class Manifest(msgspec.Struct, frozen=True, kw_only=True):
+class Manifest(Document, frozen=True, kw_only=True):
+    record_tag = MANIFEST_TAG
+    version_field = "manifest_version"
+
     manifest_version: str = MANIFEST_VERSION
     config: ManifestConfig = msgspec.field(default_factory=ManifestConfig)
     graphs: list[GraphEntry] = msgspec.field(default_factory=list)
     environment: dict[str, str] = msgspec.field(default_factory=dict)
 
 
-class ManifestError(ValueError):
-    """A manifest file that cannot be read as this schema."""
+ManifestError = RecordError
+"""A manifest file that cannot be read as this schema: the record layer's one error."""
+
+_MANIFESTS = RecordCodec(Manifest)
 
 
 def encode_manifest(manifest: Manifest, *, indent: int = 2) -> bytes:
@@ -69,5 +77,5 @@ def encode_manifest(manifest: Manifest, *, indent: int = 2) -> bytes:
 
 
 def decode_manifest(data: bytes, *, source: str = "manifest") -> Manifest:
-    return decode_document(data, Manifest, version_field="manifest_version",
-                           supported=MANIFEST_VERSION, what=source, error=ManifestError)
+    """`data` as this schema, or `ManifestError` naming `source` (the file) and why."""
+    return _MANIFESTS.decode(data, source=source)

@@ -8,7 +8,7 @@ The modules, one job each:
 - `recipes`    prefill isolation and decode isolation, one profiling window per call
                (with `workload` and `client`)
 - `stats`      the stats-line decode trigger and the no-prefill-free-tick fallback detector
-- `artifacts`  discovery of what the profiler wrote; `manifest` the output contract
+- `artifacts`  discovery of what the profiler wrote; `run_record` the output manifest
 - `trace`      per-step annotations of vLLM torch-profiler traces; `validate` the checks
 - `capture`    one capture end to end (windows retried up to ``max_windows``)
 """
@@ -16,8 +16,8 @@ The modules, one job each:
 from .capture import CaptureResult, run_capture
 from .layout import RunLayout
 from .lifecycle import ServerProcess, TeardownRecord, UnsafeSignal, check_signalable_group
-from .manifest import ProfileManifest, read_manifest, write_manifest
 from .options import CaptureOptions
+from .run_record import ProfileManifest, read_manifest, write_manifest
 from .run_spec import (
     DECODE,
     DECODE_ONLY_CONNECTOR,

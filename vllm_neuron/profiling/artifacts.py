@@ -2,7 +2,8 @@
 
 The session directory's name carries an instance id, a pid and a nanosecond timestamp
 that cannot be known in advance, so artifacts are discovered, never assumed; the manifest
-then names each one by absolute path.
+then names each one by absolute path. What discovery finds is the manifest's ``profile``
+record itself (`ProfileArtifacts`): one struct, so the two cannot drift apart.
 
 Two profilers write into ``output/``:
 
@@ -19,8 +20,9 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+
+import msgspec
 
 NEURON = "neuron"
 TORCH = "torch"
@@ -32,16 +34,20 @@ HOST_ACTIVITIES = {"cpu_util_pb": "cpu_util", "host_mem_pb": "host_memory"}
 _NEFF_HASH = re.compile(r"([0-9a-fA-F]{8,})")
 
 
-@dataclass(frozen=True)
-class TraceFile:
+class TraceEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One trace file: a torch worker's trace, or a Neuron device trace (``worker`` "")."""
+
     path: str
     size: int
     worker: str = ""
 
 
-@dataclass(frozen=True)
-class Artifacts:
-    """Absolute paths of the artifacts found (None when absent)."""
+class ProfileArtifacts(msgspec.Struct, frozen=True, kw_only=True):
+    """The manifest's ``profile``: absolute paths of the artifacts found (None when absent).
+
+    ``activities`` are the Neuron profiler activities the run asked for (what makes a
+    zero-byte host file evidence or not); discovery cannot see them, the run passes them.
+    """
 
     profiler: str
     output_dir: str
@@ -53,8 +59,24 @@ class Artifacts:
     cpu_util_pb: str | None = None
     host_mem_pb: str | None = None
     session_dir: str | None = None
-    traces: list[TraceFile] = field(default_factory=list)
-    neff_hashes: list[str] = field(default_factory=list)
+    activities: list[str] = msgspec.field(default_factory=list)
+    traces: list[TraceEntry] = msgspec.field(default_factory=list)
+
+    @property
+    def neff_hashes(self) -> list[str]:
+        """The hashes in the names of the NEFFs under ``neff_dir``, sorted and distinct: the
+        manifest's top-level ``neff_hashes`` (where the Neuron plugin's form keeps them).
+
+        Read from disk on each access, so it is only meaningful where the files are (the
+        capturing host); a manifest that was read back has them in its own field.
+        """
+        hashes = set()
+        for path in _walk_files(self.neff_dir) if self.neff_dir else ():
+            if path.endswith(".neff"):
+                found = _NEFF_HASH.findall(os.path.basename(path)[: -len(".neff")])
+                if found:
+                    hashes.add(max(found, key=len))
+        return sorted(hashes)
 
 
 def _walk_files(root: str) -> Iterator[str]:
@@ -79,63 +101,55 @@ def torch_worker_name(path: str) -> str:
     return name
 
 
-def collect(output_dir: str, profiler: str) -> Artifacts:
-    """Discover the artifacts `profiler` left under `output_dir`."""
+def collect(output_dir: str, profiler: str, *, activities: Iterable[str] = ()) -> ProfileArtifacts:
+    """Discover the artifacts `profiler` left under `output_dir` (`activities`: what the run
+    asked the Neuron profiler for, recorded alongside)."""
     output_dir = os.path.abspath(output_dir)
     if profiler == TORCH:
-        return _collect_torch(output_dir)
+        return _collect_torch(output_dir, list(activities))
     if profiler == NEURON:
-        return _collect_neuron(output_dir)
+        return _collect_neuron(output_dir, list(activities))
     raise ValueError(f"unknown profiler {profiler!r}; expected one of {', '.join(PROFILERS)}")
 
 
-def _collect_torch(output_dir: str) -> Artifacts:
+def _collect_torch(output_dir: str, activities: list[str]) -> ProfileArtifacts:
     traces = [
-        TraceFile(path, _size(path), torch_worker_name(path))
+        TraceEntry(path=path, size=_size(path), worker=torch_worker_name(path))
         for path in _walk_files(output_dir)
         if path.endswith(TORCH_TRACE_SUFFIXES)
     ]
     traces.sort(key=lambda t: (t.worker, t.path))
-    return Artifacts(
+    return ProfileArtifacts(
         profiler=TORCH,
         output_dir=output_dir,
         device_trace=traces[0].path if traces else None,
+        activities=activities,
         traces=traces,
     )
 
 
-def _collect_neuron(output_dir: str) -> Artifacts:
+def _collect_neuron(output_dir: str, activities: list[str]) -> ProfileArtifacts:
     files = list(_walk_files(output_dir))
     ntffs = sorted((p for p in files if p.endswith(".ntff")), key=lambda p: (-_size(p), p))
     pbs = [p for p in files if p.endswith(".pb")]
     named = {os.path.basename(p): p for p in pbs}
     special = {"trace_info.pb", *HOST_FILES.values()}
     system = sorted((p for p in pbs if os.path.basename(p) not in special),
-                    key=lambda p: (-_size(p), p))
-    neffs = [p for p in files if p.endswith(".neff")]
-    neff_dir = None
-    if neffs:
-        dirs = sorted({os.path.dirname(p) for p in neffs})
-        neff_dir = os.path.commonpath(dirs)
-    hashes = []
-    for p in neffs:
-        m = _NEFF_HASH.findall(os.path.basename(p)[: -len(".neff")])
-        if m:
-            hashes.append(max(m, key=len))
+                    key=lambda p: (-_size(p), p))  # fmt: skip
+    neff_dirs = sorted({os.path.dirname(p) for p in files if p.endswith(".neff")})
     device = ntffs[0] if ntffs else None
     anchor = device or (system[0] if system else None)
-    session_dir = os.path.dirname(anchor) if anchor else None
-    return Artifacts(
+    return ProfileArtifacts(
         profiler=NEURON,
         output_dir=output_dir,
         device_trace=device,
         device_ntff=device,
         system_trace_pb=system[0] if system else None,
         trace_info_pb=named.get("trace_info.pb"),
-        neff_dir=neff_dir,
+        neff_dir=os.path.commonpath(neff_dirs) if neff_dirs else None,
         cpu_util_pb=named.get(HOST_FILES["cpu_util_pb"]),
         host_mem_pb=named.get(HOST_FILES["host_mem_pb"]),
-        session_dir=session_dir,
-        traces=[TraceFile(p, _size(p)) for p in ntffs],
-        neff_hashes=sorted(set(hashes)),
+        session_dir=os.path.dirname(anchor) if anchor else None,
+        activities=activities,
+        traces=[TraceEntry(path=p, size=_size(p)) for p in ntffs],
     )

@@ -38,15 +38,6 @@ from . import artifacts as artifacts_mod
 from .client import HTTPFailure, VllmClient
 from .layout import RunLayout, default_run_name
 from .lifecycle import ReadyTimeout, ServerExited, ServerProcess
-from .manifest import (
-    Attempt,
-    ProfileManifest,
-    Teardown,
-    Validation,
-    Window,
-    profile_from_artifacts,
-    write_manifest,
-)
 from .options import (
     FALLBACK_MODES,
     CaptureOptions,
@@ -63,6 +54,15 @@ from .recipes import (
     WindowMissed,
     decode_isolation,
     prefill_isolation,
+)
+from .run_record import (
+    Attempt,
+    ProfileManifest,
+    Teardown,
+    Validation,
+    Window,
+    profile_from_artifacts,
+    write_manifest,
 )
 from .run_spec import (
     DECODE,

@@ -6,6 +6,9 @@ Written at **launch**, before the server starts compiling, so it survives a fail
 ran. The decode-only fallback's KV-transfer connector is recorded next to it
 (``kv_transfer``), never merged into it, so a drift check still sees the pinned serving
 configuration served unmodified.
+
+`RunSpec` is a `Document` of the record layer: the guide fixes ``schema_version`` as its
+version field, and a later version is read by an upcaster registered for ``RUN_SPEC_TAG``.
 """
 
 from __future__ import annotations
@@ -19,12 +22,13 @@ from typing import Any
 import msgspec
 
 from vllm_neuron.backends import Store
-from vllm_neuron.backends.records import decode_document, encode_document
+from vllm_neuron.backends.records import Document, RecordCodec, encode_document
 
 from .artifacts import NEURON, TORCH
 from .layout import RUN_SPEC_FILE
 
 SCHEMA_VERSION = 1
+RUN_SPEC_TAG = "run-spec"  # the upcaster registry's name for this document
 PREFILL = "prefill_isolation"
 DECODE = "decode_isolation"
 RECIPES = (PREFILL, DECODE)
@@ -116,7 +120,10 @@ class Launch(msgspec.Struct, frozen=True, kw_only=True):
     attempt: int = 1
 
 
-class RunSpec(msgspec.Struct, frozen=True, kw_only=True):
+class RunSpec(Document, frozen=True, kw_only=True):
+    record_tag = RUN_SPEC_TAG
+    version_field = "schema_version"
+
     schema_version: int = SCHEMA_VERSION
     run_name: str
     phase: str
@@ -221,9 +228,12 @@ def encode_run_spec(value: RunSpec) -> bytes:
     return encode_document(value)
 
 
-def decode_run_spec(data: bytes) -> RunSpec:
-    return decode_document(data, RunSpec, version_field="schema_version",
-                           supported=SCHEMA_VERSION, what="run_spec.json")
+_RUN_SPECS = RecordCodec(RunSpec)
+
+
+def decode_run_spec(data: bytes, *, source: str = RUN_SPEC_FILE) -> RunSpec:
+    """`data` as a run spec, or a `RecordError` naming `source` (the file) and why."""
+    return _RUN_SPECS.decode(data, source=source)
 
 
 def write_run_spec(store: Store, spec: RunSpec) -> None:
@@ -232,5 +242,4 @@ def write_run_spec(store: Store, spec: RunSpec) -> None:
 
 
 def read_run_spec(store: Store) -> RunSpec | None:
-    data = store.read(RUN_SPEC_FILE)
-    return None if data is None else decode_run_spec(data)
+    return _RUN_SPECS.read(store, RUN_SPEC_FILE)

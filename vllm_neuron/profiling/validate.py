@@ -5,7 +5,7 @@ not trusted:
 
 - ``manifest.json`` and ``run_spec.json`` exist and decode; a run whose manifest says it
   failed or was interrupted fails with that reason. A manifest in the Neuron plugin's form
-  (no ``schema_version``, see `manifest`) records no outcome: it is upcast, noted as such,
+  (no ``schema_version``, see `run_record`) records no outcome: it is upcast, noted as such,
   and the run is judged by the artifacts it names;
 - the device trace is named and is a non-empty file (a null or zero-byte device trace is
   *the* failure to look for); for Neuron captures the system trace, ``trace_info.pb`` and
@@ -27,13 +27,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-import msgspec
-
 from vllm_neuron.backends import open_store
+from vllm_neuron.backends.records import RecordError
 
-from .artifacts import HOST_ACTIVITIES, NEURON, TORCH, collect
+from .artifacts import HOST_ACTIVITIES, NEURON, TORCH, ProfileArtifacts, collect
 from .layout import MANIFEST_FILE, RUN_SPEC_FILE
-from .manifest import STATUS_UNRECORDED, ProfileArtifacts, ProfileManifest, decode_manifest
+from .run_record import STATUS_UNRECORDED, ProfileManifest, decode_manifest
 from .run_spec import DECODE, MAX_ITERATIONS, PREFILL, RunSpec, decode_run_spec
 from .trace import TraceError, check_decode_steps, check_prefill_steps, read_trace
 
@@ -74,9 +73,9 @@ def _load(run_dir: str, report: ValidationReport) -> tuple[RunSpec | None, Profi
             if name == RUN_SPEC_FILE:
                 spec = decode_run_spec(data)
             else:
-                manifest = decode_manifest(data, run_dir)
-        except (ValueError, msgspec.DecodeError, msgspec.ValidationError) as exc:
-            report.failures.append(f"{name} cannot be read: {exc}")
+                manifest = decode_manifest(data, run_dir, source=name)
+        except RecordError as exc:
+            report.failures.append(f"{name} cannot be read: {exc.problem}")
     return spec, manifest
 
 
@@ -101,11 +100,7 @@ def validate_run(run_dir: str) -> ValidationReport:
     profile: ProfileArtifacts | None = manifest.profile if manifest is not None else None
     if profile is None and spec is not None:
         # No manifest: still say what is on disk, by discovery.
-        from .manifest import profile_from_artifacts
-
-        profile = profile_from_artifacts(
-            collect(os.path.join(run_dir, "output"), spec.profiler), []
-        )
+        profile = collect(os.path.join(run_dir, "output"), spec.profiler)
     if profile is None:
         return report
 

@@ -1,18 +1,23 @@
-"""The output manifest (``manifest.json``): every artifact of a capture by absolute path.
+"""A capture's run record: its output manifest (``manifest.json``), every artifact by path.
 
-It is the entry point for analysis: the session directory's name cannot be known in
-advance, so readers take paths from here, never from a guess. It is written from a
-``finally`` block, so a failed or interrupted run still has one saying what happened, and
-it back-references ``run_spec.json``. Teardown is recorded in its own field, separately
-from the capture's result: cleanup can neither rescue a failed capture nor erase a
-successful one. ``windows`` records every profiling window the capture ran (see `Window`)
-and ``max_windows`` the bound it ran under.
+(Not the compile manifest of `vllm_neuron.manifest`.) It is the entry point for analysis:
+the session directory's name cannot be known in advance, so readers take paths from here,
+never from a guess. It is written from a ``finally`` block, so a failed or interrupted run
+still has one saying what happened, and it back-references ``run_spec.json``. Teardown is
+recorded in its own field, separately from the capture's result: cleanup can neither rescue
+a failed capture nor erase a successful one. ``windows`` records every profiling window the
+capture ran (see `Window`) and ``max_windows`` the bound it ran under.
 
-``profile`` keeps the seed's keys for a Neuron capture (``device_ntff``,
-``system_trace_pb``, ``trace_info_pb``, ``neff_dir``, ``cpu_util_pb``, ``host_mem_pb``); a
-torch-profiler capture uses the same structure with ``profiler: "torch"``, its worker
-traces in ``traces`` and the rank-0 trace as ``device_trace`` (the trace whose absence or
-emptiness is the failure to look for, whatever the profiler).
+``profile`` is what discovery found (`artifacts.ProfileArtifacts`, from `artifacts.collect`).
+It keeps the seed's keys for a Neuron capture (``device_ntff``, ``system_trace_pb``,
+``trace_info_pb``, ``neff_dir``, ``cpu_util_pb``, ``host_mem_pb``); a torch-profiler capture
+uses the same structure with ``profiler: "torch"``, its worker traces in ``traces`` and the
+rank-0 trace as ``device_trace`` (the trace whose absence or emptiness is the failure to
+look for, whatever the profiler).
+
+`ProfileManifest` is a `Document` of the record layer: its version stays in the
+``schema_version`` field the profiling document fixes, and a later version is read by an
+upcaster registered for ``MANIFEST_TAG``.
 
 **The Neuron plugin's form.** AWS's plugin writes ``manifest.json`` with exactly the keys the
 profiling document lists (``recipe``, ``profile.{device_ntff, system_trace_pb,
@@ -36,37 +41,17 @@ from typing import Any
 import msgspec
 
 from vllm_neuron.backends import Store, register_upcaster
-from vllm_neuron.backends.records import decode_document, encode_document
+from vllm_neuron.backends.records import Document, RecordCodec, encode_document
 
-from .artifacts import NEURON, Artifacts
+from .artifacts import NEURON, ProfileArtifacts
 from .layout import MANIFEST_FILE, OUTPUT_DIR, RUN_SPEC_FILE, SERVE_LOG
+from .run_spec import PHASES
 
 SCHEMA_VERSION = 1
 SEED_VERSION = 0  # the Neuron plugin's manifest.json: no schema_version field
 MANIFEST_TAG = "profile-manifest"  # the upcaster registry's name for this document
 STATUS_UNRECORDED = "unrecorded"  # a manifest in the plugin's form says nothing of outcome
 STATUSES = ("running", "ok", "failed", "interrupted", STATUS_UNRECORDED)
-
-
-class TraceEntry(msgspec.Struct, frozen=True, kw_only=True):
-    path: str
-    size: int
-    worker: str = ""
-
-
-class ProfileArtifacts(msgspec.Struct, frozen=True, kw_only=True):
-    profiler: str
-    output_dir: str
-    device_trace: str | None = None
-    device_ntff: str | None = None
-    system_trace_pb: str | None = None
-    trace_info_pb: str | None = None
-    neff_dir: str | None = None
-    cpu_util_pb: str | None = None
-    host_mem_pb: str | None = None
-    session_dir: str | None = None
-    activities: list[str] = msgspec.field(default_factory=list)
-    traces: list[TraceEntry] = msgspec.field(default_factory=list)
 
 
 class Attempt(msgspec.Struct, frozen=True, kw_only=True):
@@ -118,7 +103,11 @@ class Validation(msgspec.Struct, frozen=True, kw_only=True):
     notes: list[str] = msgspec.field(default_factory=list)
 
 
-class ProfileManifest(msgspec.Struct, frozen=True, kw_only=True):
+class ProfileManifest(Document, frozen=True, kw_only=True):
+    record_tag = MANIFEST_TAG
+    version_field = "schema_version"
+    missing_version = SEED_VERSION
+
     schema_version: int = SCHEMA_VERSION
     run_name: str
     recipe: str
@@ -146,21 +135,9 @@ class ProfileManifest(msgspec.Struct, frozen=True, kw_only=True):
     finished_at: str = ""
 
 
-def profile_from_artifacts(found: Artifacts, activities: list[str]) -> ProfileArtifacts:
-    return ProfileArtifacts(
-        profiler=found.profiler,
-        output_dir=found.output_dir,
-        device_trace=found.device_trace,
-        device_ntff=found.device_ntff,
-        system_trace_pb=found.system_trace_pb,
-        trace_info_pb=found.trace_info_pb,
-        neff_dir=found.neff_dir,
-        cpu_util_pb=found.cpu_util_pb,
-        host_mem_pb=found.host_mem_pb,
-        session_dir=found.session_dir,
-        activities=list(activities),
-        traces=[TraceEntry(path=t.path, size=t.size, worker=t.worker) for t in found.traces],
-    )
+def profile_from_artifacts(found: ProfileArtifacts, activities: list[str]) -> ProfileArtifacts:
+    """`found` recording `activities` (for a caller that did not pass them to `collect`)."""
+    return msgspec.structs.replace(found, activities=list(activities))
 
 
 class SeedProfile(msgspec.Struct, frozen=True, kw_only=True):
@@ -192,8 +169,6 @@ def _upcast_seed_form(raw: dict[str, Any]) -> dict[str, Any]:
     Keys the two forms share keep their values (and are type-checked by the final
     conversion), so a plugin file that also carries one of our fields is not overridden.
     """
-    from .run_spec import PHASES  # run_spec does not import this module; kept local anyway
-
     seed = msgspec.convert(raw, SeedManifest)  # raises ValidationError, naming the key
     out = dict(raw)
     profile = dict(raw["profile"])
@@ -238,15 +213,19 @@ def encode_manifest(value: ProfileManifest) -> bytes:
     return encode_document(value)
 
 
-def decode_manifest(data: bytes, run_dir: str | None = None) -> ProfileManifest:
-    """Our ``manifest.json`` (any supported version) or the Neuron plugin's form.
+_MANIFESTS = RecordCodec(ProfileManifest)
+
+
+def decode_manifest(
+    data: bytes, run_dir: str | None = None, *, source: str = "profile manifest"
+) -> ProfileManifest:
+    """Our ``manifest.json`` (any supported version) or the Neuron plugin's form; a
+    `RecordError` naming `source` (the file) otherwise.
 
     `run_dir`, the directory the file was read from, fills in the paths the plugin's form
     does not record (`with_location`); without it they stay empty.
     """
-    manifest = decode_document(data, ProfileManifest, version_field="schema_version",
-                               supported=SCHEMA_VERSION, what="profile manifest",
-                               tag=MANIFEST_TAG, missing_version=SEED_VERSION)  # fmt: skip
+    manifest = _MANIFESTS.decode(data, source=source)
     return manifest if run_dir is None else with_location(manifest, run_dir)
 
 
@@ -259,4 +238,5 @@ def read_manifest(store: Store) -> ProfileManifest | None:
     data = store.read(MANIFEST_FILE)
     if data is None:
         return None
-    return decode_manifest(data, store.local_path("") or store.url)
+    where = store.local_path("") or store.url
+    return decode_manifest(data, where, source=f"{where.rstrip('/')}/{MANIFEST_FILE}")
