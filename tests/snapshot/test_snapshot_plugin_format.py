@@ -33,6 +33,7 @@ from plugin_bundle import (
 from snapshot_helpers import ctx, make_config
 
 from vllm_neuron.backends import encode, open_store
+from vllm_neuron.backends.records import RecordError
 from vllm_neuron.cli import main
 from vllm_neuron.snapshot import SnapshotCapturer, forward_context
 from vllm_neuron.snapshot.bundles import list_bundles, load_bundle
@@ -41,7 +42,6 @@ from vllm_neuron.snapshot.meta import (
     CallMeta,
     InputSpec,
     MatchRecord,
-    SnapshotMetaError,
     decode_call_meta,
     read_call_meta,
 )
@@ -140,15 +140,17 @@ def test_plugin_meta_minimal_and_null_fields() -> None:
 def test_bad_plugin_meta_is_refused_naming_why(change: dict[str, object], message: str) -> None:
     raw = json.loads((Path(DATA_ROOT) / PREFIX / "meta.json").read_text())
     raw.update(change)
-    with pytest.raises(SnapshotMetaError, match="Neuron plugin") as info:
+    with pytest.raises(RecordError, match="^meta.json: no record tag, so it was read as the "
+                       "Neuron plugin's form, and is not that either") as info:
         decode_call_meta(json.dumps(raw).encode())
     assert message in str(info.value)
 
 
 def test_our_tagged_record_is_not_taken_for_the_plugin_form() -> None:
-    with pytest.raises(SnapshotMetaError, match="not a snapshot record"):
+    with pytest.raises(RecordError, match="^meta.json: not a valid snapshot-call record: "
+                       "Object missing required field `compilation_hash`"):
         decode_call_meta(b'{"type": "snapshot-call", "v": 1, "hash": "x"}')
-    with pytest.raises(SnapshotMetaError, match="not a snapshot record"):
+    with pytest.raises(RecordError, match="^meta.json: not a JSON object"):
         decode_call_meta(b"[1, 2]")
 
 

@@ -7,16 +7,17 @@ raises on any failure (fail-loud: a bundle that looks captured but is not is wor
 aborted forward).
 
 The record is a frozen, tagged ``msgspec`` struct with a schema version (``v``), like every
-record the project persists; old versions are upcast explicitly when read.
+record the project persists, read through the record layer's codec: old versions are upcast
+explicitly, and a file that does not read is a ``RecordError`` naming it.
 
 **Bundles written by the Neuron plugin.** AWS's plugin writes the same bundle layout
 (``<hash>/rank<N>/call<K>/tensor{i}.{npy|pt}`` + ``meta.json``) on a Trainium host, and users
 bring such bundles here to inspect or replay. Its ``meta.json`` is a plain object without
 our ``type``/``v``: ``{"schema": 1, "hash", "format", "global_rank", "tp_rank", "dp_rank",
 "call_index", "selected_by", "inputs": [{"index", "dtype", "shape"}], "global_step",
-"is_prompt", "matches", "req_ids", "positions"}`` (`PluginCallMeta`). It is read as version
-0 of ``snapshot-call`` and upcast by `_upcast_plugin_form` through the records' upcaster
-registry:
+"is_prompt", "matches", "req_ids", "positions"}`` (`PluginCallMeta`). A JSON object without
+our tag is read as version 0 of ``snapshot-call`` (the codec's `Untagged` form) and upcast
+by `_upcast_plugin_form` through the records' upcaster registry:
 
 - ``hash`` is ``compilation_hash``; a ``selected_by`` rule ``call_index`` is our ``call``;
 - an input without ``kind`` is a plain tensor input, stored in ``tensor{index}.{format}``
@@ -46,6 +47,7 @@ import msgspec
 import numpy as np
 
 from vllm_neuron.backends import Record, RecordCodec, Store, join, register_upcaster
+from vllm_neuron.backends.records import Untagged, encode_document
 
 from .encoding import FORMATS, RAW_BYTE_DTYPES
 from .kernel_handles import KernelHandle
@@ -73,7 +75,7 @@ PLUGIN_TENSOR_STEM = "tensor"  # the plugin's files: tensor{index}.{format}
 
 
 class SnapshotMetaError(RuntimeError):
-    """meta.json is missing, unreadable, or could not be written."""
+    """meta.json could not be written (reading one that does not read is a ``RecordError``)."""
 
 
 class InputSpec(msgspec.Struct, frozen=True, kw_only=True):
@@ -261,62 +263,28 @@ def _upcast_plugin_form(raw: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-_CODEC = RecordCodec([CallMeta])
+_CODEC = RecordCodec(CallMeta, untagged=Untagged(META_TAG, PLUGIN_VERSION,
+                                                  "the Neuron plugin's form"))  # fmt: skip
 
 
-def decode_call_meta(data: bytes) -> CallMeta:
+def decode_call_meta(data: bytes, *, source: str = META_FILE) -> CallMeta:
     """Our record (any version), or the Neuron plugin's ``meta.json`` upcast to it.
 
     Our records always carry the ``type`` tag; a JSON object without one is the plugin's
-    form, tagged here as version 0 so that the codec's upcaster chain reads it.
+    form, version 0. Anything else is a ``RecordError`` naming `source` and why.
     """
-    try:
-        meta = _CODEC.decode(data)
-    except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as exc:
-        plugin = _as_plugin_form(data)
-        if plugin is None:
-            raise SnapshotMetaError(f"meta.json is not a snapshot record: {exc}") from exc
-        try:
-            meta = _CODEC.decode(plugin)
-        except (msgspec.DecodeError, msgspec.ValidationError, ValueError) as plugin_exc:
-            raise SnapshotMetaError(
-                f"meta.json has no record tag, so it was read as the Neuron plugin's form, "
-                f"and is not that either: {plugin_exc}"
-            ) from plugin_exc
-    if not isinstance(meta, CallMeta):  # pragma: no cover - the codec has one type
-        raise SnapshotMetaError("meta.json is not a snapshot record")
-    return meta
-
-
-def _as_plugin_form(data: bytes) -> bytes | None:
-    """``data`` tagged as version 0 when it is a JSON object without our tag, else None."""
-    try:
-        raw = msgspec.json.decode(data)
-    except msgspec.DecodeError:
-        return None
-    if not isinstance(raw, dict) or "type" in raw:
-        return None
-    return msgspec.json.encode({**raw, "type": META_TAG, "v": PLUGIN_VERSION})
+    return _CODEC.decode(data, source=source)
 
 
 def write_call_meta(store: Store, call_prefix: str, meta: CallMeta) -> None:
     """Commit the bundle at ``call_prefix``: write its meta.json atomically, or raise."""
-    from vllm_neuron.backends import encode
-
     key = join(call_prefix, META_FILE)
     try:
-        data = msgspec.json.format(encode(meta), indent=2) + b"\n"  # read by humans too
-        store.write(key, data)
+        store.write(key, encode_document(meta))  # indented: read by humans too
     except Exception as exc:
         raise SnapshotMetaError(f"cannot write {store.url}/{key}: {exc}") from exc
 
 
 def read_call_meta(store: Store, call_prefix: str) -> CallMeta | None:
     """The bundle's record; None when there is no meta.json (no bundle, or incomplete)."""
-    data = store.read(join(call_prefix, META_FILE))
-    if data is None:
-        return None
-    try:
-        return decode_call_meta(data)
-    except SnapshotMetaError as exc:
-        raise SnapshotMetaError(f"{store.url}/{call_prefix}/{META_FILE}: {exc}") from exc
+    return _CODEC.read(store, join(call_prefix, META_FILE))
