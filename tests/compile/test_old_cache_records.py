@@ -8,18 +8,22 @@ outlives the version that filled it.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
 import msgspec
 
-from vllm_neuron.backends import open_store
+from vllm_neuron.backends import encode, open_store
 from vllm_neuron.compile.cache import FAILURES_DIR, TwoTierCache
 from vllm_neuron.compile.entry import decode_record
 from vllm_neuron.compile.events import EVENTS_STREAM, read_stats
-from vllm_neuron.compile.quarantine import QUARANTINE_DIR
-from vllm_neuron.compile.toolchains.base import CompiledArtifact
+from vllm_neuron.compile.quarantine import (
+    QUARANTINE_DIR,
+    QuarantineNote,
+    quarantine_entry,
+    read_quarantine_note,
+)
+from vllm_neuron.compile.toolchains.base import ARTIFACTS, CompiledArtifact
 
 DATA = Path(__file__).parent / "data" / "records"
 KEY = "0123456789abcdef0123456789abcdef"
@@ -33,20 +37,43 @@ def test_an_old_entry_record_reads_with_its_artifact() -> None:
     record = decode_record(fixture("entry.json"))
     assert (record.schema, record.key, record.toolchain) == (1, KEY, "host")
     assert record.files["graph.pt2"].size == 240 and record.files["graph.pt2"].blake3
-    artifact = msgspec.convert(record.meta, CompiledArtifact)
+    artifact = ARTIFACTS.convert(record.meta, source="entry.json meta")
     assert artifact.files == ("graph.pt2",) and artifact.derived_inputs == (4,)
+    assert msgspec.convert(record.meta, CompiledArtifact) == artifact  # untagged converts too
 
 
 def test_old_artifact_metadata_reads() -> None:
-    host = CompiledArtifact.decode(fixture("compiled-artifact-host.json"))
+    host = ARTIFACTS.decode(fixture("compiled-artifact-host.json"))
     assert host.output_shapes == ("4, 8", "") and host.hlo_file is None
-    neuron = CompiledArtifact.decode(fixture("compiled-artifact-neuron.json"))
+    neuron = ARTIFACTS.decode(fixture("compiled-artifact-neuron.json"))
     assert (neuron.toolchain, neuron.hlo_file, neuron.num_inputs) == ("neuron", "graph.hlo.pb", 3)
 
 
+def test_artifact_metadata_is_now_a_tagged_record() -> None:
+    host = ARTIFACTS.decode(fixture("compiled-artifact-host.json"))
+    meta = msgspec.to_builtins(host)  # what the runtime stores as the entry's meta
+    assert (meta["type"], meta["v"]) == ("compiled-artifact", 1)
+    assert ARTIFACTS.convert(meta) == host == ARTIFACTS.decode(encode(host))
+
+
 def test_an_old_quarantine_note_reads() -> None:
-    note = json.loads(fixture("quarantine-note.json"))
-    assert note["key"] == KEY and "240" in note["reason"] and note["at"] > 0
+    store = open_store("memory://")
+    store.write(f"{QUARANTINE_DIR}/{KEY}.json", fixture("quarantine-note.json"))
+    note = read_quarantine_note(store, KEY)
+    assert note is not None and note.key == KEY and "240" in note.reason and note.at > 0
+
+
+def test_a_new_quarantine_note_is_a_tagged_record() -> None:
+    store = open_store("memory://")
+    with store.stage(KEY) as staging:
+        staging.write("x", b"x")
+        staging.commit()
+    assert quarantine_entry(store, KEY, "x has 2 bytes, the record says 1")
+    note = read_quarantine_note(store, KEY)
+    assert isinstance(note, QuarantineNote) and note.reason == "x has 2 bytes, the record says 1"
+    assert msgspec.json.decode(store.read(f"{QUARANTINE_DIR}/{KEY}.json") or b"")["type"] == (
+        "quarantine-note")
+    assert read_quarantine_note(store, "f" * 32) is None
 
 
 def test_an_old_failure_note_is_seen_by_a_waiter(tmp_path: Path) -> None:

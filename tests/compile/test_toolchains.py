@@ -21,6 +21,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from vllm_neuron import envs
+from vllm_neuron.backends import encode
 from vllm_neuron.compile.toolchains import (
     CompiledArtifact,
     ToolchainError,
@@ -28,7 +29,7 @@ from vllm_neuron.compile.toolchains import (
     select_toolchain,
 )
 from vllm_neuron.compile.toolchains import neuron as neuron_mod
-from vllm_neuron.compile.toolchains.base import format_shape, restore_output_structure
+from vllm_neuron.compile.toolchains.base import ARTIFACTS, format_shape, restore_output_structure
 from vllm_neuron.compile.toolchains.host import HostToolchain
 from vllm_neuron.compile.toolchains.neuron import (
     INSTALL_HINT,
@@ -108,7 +109,7 @@ def test_host_compile_writes_the_package_and_metadata(
     assert meta.output_shapes == ("4, 8", "")  # the tuple (linear, scalar sum)
     assert meta.num_inputs == len(host_compile.inputs) == 5  # 4 lifted params + x
     assert meta.hlo_file is None
-    assert CompiledArtifact.decode(meta.encode()) == meta
+    assert ARTIFACTS.decode(encode(meta)) == meta
     assert any(p.is_file() for p in host_compile.inductor_cache.rglob("*"))
 
 
@@ -127,13 +128,13 @@ def test_host_artifact_loads_in_a_fresh_process(
 ) -> None:
     """The entry is all a new process needs: no dynamo, no graph, no Inductor cache."""
     torch.save([t.detach() for t in host_compile.inputs], tmp_path / "inputs.pt")
-    (tmp_path / "meta.json").write_bytes(host_compile.meta.encode())
+    (tmp_path / "meta.json").write_bytes(encode(host_compile.meta))
     script = textwrap.dedent(
         f"""
         import sys, torch
-        from vllm_neuron.compile.toolchains.base import CompiledArtifact
+        from vllm_neuron.compile.toolchains.base import ARTIFACTS
         from vllm_neuron.compile.toolchains.host import HostToolchain
-        meta = CompiledArtifact.decode(open({str(tmp_path / "meta.json")!r}, "rb").read())
+        meta = ARTIFACTS.decode(open({str(tmp_path / "meta.json")!r}, "rb").read())
         inputs = torch.load({str(tmp_path / "inputs.pt")!r}, weights_only=True)
         out = HostToolchain().load({str(host_compile.entry_dir)!r}, meta)(*inputs)
         torch.save({{"type": type(out).__name__, "out": list(out)}},

@@ -6,9 +6,11 @@ the key, a ``compile`` that writes files into a directory the cache then publish
 ``load`` that turns a published directory back into a callable. Everything device-specific
 stays behind it.
 
-The metadata a compile returns (:class:`CompiledArtifact`) is a frozen ``msgspec.Struct``
-so the cache can persist it next to the files and hand it back to ``load`` in another
-process, on another node, without pickling.
+The metadata a compile returns (:class:`CompiledArtifact`) is a record of the storage
+layer (tagged, versioned, frozen) so the cache can persist it with the files, as the
+``meta`` of the entry's commit record, and hand it back to ``load`` in another process, on
+another node, without pickling; `ARTIFACTS` reads it back (metadata written before records
+were tagged reads as version 1).
 """
 
 from __future__ import annotations
@@ -18,9 +20,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal
 
-import msgspec
+from vllm_neuron.backends.records import Record, RecordCodec, Untagged
 
 __all__ = [
+    "ARTIFACTS",
     "CompiledArtifact",
     "Toolchain",
     "ToolchainError",
@@ -31,6 +34,7 @@ __all__ = [
 ]
 
 ToolchainKind = Literal["host", "neuron"]
+ARTIFACT_TAG = "compiled-artifact"
 
 
 class ToolchainError(RuntimeError):
@@ -41,7 +45,7 @@ class ToolchainUnavailable(ToolchainError):
     """The toolchain's packages are not installed; the message says what to install."""
 
 
-class CompiledArtifact(msgspec.Struct, frozen=True, kw_only=True):
+class CompiledArtifact(Record, frozen=True, kw_only=True, tag=ARTIFACT_TAG):
     """Metadata of one compiled graph, stored with its files.
 
     ``files`` are names relative to the entry directory (the entry moves between tiers).
@@ -68,13 +72,12 @@ class CompiledArtifact(msgspec.Struct, frozen=True, kw_only=True):
             if not name or os.path.isabs(name) or ".." in parts:
                 raise ValueError(f"artifact file name {name!r} must be relative to the entry")
 
-    def encode(self) -> bytes:
-        """JSON bytes, for storing next to the artifact files."""
-        return msgspec.json.encode(self)
 
-    @classmethod
-    def decode(cls, data: bytes | str) -> CompiledArtifact:
-        return msgspec.json.decode(data, type=cls)
+ARTIFACTS = RecordCodec(
+    CompiledArtifact,
+    untagged=Untagged(ARTIFACT_TAG, 1, "artifact metadata from before records had tags"),
+)
+"""Reads a `CompiledArtifact`: ``decode`` from bytes, ``convert`` from an entry's ``meta``."""
 
 
 def format_shape(shape: Sequence[Any]) -> str:
