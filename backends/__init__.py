@@ -4,12 +4,18 @@ Get a store with `open_store(url)`; see `store.Store` (and `base.StoreBase`) for
 `base.Capabilities` for what each backend promises. A new URL scheme is one
 `register_scheme` call. Whether a setting names a URL or a local directory is asked of
 `is_url`, `local_path_of` and `normalize_location`, never sniffed, so every caller agrees
-with `open_store`.
+with `open_store`. Code above this layer does no file I/O on a store's files: every
+operation it needs is a store operation (docs/storage.md, "Operations"), with two
+documented doors to real directories for tools that only take a directory: loading a
+published entry (`Store.local_dir_of`) and writing one's own output files
+(`Staging.output_dir`, `Store.local_output`).
 """
 
 from ._local import read_local_file
-from .base import Capabilities, FileInfo, Staging
+from .base import Capabilities, FileInfo, Leftover, Staging
+from .digests import Expected, FileDigest
 from .errors import (
+    IntegrityError,
     InvalidKey,
     LeaseLost,
     LockTimeout,
@@ -41,17 +47,22 @@ from .router import (
 )
 from .store import Store
 from .transfer import CopyResult, Progress, copy_file, copy_tree
+from .verified_copy import copy_verified
 
 __all__ = [
     "Capabilities",
     "CopyResult",
     "Decoded",
     "EventLog",
+    "Expected",
+    "FileDigest",
     "FileInfo",
+    "IntegrityError",
     "InvalidKey",
     "KernelLock",
     "LeaseLock",
     "LeaseLost",
+    "Leftover",
     "Lock",
     "LockTimeout",
     "MissingDependency",
@@ -65,6 +76,7 @@ __all__ = [
     "UnknownScheme",
     "copy_file",
     "copy_tree",
+    "copy_verified",
     "encode",
     "encode_into",
     "encode_line",

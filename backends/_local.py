@@ -23,46 +23,32 @@ from __future__ import annotations
 import builtins
 import contextlib
 import errno
-import itertools
 import os
-import re
 import shutil
 import stat
-import uuid
+from collections.abc import Iterator, Mapping
 from typing import IO
 
 from fsspec.implementations.local import LocalFileSystem
 
+from ._atomic import (
+    O_READ,
+    copy_replacing,
+    fsync_dir,
+    fsync_tree,
+    is_temp,
+    replace_into,
+    replacing,
+    write_temp,
+)
 from .base import Appender, Capabilities, FileInfo
-from .keys import validate_key, validate_prefix
+from .digests import Expected, FileDigest, file_digest
+from .errors import IntegrityError
+from .keys import _check, validate_key, validate_prefix
+from .operations import where
 from .store import Store
 
 PROFILES = ("local", "nfs", "lustre")
-_O_READ = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
-_O_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-
-# Temp-file names: a random per-process token and a counter (cheaper than a uuid4 per
-# write); a forked child draws a new token so it never collides with its parent.
-_tmp_token = uuid.uuid4().hex[:16] + "-"
-_tmp_counter = itertools.count()
-
-
-def _new_tmp_token() -> None:
-    global _tmp_token
-    _tmp_token = uuid.uuid4().hex[:16] + "-"
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_new_tmp_token)
-
-# What `_tmp_for` (token + counter) and the other temp writers (uuid4 hex) name temp files.
-_TEMP_RE = re.compile(r"\.(?:[0-9a-f]{16}-[0-9]+|[0-9a-f]{32})\.partial\Z")
-
-
-def _is_temp(name: str) -> bool:
-    """An in-flight (or crashed) writer's temp file: never listed as a key."""
-    return name.endswith(".partial") and _TEMP_RE.search(name) is not None
-
 
 EMPTY_MARKER = ".empty"
 """The one file of a published directory that was staged empty (see `_rename_dir`)."""
@@ -76,7 +62,7 @@ def read_local_file(path: str) -> bytes | None:
     records (cache entries at manifest emit) cheap.
     """
     try:
-        fd = os.open(path, _O_READ)
+        fd = os.open(path, O_READ)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         return None
     try:
@@ -141,13 +127,15 @@ class LocalStore(Store):
         self._on_sub()
         if kernel_locks is None:
             kernel_locks = profile == "local"
-        self.fsync = (profile != "local") if fsync is None else fsync
+        self._durable = (profile != "local") if fsync is None else bool(fsync)
+        self.fsync = self._durable  # TRANSITIONAL: read by callers not yet on `durable`
         self.capabilities = Capabilities(
             profile=profile,
             atomic_rename=True,
             kernel_locks=kernel_locks,
             native_append=True,
             local_paths=True,
+            durable=self._durable,
         )
 
     def _path(self, key: str) -> str:
@@ -165,41 +153,13 @@ class LocalStore(Store):
     def read(self, key: str) -> bytes | None:
         return read_local_file(self._key_path(key))
 
-    def _tmp_for(self, path: str) -> str:
-        return f"{path}.{_tmp_token}{next(_tmp_counter)}.partial"
-
-    def _write_tmp(self, path: str, data: bytes) -> str:
-        tmp = self._tmp_for(path)
-        try:
-            fd = os.open(tmp, _O_NEW, 0o644)
-        except FileNotFoundError:  # first file in this directory
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            fd = os.open(tmp, _O_NEW, 0o644)
-        try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
-            if self.fsync:
-                os.fsync(fd)
-        finally:
-            os.close(fd)
-        return tmp
-
     def write(self, key: str, data: bytes) -> None:
         path = self._key_path(key)
-        tmp = self._write_tmp(path, data)
-        try:
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        if self.fsync:
-            _fsync_dir(os.path.dirname(path))
+        replace_into(write_temp(path, data, durable=self._durable), path, durable=self._durable)
 
     def create(self, key: str, data: bytes) -> bool:
         path = self._key_path(key)
-        tmp = self._write_tmp(path, data)
+        tmp = write_temp(path, data, durable=self._durable)
         try:
             os.link(tmp, path)
         except FileExistsError:
@@ -207,13 +167,13 @@ class LocalStore(Store):
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
-        if self.fsync:
-            _fsync_dir(os.path.dirname(path))
+        if self._durable:
+            fsync_dir(os.path.dirname(path))
         return True
 
     def info(self, key: str) -> FileInfo | None:
         try:
-            st = os.stat(self._path(validate_key(key)))
+            st = os.stat(self._key_path(key))
         except (FileNotFoundError, NotADirectoryError):
             return None
         if not stat.S_ISREG(st.st_mode):
@@ -227,13 +187,13 @@ class LocalStore(Store):
         for dirpath, _dirs, files in os.walk(base):
             rel_dir = os.path.relpath(dirpath, self.root)
             for name in files:
-                if not _is_temp(name):
+                if not is_temp(name):
                     out.append(name if rel_dir == "." else f"{rel_dir}/{name}")
         return sorted(out)
 
     def list_dir(self, prefix: str = "") -> builtins.list[str]:
         try:
-            return sorted(n for n in os.listdir(self._path(prefix)) if not _is_temp(n))
+            return sorted(n for n in os.listdir(self._path(prefix)) if not is_temp(n))
         except (FileNotFoundError, NotADirectoryError):
             return []
 
@@ -254,17 +214,7 @@ class LocalStore(Store):
         return count
 
     def put_file(self, key: str, local_path: str) -> None:
-        path = self._path(validate_key(key))
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = self._tmp_for(path)
-        try:
-            shutil.copyfile(local_path, tmp)
-            if self.fsync:
-                _fsync_path(tmp)
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        copy_replacing(local_path, self._key_path(key), durable=self._durable)
 
     def open_read(self, key: str) -> IO[bytes]:
         return open(self._path(validate_key(key)), "rb")
@@ -272,7 +222,83 @@ class LocalStore(Store):
     def open_appender(self, key: str, *, truncate: bool) -> Appender:
         return _FdAppender(self._path(validate_key(key)), truncate)
 
+    # ------------------------------------------- operations the domain code needs
+    def read_published(self, final: str, rel: str) -> tuple[str, bytes | None] | None:
+        # The hot path of every cache hit: the keys are checked (cached), the path joined
+        # by hand, and the directory is only stat'ed when the file is not there.
+        _check(final, False)
+        _check(rel, False)
+        directory = self._root_slash + final
+        data = read_local_file(directory + "/" + rel)
+        if data is not None:
+            return final, data
+        return (final, None) if os.path.isdir(directory) else None
+
+    def check_sizes(self, prefix: str, files: Mapping[str, Expected]) -> None:
+        # One stat per file and nothing else: the second half of every cache hit.
+        _check(prefix, False)
+        base = self._root_slash + prefix + "/"
+        stat_, check = os.stat, _check
+        for rel, expected in files.items():
+            check(rel, False)  # cached: a record's files are checked once per process
+            try:
+                size = stat_(base + rel).st_size
+            except OSError:
+                raise IntegrityError(where(self, prefix), rel, "is missing") from None
+            if size != expected.size:
+                raise IntegrityError(where(self, prefix), rel,
+                                     f"has {size} bytes, expected {expected.size}")
+
+    def digest(self, key: str) -> FileDigest | None:
+        try:
+            return file_digest(self._key_path(key))
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            return None
+
+    def open_write(self, key: str) -> contextlib.AbstractContextManager[IO[bytes]]:
+        return replacing(self._key_path(key), durable=self._durable)
+
+    def write_from(self, key: str, reader: IO[bytes]) -> int:
+        with self.open_write(key) as out:
+            shutil.copyfileobj(reader, out, 8 << 20)
+            return out.tell()
+
+    @contextlib.contextmanager
+    def _local_output(self, prefix: str) -> Iterator[str]:
+        directory = self._path(validate_key(prefix))
+        os.makedirs(directory, exist_ok=True)
+        yield directory
+        if self._durable:  # what the tool wrote is as durable as what the store writes
+            fsync_tree(directory)
+
+    def local_output(self, prefix: str) -> contextlib.AbstractContextManager[str]:
+        return self._local_output(prefix)
+
+    def local_dir_of(self, prefix: str) -> str | None:
+        _check(prefix, False)
+        return self._root_slash + prefix
+
+    def _usage(self, prefix: str) -> tuple[int, float]:
+        # Directories count too: a staging area whose files are old but which was just
+        # created (a fetch of old files) is in use.
+        size, newest = 0, 0.0
+        for dirpath, _dirs, files in os.walk(self._path(prefix)):
+            try:
+                newest = max(newest, os.stat(dirpath).st_mtime)
+            except OSError:
+                continue
+            for name in files:
+                try:
+                    st = os.stat(os.path.join(dirpath, name))
+                except OSError:
+                    continue
+                size += st.st_size
+                newest = max(newest, st.st_mtime)
+        return size, newest
+
     # ---------------------------------------------------------- publication
+    # Inside a staging directory nothing needs a temp file: the directory is published
+    # (and fsynced first, when durable) as a whole.
     def _write_unpublished(self, key: str, data: bytes) -> None:
         path = self._path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -283,6 +309,13 @@ class LocalStore(Store):
         path = self._path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         shutil.copyfile(local_path, path)
+
+    def _write_from_unpublished(self, key: str, reader: IO[bytes]) -> int:
+        path = self._path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "wb") as out:
+            shutil.copyfileobj(reader, out, 8 << 20)
+            return out.tell()
 
     def _is_dir(self, key: str) -> bool:
         return os.path.isdir(self._path(key))
@@ -297,8 +330,8 @@ class LocalStore(Store):
             os.makedirs(src_path, exist_ok=True)
             with open(os.path.join(src_path, EMPTY_MARKER), "wb"):
                 pass
-        if publish and self.fsync:
-            _fsync_tree(src_path)
+        if publish and self._durable:
+            fsync_tree(src_path)
         os.makedirs(os.path.dirname(dst_path), exist_ok=True)
         try:
             os.rename(src_path, dst_path)
@@ -306,26 +339,6 @@ class LocalStore(Store):
             if exc.errno in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOENT, errno.ENOTDIR):
                 return False
             raise
-        if self.fsync:
-            _fsync_dir(os.path.dirname(dst_path))
+        if self._durable:
+            fsync_dir(os.path.dirname(dst_path))
         return True
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: str) -> None:
-    with contextlib.suppress(OSError):
-        _fsync_path(path)
-
-
-def _fsync_tree(path: str) -> None:
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            _fsync_path(os.path.join(dirpath, name))
-        _fsync_dir(dirpath)

@@ -58,6 +58,7 @@ class MemoryStore(Store):
             kernel_locks=False,
             native_append=False,
             local_paths=False,
+            durable=False,
         )
 
     def read(self, key: str) -> bytes | None:

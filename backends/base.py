@@ -16,6 +16,19 @@ logs) pick their strategy from those flags, never from the backend's type:
   (local disk). Without it, locks are leases with an expiry and a fencing generation.
 * ``native_append`` - appends are O_APPEND writes that survive ``os._exit()``. Without it,
   a writer's log segment is rewritten whole on each append (segments are per writer).
+* ``local_paths`` - every key is a file on this machine. Two stores that both have it copy
+  verified files in the kernel (`verified_copy`); the hot-path checks are plain `stat`s.
+* ``durable`` - what a write or a publication made visible has reached stable storage
+  (fsync before the rename on NFS/Lustre; an acknowledged PUT on S3). Callers never fsync
+  themselves: the operations that write do it when this flag says so.
+
+Besides the primitives, the operations domain code needs are here too, so that nothing
+above the layer touches a store's files (the generic versions are in `operations.py`,
+backends override them where they can do better): `read_published` and `check_sizes`
+(the cache-hit hot path), `digest`/`digest_tree`, `open_write`/`write_from`,
+`leftovers`, and the two documented doors to real directories, `local_dir_of` (a
+toolchain loading a published entry) and `local_output` / `Staging.output_dir` (a tool
+writing its own output files).
 """
 
 from __future__ import annotations
@@ -23,27 +36,44 @@ from __future__ import annotations
 import builtins
 import contextlib
 import json
-import os
 import posixpath
+import shutil
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+from . import operations
+from ._atomic import replacing
+from .appenders import Appender, SegmentAppender
+from .digests import Expected, FileDigest, digest_stream
 from .errors import StoreError
 from .keys import join, validate_key, validate_prefix
+from .layout import COMMIT_RECORD, LOCKS_DIR, STAGING_DIR, TRASH_DIR, VERSIONS_DIR
+from .operations import Leftover
 from .records import COMMIT_RECORDS, CommitRecord, Record, RecordError, encode
+from .staging import Staging
 
 if TYPE_CHECKING:
     from typing_extensions import Self  # typing.Self is 3.11+; annotations only
 
-COMMIT_RECORD = ".commit"
-VERSIONS_DIR = ".v"
-STAGING_DIR = ".staging"
-LOCKS_DIR = ".locks"
-TRASH_DIR = ".trash"
+__all__ = [  # the names other modules of the layer (and its tests) import from here
+    "COMMIT_RECORD",
+    "LOCKS_DIR",
+    "STAGING_DIR",
+    "TRASH_DIR",
+    "VERSIONS_DIR",
+    "Appender",
+    "Capabilities",
+    "FileInfo",
+    "Leftover",
+    "SegmentAppender",
+    "Staging",
+    "StoreBase",
+]
 
 
 @dataclass(frozen=True)
@@ -55,6 +85,7 @@ class Capabilities:
     kernel_locks: bool
     native_append: bool
     local_paths: bool
+    durable: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,91 +95,6 @@ class FileInfo:
     key: str
     size: int
     mtime: float
-
-
-class Appender(ABC):
-    """A single writer's handle on one log segment."""
-
-    @abstractmethod
-    def write(self, data: bytes) -> None: ...
-
-    @abstractmethod
-    def close(self) -> None: ...
-
-    def fileno(self) -> int:
-        """A descriptor on which one `os.write(fd, data)` is exactly `write(data)`, or -1.
-
-        Lets the event log skip a method call per record on its hot path.
-        """
-        return -1
-
-
-class SegmentAppender(Appender):
-    """Appends by rewriting the writer's whole segment object (stores without native append).
-
-    Correct because a segment has exactly one writer; each rewrite is an atomic write, so a
-    reader sees a prefix of the writer's records, never a torn line.
-    """
-
-    def __init__(self, store: StoreBase, key: str, truncate: bool) -> None:
-        self._store, self._key = store, key
-        existing = None if truncate else store.read(key)
-        self._buffer = bytearray(existing or b"")
-        if truncate:
-            store.write(key, b"")
-
-    def write(self, data: bytes) -> None:
-        self._buffer += data
-        self._store.write(self._key, bytes(self._buffer))
-
-    def close(self) -> None:
-        pass
-
-
-class Staging:
-    """A directory being built for publication; visible to readers only after `commit`.
-
-    Write files with `write`/`put_file` (keys relative to the staging root), then call
-    `commit()`, which returns True if this writer published `final` and False if another
-    writer had already published it (first writer wins; the loser's files are removed).
-    Leaving the context without committing removes the staged files.
-    """
-
-    def __init__(self, store: StoreBase, final: str, prefix: str) -> None:
-        self.store = store
-        self.final = final
-        self.prefix = prefix
-        self._done = False
-
-    def key(self, rel: str) -> str:
-        return join(self.prefix, validate_key(rel))
-
-    def write(self, rel: str, data: bytes) -> None:
-        self.store._write_unpublished(self.key(rel), data)
-
-    def put_file(self, rel: str, local_path: str) -> None:
-        self.store._put_file_unpublished(self.key(rel), local_path)
-
-    def local_dir(self) -> str | None:
-        """The staging directory on local disk, when the store has local paths."""
-        return self.store.local_path(self.prefix)
-
-    def commit(self) -> bool:
-        if self._done:
-            raise StoreError(f"staging for {self.final!r} was already committed or aborted")
-        self._done = True
-        return self.store._commit_staged(self)
-
-    def abort(self) -> None:
-        if not self._done:
-            self._done = True
-            self.store.delete_tree(self.prefix)
-
-    def __enter__(self) -> Staging:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.abort()
 
 
 class StoreBase(ABC):
@@ -247,18 +193,12 @@ class StoreBase(ABC):
 
     def get_file(self, key: str, local_path: str) -> bool:
         """Download `key` to `local_path` (written via a temp file + rename); False if absent."""
-        tmp = f"{local_path}.{uuid.uuid4().hex}.partial"
         try:
-            with self.open_read(key) as src, open(tmp, "wb") as dst:
-                while chunk := src.read(8 << 20):
-                    dst.write(chunk)
-            os.replace(tmp, local_path)
-            return True
+            with self.open_read(key) as src, replacing(local_path, durable=False) as dst:
+                shutil.copyfileobj(src, dst, 8 << 20)
         except FileNotFoundError:
             return False
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+        return True
 
     def open_read(self, key: str) -> IO[bytes]:
         """A binary stream over `key` (raises FileNotFoundError when absent)."""
@@ -355,6 +295,9 @@ class StoreBase(ABC):
     def _put_file_unpublished(self, key: str, local_path: str) -> None:
         self.put_file(key, local_path)
 
+    def _write_from_unpublished(self, key: str, reader: IO[bytes]) -> int:
+        return self.write_from(key, reader)
+
     def _is_dir(self, key: str) -> bool:
         try:
             return bool(self.fs.isdir(self._path(key)))
@@ -388,3 +331,82 @@ class StoreBase(ABC):
             info = self.info(key)
             if info is not None:
                 yield info
+
+    # ------------------------------------------- operations the domain code needs
+    def read_published(self, final: str, rel: str) -> tuple[str, bytes | None] | None:
+        """`(prefix, bytes of rel in it)` for a published `final`, else None.
+
+        The bytes are None when `final` is published but has no file `rel` (a defective
+        publication, not a missing one). The first step of a cache hit in one call: on
+        local disk one read of the file, the directory looked at only when it is absent.
+        """
+        return operations.read_published(self, final, rel)
+
+    def check_sizes(self, prefix: str, files: Mapping[str, Expected]) -> None:
+        """Every one of `files` (keys relative to `prefix`) exists with its expected size.
+
+        `IntegrityError` names the first that does not. The batch stat of a cache hit: one
+        `stat` per file on local disk, one listing of the prefix on S3.
+        """
+        operations.check_sizes(self, prefix, files)
+
+    def digest(self, key: str) -> FileDigest | None:
+        """Size, SHA-256 and BLAKE3 of the file at `key`, from one read; None when absent."""
+        try:
+            with self.open_read(key) as reader:
+                return digest_stream(reader)
+        except FileNotFoundError:
+            return None
+
+    def digest_tree(self, prefix: str) -> dict[str, FileDigest]:
+        """`digest` of every file under `prefix`, by key relative to it."""
+        return operations.digest_tree(self, prefix)
+
+    def open_write(self, key: str) -> AbstractContextManager[IO[bytes]]:
+        """A binary file whose bytes appear at `key`, atomically, when the block exits.
+
+        For writers that stream (tensor encoders): on local disk a temp file beside the key
+        (fsynced when `durable`) renamed into place; elsewhere one object write. Nothing
+        appears at `key` if the block raises.
+        """
+        return operations.open_write(self, key)
+
+    def write_from(self, key: str, reader: IO[bytes]) -> int:
+        """Store everything `reader` yields at `key` atomically; returns the byte count."""
+        data = reader.read()
+        self.write(key, data)
+        return len(data)
+
+    def local_output(self, prefix: str) -> AbstractContextManager[str]:
+        """A real directory for a tool that writes its own output files (the Neuron
+        runtime's tensor serializer); they are the files under `prefix` after the block.
+
+        A documented door around the store (docs/storage.md), for writers that only take a
+        directory: on local disk the directory of `prefix` itself, elsewhere a scratch
+        directory uploaded when the block exits normally. The caller neither reads nor
+        writes there itself; it asks the store what the tool wrote.
+        """
+        return operations.local_output(self, prefix)
+
+    def local_dir_of(self, prefix: str) -> str | None:
+        """The real directory holding the published `prefix`, or None without local paths.
+
+        The one door around the store for reading (docs/storage.md): a toolchain that can
+        only load a compiled artifact from a directory is handed this. Nothing else reads
+        or writes store files through it.
+        """
+        return self.local_path(prefix)
+
+    def leftovers(self, older_than: float, *, parent: str = "") -> builtins.list[Leftover]:
+        """What writers killed mid-way left behind, untouched for `older_than` seconds.
+
+        Staging areas and withdrawn directories being deleted (where publication is a
+        rename), or versions never committed of the publications directly under `parent`
+        (commit-record stores). Never visible as published; `delete_tree(prefix)` removes
+        one.
+        """
+        return operations.leftovers(self, older_than, parent)
+
+    def _usage(self, prefix: str) -> tuple[int, float]:
+        """Total size and newest modification time under `prefix` (for `leftovers`)."""
+        return operations.usage(self, prefix)

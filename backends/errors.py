@@ -37,3 +37,19 @@ class LeaseLost(StoreError):
     Work done under a lost lease must not be committed: the generation (fencing token)
     it carries is older than the current one.
     """
+
+
+class IntegrityError(StoreError):
+    """A file is missing, or its size or a checksum is not the one it must have.
+
+    Raised by the checking operations (`check_sizes`, `copy_verified`); ``rel`` names the
+    file relative to the checked prefix, ``where`` the prefix (URL and key), ``problem``
+    what is wrong ("is missing", "fails its BLAKE3 check", ...).
+    """
+
+    def __init__(self, where: str, rel: str, problem: str) -> None:
+        super().__init__(f"{where}: {rel} {problem}")
+        self.where, self.rel, self.problem = where, rel, problem
+
+    def __reduce__(self) -> tuple[type[IntegrityError], tuple[str, str, str]]:
+        return type(self), (self.where, self.rel, self.problem)

@@ -43,6 +43,7 @@ from .locks import KernelLock, LeaseLock, Lock
 from .records import Record, RecordCodec, encode_line
 from .router import open_store
 from .store import Store
+from .testing_ops import StoreOperationTests
 from .transfer import copy_tree
 
 __all__ = [
@@ -158,8 +159,12 @@ class _Tripwire:
         return io
 
 
-class StoreContractTests:
-    """The behaviour every `Store` promises. Subclasses supply a ``store`` fixture."""
+class StoreContractTests(StoreOperationTests):
+    """The behaviour every `Store` promises. Subclasses supply a ``store`` fixture.
+
+    The operations domain code needs beyond the primitives (`StoreOperationTests`,
+    ``testing_ops.py``) are part of it.
+    """
 
     lease_duration = 0.6
     """Seconds; short so lease tests are quick, long enough for a slow S3 peer to beat."""
@@ -427,14 +432,41 @@ class StoreContractTests:
             assert staging.commit() is True
         assert published_files(store, "e") == {"sub/f": BINARY}
 
-    def test_staging_local_dir_follows_capabilities(self, store: Store) -> None:
+    def test_staging_output_dir_follows_capabilities(self, store: Store) -> None:
+        """A toolchain's output directory: the staging directory itself where keys are
+        local files, else a scratch directory moved in by `digests()` (or the commit)."""
         with store.stage("e") as staging:
             staging.write("a", b"A")
-            local = staging.local_dir()
+            out = staging.output_dir()
+            with open(os.path.join(out, "b"), "wb") as f:
+                f.write(b"BB")
+            os.makedirs(os.path.join(out, "sub"))
+            with open(os.path.join(out, "sub", "c"), "wb") as f:
+                f.write(b"C")
             if store.capabilities.local_paths:
-                assert local is not None and os.path.isfile(os.path.join(local, "a"))
-            else:
-                assert local is None
+                assert os.path.isfile(os.path.join(out, "a"))  # the staging directory
+            digests = staging.digests()
+            assert {rel: d.size for rel, d in digests.items()} == {"a": 1, "b": 2, "sub/c": 1}
+            assert not store.capabilities.local_paths or os.path.isdir(out)
+            assert staging.commit() is True
+        assert published_files(store, "e") == {"a": b"A", "b": b"BB", "sub/c": b"C"}
+        if not store.capabilities.local_paths:
+            assert not os.path.exists(out)  # the scratch directory is gone
+
+    def test_staging_output_dir_is_moved_in_by_the_commit(self, store: Store) -> None:
+        with store.stage("e") as staging:
+            with open(os.path.join(staging.output_dir(), "f"), "wb") as f:
+                f.write(b"F")
+            assert staging.commit() is True
+        assert published_files(store, "e") == {"f": b"F"}
+
+    def test_an_aborted_staging_leaves_no_output_dir(self, store: Store) -> None:
+        with store.stage("e") as staging:
+            out = staging.output_dir()
+            with open(os.path.join(out, "f"), "wb") as f:
+                f.write(b"F")
+        assert not os.path.exists(out)
+        assert store.published("e") is None
 
     def test_unpublish(self, store: Store) -> None:
         with store.stage("entries/e1") as staging:

@@ -1,22 +1,23 @@
 """Copy a tree of files between two stores, in parallel, with progress.
 
-Used to fetch a cache entry from the remote tier and to promote one to it. Local-to-local
-copies go through `shutil.copyfile` (sendfile on Linux); anything else streams through
-the stores in 8 MiB chunks, so a large artifact never has to fit in memory twice.
+Used to promote a cache entry to the remote tier (`copy_verified` in `verified_copy.py`
+is the checked copy a fetch uses). Each file goes through the destination's own write
+operation, so the destination decides how a file becomes visible (on local disk: the
+storage layer's one temp-and-replace; inside a staging area: written in place, the
+publication being atomic): from a source with local paths `put_file` (`shutil.copyfile`,
+sendfile on Linux), otherwise `write_from` a stream of the source, so a large artifact
+never has to fit in memory twice.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from .base import Staging
 from .keys import join, validate_prefix
+from .staging import Staging
 from .store import Store
 
 Progress = Callable[[int, int], None]
@@ -32,45 +33,16 @@ class CopyResult:
 def copy_file(src: Store, src_key: str, dst: Store | Staging, dst_key: str) -> int:
     """Copy one file; returns its size. `dst` may be a store or a staging area.
 
-    A local destination is written to a temp file beside it and renamed into place, so a
-    reader of the destination never sees a partial file.
+    A reader of a store destination never sees a partial file (the destination's write
+    operations are atomic).
     """
-    if isinstance(dst, Staging):
-        dst_store, dst_full = dst.store, dst.key(dst_key)
-    else:
-        dst_store, dst_full = dst, dst_key
     src_path = src.local_path(src_key)
-    dst_path = dst_store.local_path(dst_full)
-    if dst_path is not None:
-        os.makedirs(os.path.dirname(dst_path), exist_ok=True)
-        # Named like every temp file of the local store, which `list` never shows.
-        tmp = f"{dst_path}.{uuid.uuid4().hex}.partial"
-        try:
-            if src_path is not None:
-                shutil.copyfile(src_path, tmp)
-            else:
-                with src.open_read(src_key) as reader, open(tmp, "xb") as out:
-                    shutil.copyfileobj(reader, out, 8 << 20)
-            if getattr(dst_store, "fsync", False):  # NFS / Lustre profiles
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            size = os.path.getsize(tmp)
-            os.replace(tmp, dst_path)
-            return size
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
     if src_path is not None:
-        dst_store.put_file(dst_full, src_path)
-        return os.path.getsize(src_path)
-    data = src.read(src_key)
-    if data is None:
-        raise FileNotFoundError(f"{src.url}: {src_key} vanished during copy")
-    dst_store.write(dst_full, data)
-    return len(data)
+        size = os.stat(src_path).st_size
+        dst.put_file(dst_key, src_path)
+        return size
+    with src.open_read(src_key) as reader:
+        return dst.write_from(dst_key, reader)
 
 
 def copy_tree(

@@ -16,9 +16,9 @@ import pytest
 from blake3 import blake3
 from cache_workers import FILE_NAMES, content_for, entry_is_right
 
-from vllm_neuron.backends import open_store
+from vllm_neuron.backends import _kernel_copy, digests, open_store, verified_copy
 from vllm_neuron.backends.testing import HANG, wait_until_blocked
-from vllm_neuron.compile import entry, save_cache
+from vllm_neuron.compile import save_cache
 from vllm_neuron.compile.cache import (
     STAGING_MAX_AGE,
     CompileError,
@@ -608,10 +608,10 @@ def test_records_carry_sha256_and_blake3_of_every_file(tmp_path, compile_fn):
 
 
 def test_a_large_file_gets_both_digests_from_one_read(tmp_path):
-    data = os.urandom(3 * entry.DIGEST_CHUNK + 12345)  # several chunks, the last partial
+    data = os.urandom(3 * digests.DIGEST_CHUNK + 12345)  # several chunks, the last partial
     path = tmp_path / "big.bin"
     path.write_bytes(data)
-    assert entry.file_digest(str(path)) == FileDigest(
+    assert digests.file_digest(str(path)) == FileDigest(
         size=len(data), sha256=hashlib.sha256(data).hexdigest(),
         blake3=blake3(data).hexdigest())
 
@@ -715,11 +715,11 @@ def _entry_with_one_file(tmp_path, size: int) -> tuple[bytes, str]:
 
 
 SIZES = {
-    "below-kernel-copy": entry.KERNEL_COPY_MIN - 1,
-    "kernel-copy": entry.KERNEL_COPY_MIN,
-    "below-pipeline": entry.PIPELINE_MIN - 1,
-    "pipeline": entry.PIPELINE_MIN,
-    "pipeline-partial-step": entry.PIPELINE_MIN + entry.KERNEL_COPY_STEP + 4097,
+    "below-kernel-copy": verified_copy.KERNEL_COPY_MIN - 1,
+    "kernel-copy": verified_copy.KERNEL_COPY_MIN,
+    "below-pipeline": verified_copy.PIPELINE_MIN - 1,
+    "pipeline": verified_copy.PIPELINE_MIN,
+    "pipeline-partial-step": verified_copy.PIPELINE_MIN + verified_copy.KERNEL_COPY_STEP + 4097,
 }
 
 
@@ -805,8 +805,8 @@ def test_a_source_shorter_than_its_copy_range_is_reported(tmp_path):
     src_fd = os.open(src, os.O_RDONLY)
     dst_fd = os.open(dst, os.O_RDWR | os.O_CREAT)
     try:
-        with pytest.raises(entry._SourceShrank):
-            entry._KernelCopy(src_fd, dst_fd).copy(0, 2000)
+        with pytest.raises(_kernel_copy.SourceShrank):
+            _kernel_copy.KernelCopy(src_fd, dst_fd).copy(0, 2000)
     finally:
         os.close(src_fd)
         os.close(dst_fd)

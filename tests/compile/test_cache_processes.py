@@ -37,7 +37,8 @@ from cache_workers import (
 )
 
 from vllm_neuron.backends import open_store
-from vllm_neuron.compile.entry import ENTRY_RECORD, decode_record, sha256_file
+from vllm_neuron.backends.digests import file_digest
+from vllm_neuron.compile.entry import ENTRY_RECORD, decode_record
 from vllm_neuron.compile.events import Compiled, read_stats
 
 KEY = "5ca1ab1e5ca1ab1e5ca1ab1e5ca1ab1e"
@@ -85,7 +86,7 @@ class EntryPoller(threading.Thread):
             return
         for rel, digest in record.files.items():
             path = os.path.join(self.entry_dir, rel)
-            if os.path.getsize(path) != digest.size or sha256_file(path) != digest.sha256:
+            if os.path.getsize(path) != digest.size or file_digest(path).sha256 != digest.sha256:
                 self.problems.append(f"{rel} does not match its record")
         wrong = entry_is_right(self.entry_dir, self.key)
         if wrong is not None:

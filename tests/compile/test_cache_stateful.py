@@ -110,10 +110,12 @@ class TwoTierModel(RuleBasedStateMachine):
         # Each variant really runs on its backends.
         if self.tiers.disk_dir is not None:
             # lookup_local's fast path: entries are directories under this root.
-            root = os.path.join(self.tiers.disk_dir, f"node-{node}", "")
-            assert cache._disk_root == root, (cache._disk_root, root)
+            root = os.path.join(self.tiers.disk_dir, f"node-{node}")
+            assert cache.local.local_dir_of(KEYS[0]) == os.path.join(root, KEYS[0])
+            assert cache.local.capabilities.local_paths
         else:
-            assert cache.local.url.startswith("memory://") and cache._disk_root is None
+            assert cache.local.url.startswith("memory://")
+            assert cache.local.local_dir_of(KEYS[0]) is None
         remote = cache.remote
         assert remote is not None and remote.url == self.remote.url
         scheme = self.remote_url.split("://")[0]

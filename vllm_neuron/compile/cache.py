@@ -22,12 +22,9 @@ import contextlib
 import json
 import logging
 import os
-import re
-import shutil
 import socket
-import tempfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
@@ -40,21 +37,16 @@ from vllm_neuron.backends import (
     join,
     normalize_location,
     open_store,
-    read_local_file,
     validate_hex,
 )
 
+from .building import CompileFn, compile_and_publish, compile_uncached
 from .entry import (
     ENTRY_RECORD,
     EntryProblem,
     EntryRecord,
-    build_record,
     check_checksums,
-    check_sizes,
-    check_sizes_at,
-    copy_verified,
     decode_record,
-    encode_record,
     read_record,
 )
 from .events import (
@@ -65,22 +57,26 @@ from .events import (
     CompileFailed,
     Fetched,
     LockWaited,
-    RemoteUnavailable,
     VerificationFailed,
 )
 from .quarantine import quarantine_entry
+from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
+
+__all__ = [
+    "FAILURES_DIR",
+    "REMOTE_RETRY_AFTER",
+    "STAGING_MAX_AGE",
+    "CacheResult",
+    "CompileError",
+    "CompileFn",
+    "PrecompiledOnlyMiss",
+    "TwoTierCache",
+]
 
 logger = logging.getLogger("vllm_neuron.compile")
 
 FAILURES_DIR = ".failures"
 STAGING_MAX_AGE = 6 * 3600.0
-REMOTE_RETRY_AFTER = 60.0
-
-_KEY_RE = re.compile(r"[0-9a-f]{32}")
-
-
-CompileFn = Callable[[str], Mapping[str, Any]]
-"""Compiles into the given empty directory; returns the toolchain's metadata (JSON-able)."""
 
 
 class CompileError(RuntimeError):
@@ -131,18 +127,9 @@ class TwoTierCache:
         self.local: Store = (
             open_store(normalize_location(local)) if isinstance(local, str) else local
         )
-        self.local_dir = self.local.local_path("") or self.local.url
-        # Published by rename on local disk: an entry is the directory <root>/<key>.
-        caps = self.local.capabilities
-        root = self.local.local_path("")
-        self._disk_root = (
-            root.rstrip("/") + "/" if root is not None and caps.atomic_rename else None
-        )
+        self.local_dir = self.local.url  # where the local tier is, for messages and tools
         self.remote_url = remote or None
-        self._remote_options = dict(remote_options or {})
-        self._remote: Store | None = None
-        self._remote_down_until = 0.0
-        self._remote_warned = False
+        self._remote = RemoteTier(self.remote_url, remote_options or {}, self._record)
         self.timeout = timeout
         self.disabled = disabled
         self.precompiled_only = precompiled_only
@@ -172,7 +159,8 @@ class TwoTierCache:
     # -------------------------------------------------------------- local
     def _result(self, key: str, prefix: str, record: EntryRecord, source: str,
                 seconds: float) -> CacheResult:
-        return CacheResult(key, self.local.local_path(prefix), record, source, seconds, prefix)
+        # The documented door (docs/storage.md): the toolchain loads from this directory.
+        return CacheResult(key, self.local.local_dir_of(prefix), record, source, seconds, prefix)
 
     def lookup_local(self, key: str, *, quarantine: bool = True) -> CacheResult | None:
         """A published, size-checked local entry or None (no lock taken).
@@ -183,28 +171,22 @@ class TwoTierCache:
         entry that the lock holder has just published in place of the defective one.
         """
         start = time.perf_counter()
-        entry_dir = None
-        if self._disk_root is not None and _KEY_RE.fullmatch(key):
-            # The hot path (a tier on local disk): the key is checked, so build the paths
-            # directly; one read of the record and one stat per file.
-            prefix: str | None = key
-            entry_dir = self._disk_root + key
-            try:
-                data = read_local_file(entry_dir + "/" + ENTRY_RECORD)
-            except OSError:
-                data = b""  # unreadable (an I/O error): a defective entry
-            if data is None and os.path.isdir(entry_dir):
-                # A published entry without a readable record (deleted, or not a file): a
-                # defective entry to quarantine, not a miss, or its directory would block
-                # the recompiled entry from being published in its place.
-                data = b""
-        else:
-            prefix = self.local.published(key)
-            # Published but without a record: defective (b""), not a miss (see above).
-            data = None if prefix is None else (self.local.read(join(prefix, ENTRY_RECORD)) or b"")
-        if data is None or prefix is None:
-            return None
+        local = self.local
         try:
+            # One store operation for the record (on local disk: one read; the directory is
+            # stat'ed only when the record is absent), one for the sizes (a stat per file).
+            found = local.read_published(key, ENTRY_RECORD)
+        except OSError:
+            found = (key, b"")  # unreadable (an I/O error): a defective entry
+        if found is None:
+            return None
+        prefix, data = found
+        try:
+            if data is None:
+                # A published entry without a record (deleted, or not a file) is defective,
+                # not a miss, or its directory would block the recompiled entry from being
+                # published in its place.
+                raise EntryProblem(f"{self.local_dir}/{key}: {ENTRY_RECORD} is missing")
             known = self._decoded.get(key)
             if known is not None and known[0] == data:
                 record = known[1]  # the same bytes as last time: the same (frozen) record
@@ -213,16 +195,12 @@ class TwoTierCache:
                 if record.key != key:
                     raise EntryProblem(f"{self.local_dir}/{key}: record names key {record.key}")
                 self._decoded[key] = (data, record)
-            if entry_dir is not None:
-                check_sizes_at(entry_dir, record, entry_dir)
-            else:
-                check_sizes(self.local, prefix, record)
+            local.check_sizes(prefix, record.files)
         except Exception as exc:  # noqa: BLE001 - any defect is a miss (plus a quarantine)
             if quarantine:
-                self.quarantine(self.local, key, str(exc), tier="local")
+                self.quarantine(local, key, str(exc), tier="local")
             return None
-        return CacheResult(key, entry_dir or self.local.local_path(prefix), record, "local",
-                           time.perf_counter() - start, prefix)
+        return self._result(key, prefix, record, "local", time.perf_counter() - start)
 
     def quarantine(self, store: Store, key: str, reason: str, *, tier: str) -> None:
         """Withdraw a defective entry (it becomes a miss) and say so once."""
@@ -235,29 +213,7 @@ class TwoTierCache:
     @property
     def remote(self) -> Store | None:
         """The remote store, or None when unset or currently unreachable."""
-        if self.remote_url is None or time.monotonic() < self._remote_down_until:
-            return None
-        if self._remote is None:
-            try:
-                self._remote = open_store(self.remote_url, **self._remote_options)
-            except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-                self._remote_failed(exc)
-                return None
-        return self._remote
-
-    def _remote_failed(self, exc: BaseException) -> None:
-        self._remote_down_until = time.monotonic() + REMOTE_RETRY_AFTER
-        self._record(
-            RemoteUnavailable(at=time.time(), remote=str(self.remote_url), reason=str(exc))
-        )
-        if not self._remote_warned:
-            self._remote_warned = True
-            logger.warning(
-                "compile cache: remote tier %s (NEURON_LIBTORCH_REMOTE_CACHE) failed: %s; "
-                "continuing with the local cache only",
-                self.remote_url,
-                exc,
-            )
+        return self._remote.store()
 
     def fetch_remote(self, key: str) -> CacheResult | None:
         """Copy `key` from the remote tier into the local tier, verifying every checksum."""
@@ -266,27 +222,7 @@ class TwoTierCache:
             return None
         start = time.perf_counter()
         try:
-            prefix = remote.published(key)
-            if prefix is None:
-                return None
-            record_bytes = remote.read(join(prefix, ENTRY_RECORD))
-            if record_bytes is None:
-                raise EntryProblem(f"{remote.url}/{key}: {ENTRY_RECORD} is missing")
-            try:
-                record = decode_record(record_bytes)
-            except Exception as exc:  # noqa: BLE001
-                raise EntryProblem(f"{remote.url}/{key}: unreadable {ENTRY_RECORD}: {exc}") from exc
-            if record.key != key:
-                raise EntryProblem(f"{remote.url}/{key}: record names key {record.key}")
-            with self.local.stage(key) as staging:
-                try:
-                    copy_verified(remote, prefix, staging, record)
-                except EntryProblem:
-                    if remote.published(key) != prefix:
-                        raise FileNotFoundError(f"{remote.url}/{key} was withdrawn") from None
-                    raise
-                staging.write(ENTRY_RECORD, record_bytes)
-                staging.commit()
+            record = fetch_entry(remote, key, self.local)
         except EntryProblem as exc:
             self.quarantine(remote, key, str(exc), tier="remote")
             return None
@@ -295,22 +231,15 @@ class TwoTierCache:
                            remote.url, key, exc)
             return None
         except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-            self._remote_failed(exc)
+            self._remote.failed(exc)
             return None
-        local = self.lookup_local(key)
-        if local is None:
+        local = None if record is None else self.lookup_local(key)
+        if record is None or local is None:
             return None
         seconds = time.perf_counter() - start
-        self._record(
-            Fetched(
-                key=key,
-                at=time.time(),
-                seconds=seconds,
-                size=record.total_size,
-                remote=str(self.remote_url),
-                compile_seconds=record.compile_seconds,
-            )
-        )
+        self._record(Fetched(key=key, at=time.time(), seconds=seconds, size=record.total_size,
+                             remote=str(self.remote_url),
+                             compile_seconds=record.compile_seconds))
         return self._result(key, local.prefix, local.record, "remote", seconds)
 
     # ------------------------------------------------------------ compile
@@ -387,39 +316,9 @@ class TwoTierCache:
     def _compile_and_publish(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
     ) -> CacheResult:
-        staging = self.local.stage(key)
-        staged_dir = staging.local_dir()
-        # A tier off local disk (memory in tests) compiles into a scratch directory first.
-        out_dir = staged_dir if staged_dir is not None else tempfile.mkdtemp(prefix="vn-compile-")
-        os.makedirs(out_dir, exist_ok=True)
-        start = time.perf_counter()
-        try:
-            meta = dict(compile_fn(out_dir))
-            seconds = time.perf_counter() - start
-            record = build_record(
-                key=key,
-                components=components,
-                toolchain=self.toolchain,
-                target=self.target,
-                compile_seconds=seconds,
-                directory=out_dir,
-                meta=meta,
-            )
-            if staged_dir is None:
-                for rel in record.files:
-                    staging.put_file(rel, os.path.join(out_dir, rel))
-        except BaseException as exc:
-            staging.abort()
-            if isinstance(exc, Exception):
-                # Waiters raise this at once. An interrupt (KeyboardInterrupt, SystemExit)
-                # is not the graph's fault: a waiter takes over as after a crash.
-                self._write_failure(key, exc)
-            raise
-        finally:
-            if staged_dir is None:
-                shutil.rmtree(out_dir, ignore_errors=True)
-        staging.write(ENTRY_RECORD, encode_record(record))
-        staging.commit()
+        record, seconds = compile_and_publish(
+            self.local, key, compile_fn, components=components, toolchain=self.toolchain,
+            target=self.target, on_failure=lambda exc: self._write_failure(key, exc))
         self.local.delete(join(FAILURES_DIR, f"{key}.json"))
         self._record(
             Compiled(key=key, at=time.time(), seconds=seconds, toolchain=self.toolchain,
@@ -433,18 +332,8 @@ class TwoTierCache:
     def _compile_uncached(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
     ) -> CacheResult:
-        out_dir = tempfile.mkdtemp(prefix=f"vllm_neuron_uncached_{key[:8]}_")
-        start = time.perf_counter()
-        try:
-            meta = dict(compile_fn(out_dir))
-        except BaseException:
-            shutil.rmtree(out_dir, ignore_errors=True)
-            raise
-        seconds = time.perf_counter() - start
-        record = build_record(
-            key=key, components=components, toolchain=self.toolchain, target=self.target,
-            compile_seconds=seconds, directory=out_dir, meta=meta,
-        )
+        out_dir, record, seconds = compile_uncached(
+            key, compile_fn, components=components, toolchain=self.toolchain, target=self.target)
         self._record(Compiled(key=key, at=time.time(), seconds=seconds, toolchain=self.toolchain,
                               size=record.total_size))
         return CacheResult(key, out_dir, record, "uncached", seconds, "")
@@ -476,10 +365,9 @@ class TwoTierCache:
         as entries, but they must not pile up. Best-effort: a failure here never stops
         the cache from starting.
         """
-        from .inventory import find_leftovers, remove_leftovers
-
         try:
-            remove_leftovers(self.local, find_leftovers(self.local, older_than=STAGING_MAX_AGE))
+            for leftover in self.local.leftovers(STAGING_MAX_AGE):
+                self.local.delete_tree(leftover.prefix)
         except Exception as exc:  # noqa: BLE001 - hygiene is best-effort
             logger.debug("compile cache: could not collect stale staging: %s", exc)
 

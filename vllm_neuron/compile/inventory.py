@@ -7,14 +7,12 @@ entries are collected rather than raised, and deletion is plan-then-execute (so
 
 from __future__ import annotations
 
-import os
 import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from vllm_neuron.backends import Store, join
-from vllm_neuron.backends.base import STAGING_DIR, TRASH_DIR, VERSIONS_DIR
+from vllm_neuron.backends import Leftover, Store, join
 
 from .entry import ENTRY_RECORD, EntryProblem, check_checksums, check_sizes, decode_record
 
@@ -180,63 +178,15 @@ def plan_prune(
     return PrunePlan(store, tuple(delete.values()), keep, reasons)
 
 
-@dataclass(frozen=True)
-class Leftover:
-    """Files a crashed writer left behind: an abandoned staging area or version."""
-
-    prefix: str
-    size: int
-    age_seconds: float
-
-
-def _newest(store: Store, prefix: str) -> tuple[int, float]:
-    """Total size and newest modification time under `prefix` (directories included)."""
-    path = store.local_path(prefix)
-    if path is not None:
-        size, newest = 0, 0.0
-        for dirpath, _dirs, files in os.walk(path):
-            try:
-                newest = max(newest, os.stat(dirpath).st_mtime)
-            except OSError:
-                continue
-            for name in files:
-                try:
-                    st = os.stat(os.path.join(dirpath, name))
-                except OSError:
-                    continue
-                size += st.st_size
-                newest = max(newest, st.st_mtime)
-        return size, newest
-    infos = list(store.iter_files(prefix))
-    return sum(i.size for i in infos), max((i.mtime for i in infos), default=0.0)
-
-
 def find_leftovers(store: Store, *, older_than: float) -> list[Leftover]:
     """Staging areas and unpublished versions untouched for `older_than` seconds.
 
-    A process killed while compiling, fetching or promoting leaves its staging behind
-    (on POSIX ``.staging/<id>`` or ``.trash/<id>``; on commit-record stores an uncommitted
-    ``<key>/.v/<id>``). It is never visible as an entry, but it must not pile up forever.
+    A process killed while compiling, fetching or promoting leaves its staging behind.
+    It is never visible as an entry, but it must not pile up forever. Where that is (a
+    staging directory, an uncommitted version beside an entry) is the store's business:
+    `Store.leftovers` finds them on every backend.
     """
-    now = time.time()
-    candidates: list[str] = []
-    if store.capabilities.atomic_rename:
-        for parent in (STAGING_DIR, TRASH_DIR):
-            candidates += [join(parent, name) for name in store.list_dir(parent)]
-    else:
-        for key in store.list_dir(""):
-            if not KEY_RE.fullmatch(key):
-                continue
-            committed = store.published(key)
-            versions = join(key, VERSIONS_DIR)
-            candidates += [join(versions, v) for v in store.list_dir(versions)
-                           if join(versions, v) != committed]
-    out = []
-    for prefix in candidates:
-        size, newest = _newest(store, prefix)
-        if now - newest > older_than:
-            out.append(Leftover(prefix, size, now - newest))
-    return out
+    return store.leftovers(older_than)
 
 
 def remove_leftovers(store: Store, leftovers: list[Leftover]) -> int:

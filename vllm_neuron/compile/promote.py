@@ -89,9 +89,8 @@ def save_cache(
     Raises `RuntimeError` if the local entry is missing, incomplete or corrupt.
     """
     validate_hex(hash_key, length=32, what="hash_key")
-    local_cache_dir = os.fspath(local_cache_dir)
-    if not os.path.isdir(local_cache_dir):
-        raise RuntimeError(f"local compile cache {local_cache_dir!r} does not exist")
-    local = open_store(local_cache_dir, create=False)
+    local = open_store(os.fspath(local_cache_dir), create=False)
+    if local.published(hash_key) is None:  # checked before the remote is opened (or made)
+        raise RuntimeError(f"local cache entry {local.url}/{hash_key} does not exist")
     remote = open_store(os.fspath(remote_cache_dir), **dict(remote_options or {}))
     return promote_entry(local, remote, hash_key, progress=progress)

@@ -1,0 +1,139 @@
+"""The generic implementations of the store operations that domain code needs.
+
+`StoreBase` exposes each as a method that calls the function here; a backend overrides
+the method where it can do better (`LocalStore`: one `stat` per file, kernel copies,
+writes straight into place; `S3Store`: one listing instead of a request per file). Kept
+apart from `base.py` so that the primitives and the publication protocol stay readable
+on their own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import IO, TYPE_CHECKING
+
+from .digests import Expected, FileDigest
+from .errors import IntegrityError
+from .keys import join, validate_key, validate_prefix
+from .layout import STAGING_DIR, TRASH_DIR, VERSIONS_DIR
+
+if TYPE_CHECKING:
+    from .base import StoreBase
+
+
+@dataclass(frozen=True)
+class Leftover:
+    """What a writer killed mid-way left behind: a staging area, a withdrawn directory
+    being deleted, or an unpublished version; never visible as published."""
+
+    prefix: str
+    size: int
+    age_seconds: float
+
+
+def where(store: StoreBase, prefix: str) -> str:
+    """`prefix` of `store` as error messages name it: the store's URL and the key."""
+    base = store.url if store.url.endswith("/") else store.url + "/"
+    return base + prefix
+
+
+def read_published(store: StoreBase, final: str, rel: str) -> tuple[str, bytes | None] | None:
+    prefix = store.published(final)
+    if prefix is None:
+        return None
+    return prefix, store.read(join(prefix, validate_key(rel)))
+
+
+def check_sizes(store: StoreBase, prefix: str, files: Mapping[str, Expected]) -> None:
+    prefix = validate_prefix(prefix)
+    for rel, expected in files.items():
+        info = store.info(join(prefix, validate_key(rel)))
+        if info is None:
+            raise IntegrityError(where(store, prefix), rel, "is missing")
+        if info.size != expected.size:
+            raise IntegrityError(where(store, prefix), rel,
+                                 f"has {info.size} bytes, expected {expected.size}")
+
+
+def compare_sizes(store: StoreBase, prefix: str, files: Mapping[str, Expected],
+                  sizes: Mapping[str, int]) -> None:
+    """`check_sizes` against sizes already known (one listing of the prefix, say)."""
+    for rel, expected in files.items():
+        size = sizes.get(validate_key(rel))
+        if size is None:
+            raise IntegrityError(where(store, prefix), rel, "is missing")
+        if size != expected.size:
+            raise IntegrityError(where(store, prefix), rel,
+                                 f"has {size} bytes, expected {expected.size}")
+
+
+def digest_tree(store: StoreBase, prefix: str) -> dict[str, FileDigest]:
+    base = validate_prefix(prefix)
+    out: dict[str, FileDigest] = {}
+    for key in store.list(base):
+        digest = store.digest(key)
+        if digest is not None:  # deleted meanwhile: not part of the tree any more
+            out[key[len(base) + 1:] if base else key] = digest
+    return out
+
+
+@contextlib.contextmanager
+def open_write(store: StoreBase, key: str) -> Iterator[IO[bytes]]:
+    """Buffer in memory, then one atomic `write` (stores whose writes are whole objects)."""
+    validate_key(key)
+    buffer = io.BytesIO()
+    yield buffer
+    store.write(key, buffer.getvalue())
+
+
+@contextlib.contextmanager
+def local_output(store: StoreBase, prefix: str) -> Iterator[str]:
+    """A scratch directory whose files are uploaded under `prefix` when the block exits."""
+    prefix = validate_prefix(prefix)
+    scratch = tempfile.mkdtemp(prefix="vn-output-")
+    try:
+        yield scratch
+        for dirpath, _dirs, names in os.walk(scratch):
+            for name in names:
+                path = os.path.join(dirpath, name)
+                rel = os.path.relpath(path, scratch).replace(os.sep, "/")
+                store.put_file(join(prefix, rel), path)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def leftovers(store: StoreBase, older_than: float, parent: str) -> list[Leftover]:
+    now = time.time()
+    candidates: list[str] = []
+    if store.capabilities.atomic_rename:
+        for directory in (STAGING_DIR, TRASH_DIR):
+            candidates += [join(directory, name) for name in store.list_dir(directory)]
+    else:
+        for name in store.list_dir(validate_prefix(parent)):
+            if name.startswith("."):
+                continue
+            versions = join(parent, name, VERSIONS_DIR)
+            found = store.list_dir(versions)
+            if not found:
+                continue
+            committed = store.published(join(parent, name))
+            candidates += [join(versions, v) for v in found if join(versions, v) != committed]
+    out = []
+    for prefix in candidates:
+        size, newest = store._usage(prefix)
+        if now - newest > older_than:
+            out.append(Leftover(prefix, size, now - newest))
+    return out
+
+
+def usage(store: StoreBase, prefix: str) -> tuple[int, float]:
+    """Total size and newest modification time of the files under `prefix`."""
+    infos = list(store.iter_files(prefix))
+    return sum(i.size for i in infos), max((i.mtime for i in infos), default=0.0)

@@ -1,0 +1,171 @@
+"""`copy_verified`: copy files between two stores, checking each one's size and checksum.
+
+What a compile cache fetch is: every file of a remote entry copied into a local staging
+area, each checked as it is copied and never re-read from the source. The check is
+BLAKE3 when the expected digest has it, else SHA-256 (a digest recorded before BLAKE3).
+
+Two paths, chosen from the stores' capabilities, never from their types:
+
+* **kernel copy** (both stores have ``local_paths``, BLAKE3 expected, a file of
+  `KERNEL_COPY_MIN` bytes or more): the kernel copies (`copy_file_range`, falling back to
+  `sendfile`, then `pread`/`pwrite`) into a destination reserved with `fallocate`, and
+  BLAKE3 is computed from the destination as it lands (see `_copy_and_hash`);
+* **stream** (anything else): each chunk is read once, hashed and written.
+
+A file that is missing, of the wrong size or fails its checksum raises `IntegrityError`
+naming it; an I/O error of either store is raised as it is (the caller tells "the source
+is corrupt" from "the source is unreachable" by the type).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import IO, TYPE_CHECKING, Protocol
+
+from blake3 import blake3 as Blake3
+
+from ._kernel_copy import KERNEL_COPY_STEP, PIPELINE_MIN, SourceShrank, copy_and_hash
+from .digests import Expected
+from .errors import IntegrityError
+from .keys import join
+from .operations import where as where_of
+from .staging import Staging
+
+if TYPE_CHECKING:
+    from .base import StoreBase
+
+__all__ = ["COPY_CHUNK", "KERNEL_COPY_MIN", "KERNEL_COPY_STEP", "PIPELINE_MIN", "copy_verified"]
+
+COPY_CHUNK = 4 << 20
+"""Bytes per read on the streaming path."""
+KERNEL_COPY_MIN = 1 << 20
+"""Files from this size on, local disk to local disk with BLAKE3 expected, are copied by
+the kernel; smaller ones go through memory in one read."""
+
+
+class _Hasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> object: ...
+
+    def hexdigest(self) -> str: ...
+
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def _kernel_copy(src_path: str, dst_path: str, rel: str, expected: Expected, where: str,
+                 *, pipelined: bool) -> None:
+    """Copy one file between two local-disk paths, checking its size and BLAKE3."""
+    try:
+        src_fd = os.open(src_path, os.O_RDONLY | _O_CLOEXEC)
+    except FileNotFoundError:
+        raise IntegrityError(where, rel, "is missing") from None
+    try:
+        size = os.fstat(src_fd).st_size
+        if size != expected.size:
+            raise IntegrityError(where, rel, f"has {size} bytes, expected {expected.size}")
+        os.makedirs(os.path.dirname(dst_path), exist_ok=True)
+        dst_fd = os.open(dst_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
+        try:
+            actual = copy_and_hash(src_fd, dst_fd, size, pipelined=pipelined)
+        except SourceShrank:
+            raise IntegrityError(where, rel, "shrank while it was being copied") from None
+        finally:
+            os.close(dst_fd)
+    finally:
+        os.close(src_fd)
+    if actual != expected.blake3:
+        raise IntegrityError(where, rel, "fails its BLAKE3 check")
+
+
+def _open_source(store: StoreBase, key: str) -> IO[bytes]:
+    path = store.local_path(key)
+    # Unbuffered on local disk: readinto() of a large buffer is then one read(2).
+    return open(path, "rb", buffering=0) if path is not None else store.open_read(key)
+
+
+def _stream(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expected,
+            where: str) -> None:
+    """Copy one file through memory in one pass: each chunk read, hashed and written."""
+    hasher: _Hasher
+    if expected.blake3 is not None:
+        hasher, digest, name = Blake3(), expected.blake3, "BLAKE3"
+    elif expected.sha256 is not None:
+        hasher, digest, name = hashlib.sha256(), expected.sha256, "SHA-256"
+    else:
+        raise ValueError(f"{where}: {rel} has no checksum to verify")
+    size = 0
+    try:
+        reader = _open_source(src, src_key)
+    except FileNotFoundError:
+        raise IntegrityError(where, rel, "is missing") from None
+    dst_path = dst.store.local_path(dst.key(rel))
+    with reader:
+        if dst_path is not None:
+            os.makedirs(os.path.dirname(dst_path), exist_ok=True)
+            fd = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
+            try:
+                buf = bytearray(min(COPY_CHUNK, expected.size + 1))
+                view = memoryview(buf)
+                while n := reader.readinto(buf):  # type: ignore[attr-defined]
+                    hasher.update(view[:n])  # releases the GIL: other files copy meanwhile
+                    chunk = view[:n]
+                    while chunk:
+                        chunk = chunk[os.write(fd, chunk):]
+                    size += n
+                    if size > expected.size:
+                        break  # longer than expected: already wrong
+            finally:
+                os.close(fd)
+        else:
+            data = reader.read()
+            hasher.update(data)
+            size = len(data)
+            dst.write(rel, data)
+    if size != expected.size:
+        raise IntegrityError(where, rel, f"has {size} bytes, expected {expected.size}")
+    if hasher.hexdigest() != digest:
+        raise IntegrityError(where, rel, f"fails its {name} check")
+
+
+def _copy_one(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expected,
+              where: str, pipelined: bool) -> None:
+    if (expected.blake3 is not None and expected.size >= KERNEL_COPY_MIN
+            and src.capabilities.local_paths and dst.store.capabilities.local_paths):
+        src_path, dst_path = src.local_path(src_key), dst.store.local_path(dst.key(rel))
+        if src_path is not None and dst_path is not None:
+            _kernel_copy(src_path, dst_path, rel, expected, where, pipelined=pipelined)
+            return
+    _stream(src, src_key, dst, rel, expected, where)
+
+
+def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[str, Expected],
+                  *, workers: int = 0) -> None:
+    """Copy `files` (keys relative to `src_prefix`) into `dst`, checking size and checksum.
+
+    Files in parallel (hashing and kernel copies release the GIL), largest first. A file
+    larger than its share of the work (its size times `workers` exceeds the total) is
+    pipelined within itself: a second thread copies while this one hashes, since the other
+    files could not keep the other cores busy meanwhile. `IntegrityError` names the first
+    file that is missing, has the wrong size or the wrong checksum; the staging area is
+    then the caller's to abort.
+    """
+    where = where_of(src, src_prefix)
+    items = sorted(files.items(), key=lambda item: -item[1].size)
+    if not items:
+        return
+    workers = workers or min(len(items), max(2, os.cpu_count() or 2), 8)
+    total = sum(expected.size for _, expected in items)
+    jobs = [(join(src_prefix, rel), rel, expected,
+             workers == 1 or expected.size * workers > total) for rel, expected in items]
+    if workers == 1:
+        for key, rel, expected, pipelined in jobs:
+            _copy_one(src, key, dst, rel, expected, where, pipelined)
+        return
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = [pool.submit(_copy_one, src, key, dst, rel, expected, where, pipelined)
+                   for key, rel, expected, pipelined in jobs]
+        for future in futures:
+            future.result()

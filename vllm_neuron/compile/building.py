@@ -1,0 +1,82 @@
+"""Building a cache entry: a toolchain's compile, digested, recorded and published.
+
+A compile writes into the directory the storage layer hands it for that purpose
+(`Staging.output_dir`: the staging directory itself on local disk). What it wrote is then
+read back through the store only: its digests (`Staging.digests`) go into the commit
+record, which is written last, and the staging area is published atomically (first
+writer wins). Without a cache (`compile_uncached`) the output stays in a directory of its
+own, digested the same way.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from vllm_neuron.backends import Store, open_store
+
+from .entry import ENTRY_RECORD, EntryRecord, build_record, encode_record
+
+CompileFn = Callable[[str], Mapping[str, Any]]
+"""Compiles into the given empty directory; returns the toolchain's metadata (JSON-able)."""
+
+
+def compile_and_publish(
+    local: Store,
+    key: str,
+    compile_fn: CompileFn,
+    *,
+    components: Mapping[str, str],
+    toolchain: str,
+    target: str,
+    on_failure: Callable[[Exception], None],
+) -> tuple[EntryRecord, float]:
+    """Compile `key` into a staging area of `local` and publish it; (record, seconds).
+
+    `on_failure` is called with a compile's exception before it is raised (an interrupt is
+    not the graph's fault and is raised as it is). Publication is first-writer-wins: if
+    another writer published `key` first, its entry stands and this one is discarded.
+    """
+    start = time.perf_counter()
+    with local.stage(key) as staging:  # left without a commit: nothing stays
+        try:
+            # The documented door (docs/storage.md): a toolchain writes its own output
+            # files into this directory; nothing here reads or writes it.
+            meta = dict(compile_fn(staging.output_dir()))
+            seconds = time.perf_counter() - start
+            record = build_record(key=key, components=components, toolchain=toolchain,
+                                  target=target, compile_seconds=seconds,
+                                  files=staging.digests(), meta=meta)
+        except BaseException as exc:
+            staging.abort()
+            if isinstance(exc, Exception):
+                on_failure(exc)
+            raise
+        staging.write(ENTRY_RECORD, encode_record(record))
+        staging.commit()
+    return record, seconds
+
+
+def compile_uncached(
+    key: str, compile_fn: CompileFn, *, components: Mapping[str, str], toolchain: str,
+    target: str,
+) -> tuple[str, EntryRecord, float]:
+    """Compile `key` into a fresh directory of its own; (directory, record, seconds).
+
+    The directory is the toolchain's to load from, and nobody else's to clean up.
+    """
+    out_dir = tempfile.mkdtemp(prefix=f"vllm_neuron_uncached_{key[:8]}_")
+    start = time.perf_counter()
+    try:
+        meta = dict(compile_fn(out_dir))
+        seconds = time.perf_counter() - start
+        files = open_store(out_dir, profile="local", create=False).digest_tree("")
+    except BaseException:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise
+    record = build_record(key=key, components=components, toolchain=toolchain, target=target,
+                          compile_seconds=seconds, files=files, meta=meta)
+    return out_dir, record, seconds
