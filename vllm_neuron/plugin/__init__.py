@@ -31,6 +31,20 @@ import logging
 import os
 import sys
 
+from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
+from vllm_neuron.dynamo_backend import register_backend
+from vllm_neuron.envs import (
+    ConfigError,
+    check_snapshot_root,
+    compile_cache_settings,
+    host_mode_settings,
+    load_host_mode_settings,
+    load_run_id,
+    manifest_settings,
+    run_id,
+)
+from vllm_neuron.snapshot.config import snapshot_config
+
 __all__ = [
     "DEVICE_DIR",
     "HOST_PLATFORM",
@@ -69,7 +83,6 @@ def platform_plugin(dev_dir: str | None = None) -> str | None:
     A malformed ``VLLM_NEURON_HOST_MODE`` is not raised here (vLLM swallows exceptions of
     platform detection); :func:`register` raises it with the variable's name instead.
     """
-    from vllm_neuron.envs import ConfigError, load_host_mode_settings
 
     try:
         host_mode = load_host_mode_settings().enabled
@@ -109,16 +122,6 @@ def resolve_settings() -> None:
 
     Raises :class:`vllm_neuron.envs.ConfigError` naming the variable and its value.
     """
-    from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
-    from vllm_neuron.envs import (
-        check_snapshot_root,
-        compile_cache_settings,
-        host_mode_settings,
-        load_run_id,
-        manifest_settings,
-    )
-    from vllm_neuron.snapshot.config import snapshot_config
-
     compile_cache_settings()
     get_neuron_compile_cache_dir()  # a regular file in the way of the local cache
     manifest_settings()
@@ -153,8 +156,6 @@ def register() -> None:
     global _registered
     if _registered:
         return
-    from vllm_neuron.envs import ConfigError, host_mode_settings, manifest_settings, run_id
-
     _show_logs()
     try:
         resolve_settings()
@@ -179,8 +180,6 @@ def register() -> None:
         # which is where vLLM reads it; an explicit choice of the user is kept.
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
     try:
-        from vllm_neuron.dynamo_backend import register_backend
-
         register_backend()
     except ImportError as exc:  # torch missing: vLLM itself cannot run either
         logger.warning("vllm_neuron: torch.compile backend not registered: %s", exc)

@@ -21,6 +21,11 @@ import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from vllm_neuron.assembly import get_runtime
+from vllm_neuron.envs import manifest_settings
+from vllm_neuron.manifest.config import config_from_vllm
+from vllm_neuron.manifest.emit import emit_for_this_engine
+from vllm_neuron.snapshot.config import check_snapshot_gating, snapshot_config
 from vllm_neuron.snapshot.context import (
     SnapshotForwardContext,
     clear_current_forward,
@@ -88,8 +93,6 @@ def configure_engine(
     ``worker`` (this package's subclass) only when it is still that one, so a user's own
     ``--worker-cls`` wins.
     """
-    from vllm_neuron.snapshot.config import check_snapshot_gating
-
     piecewise = configure_compilation(vllm_config, requested_mode=requested_mode, backend=backend)
     parallel = vllm_config.parallel_config
     if parallel.worker_cls == base_worker:
@@ -187,8 +190,6 @@ def install_forward_publisher(model_runner: Any, vllm_config: Any) -> ForwardPub
     feature costs nothing per forward. The context is cleared after the call, also when it
     raises.
     """
-    from vllm_neuron.snapshot.config import snapshot_config
-
     if not snapshot_config().enabled:
         return None
     spec = getattr(vllm_config, "speculative_config", None)
@@ -231,15 +232,9 @@ def emit_manifest_after_warm_up(vllm_config: Any, local_rank: int) -> bool:
 
     Returns whether a manifest was written. A no-op when VLLM_NEURON_MANIFEST_DIR is unset.
     """
-    from vllm_neuron.envs import manifest_settings
-
     if local_rank != 0 or not manifest_settings().enabled:
         return False
     try:
-        from vllm_neuron.assembly import get_runtime
-        from vllm_neuron.manifest.config import config_from_vllm
-        from vllm_neuron.manifest.emit import emit_for_this_engine
-
         config = config_from_vllm(vllm_config, target=get_runtime().toolchain.target)
         manifest = emit_for_this_engine(config, tp_ranks=_tp_group_ranks())
     except Exception as exc:  # noqa: BLE001 - the manifest never breaks warm-up
