@@ -11,7 +11,6 @@ published entry (`Store.local_dir_of`) and writing one's own output files
 (`Staging.output_dir`, `Store.local_output`).
 """
 
-from ._local import read_local_file
 from .base import Capabilities, FileInfo, Leftover, Staging
 from .digests import Expected, FileDigest
 from .errors import (
@@ -85,7 +84,6 @@ __all__ = [
     "local_path_of",
     "normalize_location",
     "open_store",
-    "read_local_file",
     "register_scheme",
     "register_upcaster",
     "registered_schemes",

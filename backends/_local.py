@@ -128,7 +128,6 @@ class LocalStore(Store):
         if kernel_locks is None:
             kernel_locks = profile == "local"
         self._durable = (profile != "local") if fsync is None else bool(fsync)
-        self.fsync = self._durable  # TRANSITIONAL: read by callers not yet on `durable`
         self.capabilities = Capabilities(
             profile=profile,
             atomic_rename=True,

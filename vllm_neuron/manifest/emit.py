@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
-import os
 import platform
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
@@ -26,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends import Store, join, open_store, read_local_file
+from vllm_neuron.backends import Store, join, open_store
 from vllm_neuron.compile.entry import ENTRY_RECORD
 from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
 from vllm_neuron.envs import manifest_settings
@@ -79,37 +78,52 @@ def bare_entry(key: str, graph: FoldedGraph) -> GraphEntry:
     )
 
 
-def enrich(key: str, graph: FoldedGraph, cache_root: str | None) -> GraphEntry:
-    """A graph entry, with paths, size, timestamp and output shapes from its cache entry."""
-    if cache_root is None:
+def enrich(key: str, graph: FoldedGraph, cache: Store | None) -> GraphEntry:
+    """A graph entry, with paths, size, timestamp and output shapes from its cache entry.
+
+    Read through the compile cache's store: one read of the record, one `info` of the
+    artifact (its size and compile time), and the HLO when the toolchain kept one.
+    """
+    if cache is None:
         return bare_entry(key, graph)
-    entry_dir = f"{cache_root}/{key}"
-    record = read_local_file(f"{entry_dir}/{ENTRY_RECORD}")
+    found = cache.read_published(key, ENTRY_RECORD)
+    if found is None:
+        raise FileNotFoundError(f"the compile cache {cache.url} has no entry {key}")
+    prefix, record = found
     if record is None:
-        raise FileNotFoundError(f"compile cache entry {entry_dir} has no {ENTRY_RECORD}")
+        raise FileNotFoundError(f"compile cache entry {cache.url}/{key} has no {ENTRY_RECORD}")
     meta = _ENTRY_VIEW.decode(record).meta
     if not meta.files:
-        raise ValueError(f"compile cache entry {entry_dir} names no artifact")
+        raise ValueError(f"compile cache entry {cache.url}/{key} names no artifact")
     artifact = meta.files[0]
-    st = os.stat(f"{entry_dir}/{artifact}")  # the one stat: size and compile time
+    info = cache.info(join(prefix, artifact))  # the one stat: size and compile time
+    if info is None:
+        raise FileNotFoundError(f"compile cache entry {cache.url}/{key} has no {artifact}")
     hlo_file = meta.hlo_file
     output_shapes = meta.output_shapes
     if hlo_file:
         from vllm_neuron.compile.toolchains.neuron import parse_hlo_entry_result_shapes
 
-        with open(f"{entry_dir}/{hlo_file}", encoding="utf-8", errors="replace") as f:
-            output_shapes = parse_hlo_entry_result_shapes(f.read())
+        hlo = cache.read(join(prefix, hlo_file))
+        if hlo is None:
+            raise FileNotFoundError(f"compile cache entry {cache.url}/{key} has no {hlo_file}")
+        output_shapes = parse_hlo_entry_result_shapes(hlo.decode("utf-8", errors="replace"))
     return GraphEntry(
         graph_hash=key,
-        hlo_path=f"{key}/{hlo_file}" if hlo_file else None,
-        neff_path=f"{key}/{artifact}",
-        neff_size=st.st_size,
-        created_timestamp=_iso(st.st_mtime),
+        hlo_path=join(prefix, hlo_file) if hlo_file else None,
+        neff_path=join(prefix, artifact),
+        neff_size=info.size,
+        created_timestamp=_iso(info.mtime),
         input_shapes=graph.input_shapes,
         output_shapes=output_shapes,
         compiler_flags=graph.compiler_flags,
         ranks=graph.ranks,
     )
+
+
+def _open_cache(cache_root: str | None) -> Store | None:
+    """The compile cache to enrich from, opened to read only (None: enrich nothing)."""
+    return None if cache_root is None else open_store(cache_root, create=False)
 
 
 def emit_manifest(
@@ -158,10 +172,18 @@ def emit_manifest(
         )
     enriched = []
     problems = []
+    cache: Store | None = None
+    cache_error: Exception | None = None
+    try:
+        cache = _open_cache(cache_root)
+    except Exception as exc:  # noqa: BLE001 - a manifest without enrichment beats none
+        cache_error = exc
     for key in sorted(graphs):
         graph = graphs[key]
         try:
-            enriched.append(enrich(key, graph, cache_root))
+            if cache_error is not None:
+                raise OSError(f"cannot open the compile cache: {cache_error}")
+            enriched.append(enrich(key, graph, cache))
         except Exception as exc:  # noqa: BLE001 - one bad entry must not lose the others
             problems.append(f"{key}: {exc}")
             enriched.append(bare_entry(key, graph))

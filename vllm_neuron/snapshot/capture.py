@@ -26,7 +26,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -43,9 +42,8 @@ from .encoding import (
     SnapshotFormat,
     check_encodable,
     dtype_name,
-    encode_tensor,
     file_name,
-    write_tensor_file,
+    write_tensor,
 )
 from .kernel_handles import (
     HandleSource,
@@ -108,10 +106,10 @@ class SnapshotWriter(Protocol):
 class HostTensorWriter:
     """The default writer: torch copies each tensor to the host, encoding writes the file.
 
-    On a store with local paths the files are streamed straight into the bundle directory
-    (no extra copy of the tensor bytes); otherwise each file is encoded in memory and
-    written through the store. Atomicity is not needed per file: the bundle only exists
-    once meta.json is written.
+    Each file is streamed into the store (`Store.open_write`): on local disk straight into
+    a file beside its final name (no in-memory copy of the encoded tensor; fsynced when the
+    store is durable), elsewhere encoded in memory and written as one object. Atomicity per
+    file is a by-product: the bundle only exists once meta.json is written.
     """
 
     name = "host"
@@ -119,15 +117,9 @@ class HostTensorWriter:
     def write(
         self, store: Store, prefix: str, items: Sequence[tuple[str, Any]], fmt: SnapshotFormat
     ) -> None:
-        local_dir = store.local_path(prefix)
-        if local_dir is not None:
-            os.makedirs(local_dir, exist_ok=True)
-            fsync = bool(getattr(store, "fsync", False))
-            for name, tensor in items:
-                write_tensor_file(tensor, fmt, os.path.join(local_dir, name), fsync=fsync)
-            return
         for name, tensor in items:
-            store.write(join(prefix, name), encode_tensor(tensor, fmt))
+            with store.open_write(join(prefix, name)) as f:
+                write_tensor(tensor, fmt, f)
 
 
 def neuron_serialize_op() -> Callable[..., Any] | None:
@@ -143,9 +135,11 @@ def neuron_serialize_op() -> Callable[..., Any] | None:
 class NeuronRuntimeWriter:
     """Delegates the device-to-host write to the Neuron runtime's serialize op.
 
-    The op writes into a local directory: the bundle directory itself on local disk, or a
-    scratch directory whose files are then uploaded (S3, memory). Every file the op was
-    asked for must exist afterwards, or the write counts as failed.
+    The op writes files into a directory it is handed, so it gets one from the store
+    (`Store.local_output`, the documented door for tools that write their own output: the
+    bundle directory itself on local disk, a scratch directory uploaded afterwards on S3
+    or memory). Every file the op was asked for must then be in the store, or the write
+    counts as failed.
     """
 
     name = "neuron-runtime"
@@ -157,20 +151,9 @@ class NeuronRuntimeWriter:
         self, store: Store, prefix: str, items: Sequence[tuple[str, Any]], fmt: SnapshotFormat
     ) -> None:
         names = [name for name, _ in items]
-        tensors = [t for _, t in items]
-        local_dir = store.local_path(prefix)
-        if local_dir is not None:
-            os.makedirs(local_dir, exist_ok=True)
-            self._run(tensors, local_dir, fmt, names)
-            return
-        with tempfile.TemporaryDirectory(prefix="vllm-neuron-snapshot-") as scratch:
-            self._run(tensors, scratch, fmt, names)
-            for name in names:
-                store.put_file(join(prefix, name), os.path.join(scratch, name))
-
-    def _run(self, tensors: list[Any], directory: str, fmt: str, names: list[str]) -> None:
-        self.op(tensors, directory, fmt, names)
-        missing = [n for n in names if not os.path.isfile(os.path.join(directory, n))]
+        with store.local_output(prefix) as directory:
+            self.op([t for _, t in items], directory, fmt, names)
+        missing = [n for n in names if not store.exists(join(prefix, n))]
         if missing:
             raise SnapshotCaptureError(
                 f"the Neuron runtime serialize op did not write {', '.join(missing)}"

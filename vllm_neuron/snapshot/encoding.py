@@ -22,7 +22,6 @@ from __future__ import annotations
 import functools
 import io
 import math
-import os
 import re
 from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING, Any
@@ -309,27 +308,6 @@ def decode_tensor(
             f"{what}: meta.json says shape {tuple(shape)}, the file holds {tuple(t.shape)}"
         )
     return t
-
-
-def write_tensor_file(t: torch.Tensor, fmt: SnapshotFormat, path: str, *, fsync: bool) -> None:
-    """Write ``t`` to the local file ``path`` (created or truncated)."""
-    if fmt == "safetensors":  # its own writer streams to disk; st.save builds bytes first
-        check_encodable(t.dtype, fmt)
-        import safetensors.torch as st
-
-        st.save_file({_TENSOR_KEY: _compact(t)}, path)
-        if fsync:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        return
-    with open(path, "wb") as f:
-        write_tensor(t, fmt, f)
-        if fsync:
-            f.flush()
-            os.fsync(f.fileno())
 
 
 def describe(value: Any) -> str:
