@@ -248,7 +248,10 @@ class RecordCodec(Generic[T]):
             except (msgspec.DecodeError, msgspec.ValidationError):
                 pass
             else:
-                if self._all_current([record]):
+                one = self._one_version  # inlined: every local cache hit decodes a record
+                if one is not None and one[0](record) == one[1]:
+                    return record
+                if one is None and self._all_current([record]):
                     return record
         try:
             raw = msgspec.json.decode(data)

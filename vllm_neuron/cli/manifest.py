@@ -7,6 +7,9 @@ from typing import Any
 
 import msgspec
 
+from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
+from vllm_neuron.manifest.inspect import check_manifest, diff_manifests, load_manifest
+
 from .format import human_size, print_json, table
 
 
@@ -35,8 +38,6 @@ def register(sub: Any) -> None:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    from vllm_neuron.manifest.inspect import load_manifest
-
     where, manifest = load_manifest(args.location)
     if args.json:
         print_json(msgspec.to_builtins(manifest))
@@ -59,8 +60,6 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    from vllm_neuron.manifest.inspect import diff_manifests, load_manifest
-
     _, a = load_manifest(args.a)
     _, b = load_manifest(args.b)
     diff = diff_manifests(a, b)
@@ -82,12 +81,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from vllm_neuron.manifest.inspect import check_manifest, load_manifest
-
     cache_dir = args.cache_dir
     if cache_dir is None:
-        from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
-
         cache_dir = get_neuron_compile_cache_dir()
     where, manifest = load_manifest(args.location)
     problems = check_manifest(manifest, cache_dir)
