@@ -46,6 +46,8 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
+import msgspec
+
 from . import operations
 from ._atomic import replacing
 from .appenders import Appender, SegmentAppender
@@ -88,9 +90,12 @@ class Capabilities:
     durable: bool = False
 
 
-@dataclass(frozen=True)
-class FileInfo:
-    """Size and modification time (seconds since the epoch) of one stored file."""
+class FileInfo(msgspec.Struct, frozen=True, gc=False):
+    """Size and modification time (seconds since the epoch) of one stored file.
+
+    A msgspec struct, not a frozen dataclass: `info` is on the manifest emit's path once
+    per entry, and a frozen dataclass's ``__init__`` costs more than the `stat` itself.
+    """
 
     key: str
     size: int
@@ -384,7 +389,8 @@ class StoreBase(ABC):
         A documented door around the store (docs/storage.md), for writers that only take a
         directory: on local disk the directory of `prefix` itself, elsewhere a scratch
         directory uploaded when the block exits normally. The caller neither reads nor
-        writes there itself; it asks the store what the tool wrote.
+        writes there itself; it asks the store what the tool wrote. If the block raises,
+        what the tool wrote may remain under `prefix` on local disk (`delete_tree` it).
         """
         return operations.local_output(self, prefix)
 

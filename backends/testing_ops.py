@@ -25,6 +25,19 @@ BIG = (hashlib.sha256(b"big").digest() * (KERNEL_COPY_MIN // 16))[: KERNEL_COPY_
 """A file large enough for the kernel copy (between two local stores)."""
 
 
+def published_files(store: Store, final: str) -> dict[str, bytes]:
+    """The published content of `final` as {relative key: bytes} ({} if unpublished)."""
+    prefix = store.published(final)
+    if prefix is None:
+        return {}
+    out = {}
+    for key in store.list(prefix):
+        data = store.read(key)
+        assert data is not None, f"{key} listed under published {final!r} but unreadable"
+        out[key[len(prefix) + 1 :]] = data
+    return out
+
+
 def publish(store: Store, final: str, files: dict[str, bytes]) -> str:
     """Publish `files` as `final`; returns the published prefix."""
     with store.stage(final) as staging:
@@ -143,6 +156,42 @@ class StoreOperationTests:
         assert store.read("out/call0/sub/t1.npy") == b"T1"
         if not store.capabilities.local_paths:
             assert not os.path.exists(directory)  # the scratch directory is gone
+
+    def test_staging_output_dir_follows_capabilities(self, store: Store) -> None:
+        """A toolchain's output directory: the staging directory itself where keys are
+        local files, else a scratch directory moved in by `digests()` (or the commit)."""
+        with store.stage("e") as staging:
+            staging.write("a", b"A")
+            out = staging.output_dir()
+            with open(os.path.join(out, "b"), "wb") as f:
+                f.write(b"BB")
+            os.makedirs(os.path.join(out, "sub"))
+            with open(os.path.join(out, "sub", "c"), "wb") as f:
+                f.write(b"C")
+            if store.capabilities.local_paths:
+                assert os.path.isfile(os.path.join(out, "a"))  # the staging directory
+            digests = staging.digests()
+            assert {rel: d.size for rel, d in digests.items()} == {"a": 1, "b": 2, "sub/c": 1}
+            assert not store.capabilities.local_paths or os.path.isdir(out)
+            assert staging.commit() is True
+        assert published_files(store, "e") == {"a": b"A", "b": b"BB", "sub/c": b"C"}
+        if not store.capabilities.local_paths:
+            assert not os.path.exists(out)  # the scratch directory is gone
+
+    def test_staging_output_dir_is_moved_in_by_the_commit(self, store: Store) -> None:
+        with store.stage("e") as staging:
+            with open(os.path.join(staging.output_dir(), "f"), "wb") as f:
+                f.write(b"F")
+            assert staging.commit() is True
+        assert published_files(store, "e") == {"f": b"F"}
+
+    def test_an_aborted_staging_leaves_no_output_dir(self, store: Store) -> None:
+        with store.stage("e") as staging:
+            out = staging.output_dir()
+            with open(os.path.join(out, "f"), "wb") as f:
+                f.write(b"F")
+        assert not os.path.exists(out)
+        assert store.published("e") is None
 
     # ------------------------------------------------------------ leftovers
     def test_leftovers(self, store: Store) -> None:

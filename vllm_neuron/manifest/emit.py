@@ -96,7 +96,7 @@ def enrich(key: str, graph: FoldedGraph, cache: Store | None) -> GraphEntry:
     if not meta.files:
         raise ValueError(f"compile cache entry {cache.url}/{key} names no artifact")
     artifact = meta.files[0]
-    info = cache.info(join(prefix, artifact))  # the one stat: size and compile time
+    info = cache.info(f"{prefix}/{artifact}")  # the one stat: size and compile time
     if info is None:
         raise FileNotFoundError(f"compile cache entry {cache.url}/{key} has no {artifact}")
     hlo_file = meta.hlo_file

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import functools
 import io
+import json
 import math
 import re
+import struct
+import sys
 from collections.abc import Sequence
 from typing import IO, TYPE_CHECKING, Any
 
@@ -208,9 +211,37 @@ def write_tensor(t: torch.Tensor, fmt: SnapshotFormat, f: IO[bytes]) -> None:
 
         torch.save(t, f)
     else:
-        import safetensors.torch as st
+        _write_safetensors(t, f)
 
+
+def _write_safetensors(t: torch.Tensor, f: IO[bytes]) -> None:
+    """``t`` (compact) as a one-tensor safetensors file, streamed into ``f``.
+
+    ``safetensors.torch.save`` builds the whole file in memory, twice (its serializer's
+    buffer, then ``bytes`` of it), which made a 256 MiB bundle 3-4x slower than writing the
+    tensors. So the header is written as safetensors writes it (its dtype names, compact
+    JSON padded with spaces to 8 bytes, the length as a little-endian u64; a test checks
+    the bytes equal ``save``'s) and the data straight from the tensor's memory. A dtype
+    the installed safetensors names differently, or a big-endian host, goes through
+    ``save``.
+    """
+    import safetensors.torch as st
+    import torch
+
+    names = {dtype: name for name, dtype in getattr(st, "_TYPES", {}).items()}
+    name = names.get(t.dtype)
+    if name is None or sys.byteorder != "little":
         f.write(st.save({_TENSOR_KEY: t}))
+        return
+    data = t.reshape(-1).view(torch.uint8).numpy()  # the raw bytes, no copy
+    header = json.dumps(
+        {_TENSOR_KEY: {"dtype": name, "shape": list(t.shape), "data_offsets": [0, data.nbytes]}},
+        separators=(",", ":"),
+    ).encode()
+    header += b" " * (-len(header) % 8)
+    f.write(struct.pack("<Q", len(header)))
+    f.write(header)
+    f.write(data.data)
 
 
 def encode_tensor(t: torch.Tensor, fmt: SnapshotFormat) -> bytes:
