@@ -44,7 +44,7 @@ from ._atomic import (
 from .base import Appender, Capabilities, FileInfo
 from .digests import Expected, FileDigest, file_digest
 from .errors import IntegrityError
-from .keys import _check, validate_key, validate_prefix
+from .keys import GOOD_KEYS, remember_good, validate_key, validate_prefix
 from .operations import where
 from .store import Store
 
@@ -143,7 +143,12 @@ class LocalStore(Store):
 
     def _key_path(self, key: str) -> str:
         """The path of a file key (validated; the hot-path version of `_path`)."""
-        return self._root_slash + validate_key(key)
+        try:
+            if key not in GOOD_KEYS:
+                remember_good(key)
+        except TypeError:  # unhashable, so not a str: InvalidKey
+            remember_good(key)
+        return self._root_slash + key
 
     def _on_sub(self) -> None:
         self._root_slash = self.root.rstrip("/") + "/"
@@ -225,21 +230,32 @@ class LocalStore(Store):
     def read_published(self, final: str, rel: str) -> tuple[str, bytes | None] | None:
         # The hot path of every cache hit: the keys are checked (cached), the path joined
         # by hand, and the directory is only stat'ed when the file is not there.
-        _check(final, False)
-        _check(rel, False)
-        directory = self._root_slash + final
-        data = read_local_file(directory + "/" + rel)
+        try:
+            if final not in GOOD_KEYS:
+                remember_good(final)
+            if rel not in GOOD_KEYS:
+                remember_good(rel)
+        except TypeError:  # unhashable, so not a str: InvalidKey
+            remember_good(final)
+            remember_good(rel)
+        data = read_local_file(f"{self._root_slash}{final}/{rel}")
         if data is not None:
             return final, data
-        return (final, None) if os.path.isdir(directory) else None
+        return (final, None) if os.path.isdir(self._root_slash + final) else None
 
     def check_sizes(self, prefix: str, files: Mapping[str, Expected]) -> None:
         # One stat per file and nothing else: the second half of every cache hit.
-        _check(prefix, False)
-        base = self._root_slash + prefix + "/"
-        stat_, check = os.stat, _check
+        try:
+            known = prefix in GOOD_KEYS
+        except TypeError:  # unhashable, so not a str: InvalidKey below
+            known = False
+        if not known:
+            prefix = validate_prefix(prefix)  # the root ("") and a trailing "/" too
+        base = f"{self._root_slash}{prefix}/" if prefix else self._root_slash
+        stat_, good = os.stat, GOOD_KEYS
         for rel, expected in files.items():
-            check(rel, False)  # cached: a record's files are checked once per process
+            if rel not in good:
+                remember_good(rel)
             try:
                 size = stat_(base + rel).st_size
             except OSError:
@@ -274,8 +290,7 @@ class LocalStore(Store):
         return self._local_output(prefix)
 
     def local_dir_of(self, prefix: str) -> str | None:
-        _check(prefix, False)
-        return self._root_slash + prefix
+        return self._key_path(prefix)
 
     def _usage(self, prefix: str) -> tuple[int, float]:
         # Directories count too: a staging area whose files are old but which was just

@@ -25,7 +25,7 @@ from . import operations
 from .base import Appender, Capabilities, FileInfo, SegmentAppender
 from .digests import Expected
 from .errors import MissingDependency, StoreUnavailable
-from .keys import validate_key
+from .keys import validate_key, validate_prefix
 from .store import Store
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -250,7 +250,8 @@ class S3Store(Store):
         if len(files) <= 1:
             operations.check_sizes(self, prefix, files)
             return
-        base = self._path(validate_key(prefix))
+        prefix = validate_prefix(prefix)
+        base = self._path(prefix)
         try:
             found = self.fs.find(base, withdirs=False, detail=True)
         except FileNotFoundError:

@@ -401,7 +401,7 @@ class StoreBase(ABC):
         only load a compiled artifact from a directory is handed this. Nothing else reads
         or writes store files through it.
         """
-        return self.local_path(prefix)
+        return self.local_path(validate_key(prefix))
 
     def leftovers(self, older_than: float, *, parent: str = "") -> builtins.list[Leftover]:
         """What writers killed mid-way left behind, untouched for `older_than` seconds.

@@ -49,6 +49,20 @@ def _check(key: str, allow_empty: bool) -> None:
             raise InvalidKey(f"store key must not contain '{segment}' segments: {key!r}")
 
 
+GOOD_KEYS: set[str] = set()
+"""Keys `remember_good` has checked: the hot paths test membership here (one set lookup on
+a string whose hash is cached) before paying for a call to the checker."""
+_GOOD_KEYS_MAX = 1 << 16
+
+
+def remember_good(key: str) -> None:
+    """`validate_key(key)`, and remember it in `GOOD_KEYS` (raises `InvalidKey` if bad)."""
+    validate_key(key)
+    if len(GOOD_KEYS) >= _GOOD_KEYS_MAX:
+        GOOD_KEYS.clear()  # bounded, like the checker's own cache
+    GOOD_KEYS.add(key)
+
+
 def validate_prefix(prefix: str) -> str:
     """Like `validate_key` but accepts "" (the root) and a single trailing '/'.
 

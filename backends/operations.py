@@ -45,10 +45,11 @@ def where(store: StoreBase, prefix: str) -> str:
 
 
 def read_published(store: StoreBase, final: str, rel: str) -> tuple[str, bytes | None] | None:
+    validate_key(rel)  # refused whether or not `final` is published
     prefix = store.published(final)
     if prefix is None:
         return None
-    return prefix, store.read(join(prefix, validate_key(rel)))
+    return prefix, store.read(join(prefix, rel))
 
 
 def check_sizes(store: StoreBase, prefix: str, files: Mapping[str, Expected]) -> None:

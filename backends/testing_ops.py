@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -72,6 +73,7 @@ class StoreOperationTests:
         store.check_sizes(prefix, expected)
         store.check_sizes(prefix, {"a": expected["a"]})  # one file (no listing on S3)
         store.check_sizes(prefix, {})
+        store.check_sizes("", {join(prefix, rel): d for rel, d in expected.items()})  # the root
         wrong = {**expected, "sub/b": FileDigest(size=3, sha256="0" * 64)}
         with pytest.raises(IntegrityError) as raised:
             store.check_sizes(prefix, wrong)
@@ -81,6 +83,28 @@ class StoreOperationTests:
                 store.check_sizes(prefix, missing)
         with pytest.raises(InvalidKey):
             store.check_sizes(prefix, {"../a": expected["a"]})
+
+    def test_bad_keys_are_refused(self, store: Store) -> None:
+        publish(store, "e", {"a": b"A"})
+        expected = {"a": digest_bytes(b"A")}
+        operations: dict[str, Callable[[Any], object]] = {
+            "read_published final": lambda k: store.read_published(k, "a"),
+            "read_published rel": lambda k: store.read_published("e", k),
+            "check_sizes": lambda k: store.check_sizes(k, expected),
+            "check_sizes rel": lambda k: store.check_sizes("e", {k: expected["a"]}),
+            "digest": store.digest,
+            "open_write": lambda k: store.open_write(k).__enter__(),
+            "local_dir_of": store.local_dir_of,
+        }
+        for bad in ("../escape", "/abs", "a//b", "", "s3://b/k", "a\\b", ["a"], None, 3):
+            for name, operation in operations.items():
+                if name == "check_sizes rel" and not isinstance(bad, str):
+                    continue  # a record's file names are strings
+                if name == "check_sizes" and bad == "":
+                    continue  # the root: files relative to the store's root
+                with pytest.raises(InvalidKey):
+                    operation(bad)
+                    pytest.fail(f"{name} accepted {bad!r}")
 
     # -------------------------------------------------------------- digests
     def test_digest(self, store: Store) -> None:

@@ -200,7 +200,9 @@ class TwoTierCache:
             if quarantine:
                 self.quarantine(local, key, str(exc), tier="local")
             return None
-        return self._result(key, prefix, record, "local", time.perf_counter() - start)
+        # The documented door (docs/storage.md): the toolchain loads from this directory.
+        return CacheResult(key, local.local_dir_of(prefix), record, "local",
+                           time.perf_counter() - start, prefix)
 
     def quarantine(self, store: Store, key: str, reason: str, *, tier: str) -> None:
         """Withdraw a defective entry (it becomes a miss) and say so once."""
