@@ -81,7 +81,7 @@ def test_an_old_failure_note_is_seen_by_a_waiter(tmp_path: Path) -> None:
     (tmp_path / FAILURES_DIR / f"{KEY}.json").write_bytes(fixture("failure-note.json"))
     failure = TwoTierCache(str(tmp_path))._recent_failure(KEY, since=0)
     assert failure is not None
-    assert failure["error"] == "RuntimeError: neuronx-cc exited with status 70"
+    assert failure.error == "RuntimeError: neuronx-cc exited with status 70"
 
 
 def test_an_old_event_segment_folds(tmp_path: Path) -> None:
@@ -98,3 +98,26 @@ def test_the_quarantine_dir_is_where_old_notes_are() -> None:
     store = open_store("memory://")
     store.write(f"{QUARANTINE_DIR}/{KEY}.json", fixture("quarantine-note.json"))
     assert store.list(QUARANTINE_DIR) == [f"{QUARANTINE_DIR}/{KEY}.json"]
+
+
+def test_an_entry_record_of_a_later_schema_is_a_miss_and_quarantined(tmp_path: Path) -> None:
+    record = msgspec.json.decode(fixture("entry.json"))
+    entry = tmp_path / KEY
+    entry.mkdir()
+    (entry / "graph.pt2").write_bytes(b"\x00fixture artifact bytes\n" * 10)
+    (entry / "entry.json").write_bytes(encode({**record, "schema": 2}))
+    assert TwoTierCache(str(tmp_path)).lookup_local(KEY) is None
+    note = read_quarantine_note(open_store(str(tmp_path)), KEY)
+    assert note is not None
+    assert f"{KEY}/entry.json: schema 2 is not supported" in note.reason
+
+
+def test_a_new_failure_note_is_a_tagged_record(tmp_path: Path) -> None:
+    cache = TwoTierCache(str(tmp_path))
+    cache._write_failure(KEY, RuntimeError("boom"))
+    failure = cache._recent_failure(KEY, since=0)
+    assert failure is not None and failure.error == "RuntimeError: boom"
+    assert failure.pid == os.getpid()
+    raw = msgspec.json.decode((tmp_path / FAILURES_DIR / f"{KEY}.json").read_bytes())
+    assert raw["type"] == "compile-failure"
+    assert cache._recent_failure(KEY, since=failure.at + 1) is None

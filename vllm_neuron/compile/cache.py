@@ -19,7 +19,6 @@ warning, and the node carries on alone.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -39,6 +38,7 @@ from vllm_neuron.backends import (
     open_store,
     validate_hex,
 )
+from vllm_neuron.backends.records import RecordCodec, RecordError, Untagged, encode
 
 from .building import CompileFn, compile_and_publish, compile_uncached
 from .entry import (
@@ -77,6 +77,22 @@ logger = logging.getLogger("vllm_neuron.compile")
 
 FAILURES_DIR = ".failures"
 STAGING_MAX_AGE = 6 * 3600.0
+
+
+class FailureNote(Record, frozen=True, tag="compile-failure"):
+    """``.failures/<key>.json``: the last failed compile of a key, for the ranks waiting on
+    it (they fail at once instead of compiling again)."""
+
+    at: float
+    error: str  # "<type>: <message>"
+    pid: int
+    host: str
+
+
+FAILURE_NOTES = RecordCodec(
+    FailureNote,
+    untagged=Untagged("compile-failure", 1, "a failure note from before records had tags"),
+)
 
 
 class CompileError(RuntimeError):
@@ -191,7 +207,7 @@ class TwoTierCache:
             if known is not None and known[0] == data:
                 record = known[1]  # the same bytes as last time: the same (frozen) record
             else:
-                record = decode_record(data)
+                record = decode_record(data, source=f"{self.local_dir}/{key}/{ENTRY_RECORD}")
                 if record.key != key:
                     raise EntryProblem(f"{self.local_dir}/{key}: record names key {record.key}")
                 self._decoded[key] = (data, record)
@@ -296,8 +312,8 @@ class TwoTierCache:
             failure = self._recent_failure(key, since=wait_start)
             if failure is not None:
                 raise CompileError(
-                    f"compile of {key} failed in process {failure.get('pid')} on "
-                    f"{failure.get('host')}: {failure.get('error')}"
+                    f"compile of {key} failed in process {failure.pid} on {failure.host}: "
+                    f"{failure.error}"
                 )
             self._record(CacheMiss(key=key, at=time.time()))
             fetched = self.fetch_remote(key)
@@ -344,20 +360,17 @@ class TwoTierCache:
     def _write_failure(self, key: str, exc: BaseException) -> None:
         message = f"{type(exc).__name__}: {exc}"
         self._record(CompileFailed(key=key, at=time.time(), error=message))
-        body = {"at": time.time(), "error": message, "pid": os.getpid(),
-                "host": socket.gethostname()}
+        note = FailureNote(at=time.time(), error=message, pid=os.getpid(),
+                           host=socket.gethostname())  # fmt: skip
         with contextlib.suppress(Exception):
-            self.local.write(join(FAILURES_DIR, f"{key}.json"), json.dumps(body).encode())
+            self.local.write(join(FAILURES_DIR, f"{key}.json"), encode(note))
 
-    def _recent_failure(self, key: str, *, since: float) -> dict[str, Any] | None:
-        data = self.local.read(join(FAILURES_DIR, f"{key}.json"))
-        if data is None:
-            return None
+    def _recent_failure(self, key: str, *, since: float) -> FailureNote | None:
         try:
-            failure = json.loads(data)
-        except ValueError:
-            return None
-        return failure if float(failure.get("at", 0)) >= since else None
+            note = FAILURE_NOTES.read(self.local, join(FAILURES_DIR, f"{key}.json"))
+        except RecordError:
+            return None  # a torn note says nothing about this compile
+        return note if note is not None and note.at >= since else None
 
     # --------------------------------------------------------------- hygiene
     def _collect_stale_staging(self) -> None:

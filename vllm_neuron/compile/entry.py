@@ -29,17 +29,29 @@ import msgspec
 
 from vllm_neuron.backends import FileDigest, IntegrityError, Store, join
 from vllm_neuron.backends.digests import mismatch
+from vllm_neuron.backends.records import Document, RecordCodec, RecordError, encode
 
 ENTRY_RECORD = "entry.json"
 ENTRY_SCHEMA_VERSION = 1
+ENTRY_TAG = "compile-entry"  # the upcaster registry's name for entry.json
 
 
 # gc=False: records hold only strings and numbers (no cycles), and decoding them is on the
 # hot path of every local hit; untracked structs decode markedly faster (about 1.8x in a
 # msgspec measurement). A file's digest is the storage layer's `FileDigest` (size,
 # SHA-256, and BLAKE3 when recorded), which `Store.digest` computes.
-class EntryRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
-    """The commit record of one cache entry."""
+class EntryRecord(Document, frozen=True, kw_only=True, gc=False):
+    """The commit record of one cache entry.
+
+    A `Document` of the record layer: docs/compile-cache.md fixes its fields, and its
+    version is ``schema``, now checked (a later version is refused, or upcast once an
+    upcaster for ``ENTRY_TAG`` is registered). Every record we wrote has ``schema``; one
+    without it is taken as version 1, which keeps the typed decode on every local hit.
+    """
+
+    record_tag = ENTRY_TAG
+    version_field = "schema"
+    missing_version = ENTRY_SCHEMA_VERSION
 
     schema: int = ENTRY_SCHEMA_VERSION
     key: str
@@ -56,16 +68,16 @@ class EntryRecord(msgspec.Struct, frozen=True, kw_only=True, gc=False):
         return sum(f.size for f in self.files.values())
 
 
-_ENCODER = msgspec.json.Encoder()
-_DECODER = msgspec.json.Decoder(EntryRecord)
+ENTRY_RECORDS = RecordCodec(EntryRecord)
 
 
 def encode_record(record: EntryRecord) -> bytes:
-    return _ENCODER.encode(record)
+    return encode(record)
 
 
-def decode_record(data: bytes) -> EntryRecord:
-    return _DECODER.decode(data)
+def decode_record(data: bytes, *, source: str = ENTRY_RECORD) -> EntryRecord:
+    """`data` as a commit record; `RecordError` naming `source` when it does not read."""
+    return ENTRY_RECORDS.decode(data, source=source)
 
 
 class EntryProblem(Exception):
@@ -105,9 +117,9 @@ def read_record(store: Store, prefix: str) -> EntryRecord:
     if data is None:
         raise EntryProblem(f"{store.url}/{prefix}: {ENTRY_RECORD} is missing")
     try:
-        return decode_record(data)
-    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-        raise EntryProblem(f"{store.url}/{prefix}: {ENTRY_RECORD} is unreadable: {exc}") from exc
+        return decode_record(data, source=f"{store.url}/{prefix}/{ENTRY_RECORD}")
+    except RecordError as exc:
+        raise EntryProblem(f"{exc.source} is unreadable: {exc.problem}") from exc
 
 
 def check_sizes(store: Store, prefix: str, record: EntryRecord) -> None:

@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from vllm_neuron.backends import IntegrityError, Record, Store, copy_verified, join, open_store
+from vllm_neuron.backends.records import RecordError
 
 from .entry import ENTRY_RECORD, EntryProblem, EntryRecord, decode_record
 from .events import RemoteUnavailable
@@ -77,9 +78,9 @@ def fetch_entry(remote: Store, key: str, local: Store) -> EntryRecord | None:
     if record_bytes is None:
         raise EntryProblem(f"{remote.url}/{key}: {ENTRY_RECORD} is missing")
     try:
-        record = decode_record(record_bytes)
-    except Exception as exc:  # noqa: BLE001
-        raise EntryProblem(f"{remote.url}/{key}: unreadable {ENTRY_RECORD}: {exc}") from exc
+        record = decode_record(record_bytes, source=f"{remote.url}/{key}/{ENTRY_RECORD}")
+    except RecordError as exc:
+        raise EntryProblem(f"{exc.source} is unreadable: {exc.problem}") from exc
     if record.key != key:
         raise EntryProblem(f"{remote.url}/{key}: record names key {record.key}")
     with local.stage(key) as staging:

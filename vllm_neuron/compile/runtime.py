@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from .cache import CacheResult, TwoTierCache
-from .toolchains.base import CompiledArtifact, Toolchain
+from .toolchains.base import ARTIFACTS, CompiledArtifact, Toolchain
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -97,7 +97,9 @@ class CompileRuntime:
             return msgspec.to_builtins(artifact)  # type: ignore[no-any-return,unused-ignore]
 
         result = self.cache.get_or_compile(key.key, compile_into, components=key.components)
-        artifact = msgspec.convert(result.record.meta, CompiledArtifact)
+        artifact = ARTIFACTS.convert(
+            result.record.meta, source=f"{self.cache.local_dir}/{key.key}/entry.json meta"
+        )
         if result.path is None:
             raise RuntimeError(
                 f"the local compile cache {self.cache.local_dir} is not on local disk; "

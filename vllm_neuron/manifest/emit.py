@@ -26,7 +26,8 @@ from typing import Any
 import msgspec
 
 from vllm_neuron.backends import Store, join, open_store
-from vllm_neuron.compile.entry import ENTRY_RECORD
+from vllm_neuron.backends.records import Document, RecordCodec
+from vllm_neuron.compile.entry import ENTRY_RECORD, ENTRY_SCHEMA_VERSION, ENTRY_TAG
 from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
 from vllm_neuron.envs import manifest_settings
 from vllm_neuron.identity import get_server_prefix
@@ -59,13 +60,19 @@ class _ArtifactMeta(msgspec.Struct, gc=False):
     hlo_file: str | None = None
 
 
-class _EntryView(msgspec.Struct, gc=False):
-    """What enrichment reads of a cache entry's record (the rest is skipped, not built)."""
+class _EntryView(Document, frozen=True, kw_only=True, gc=False):
+    """What enrichment reads of a cache entry's record (the rest is skipped, not built):
+    a view of the same document as `EntryRecord`, so it shares its tag and version."""
 
+    record_tag = ENTRY_TAG
+    version_field = "schema"
+    missing_version = ENTRY_SCHEMA_VERSION
+
+    schema: int = ENTRY_SCHEMA_VERSION
     meta: _ArtifactMeta = msgspec.field(default_factory=_ArtifactMeta)
 
 
-_ENTRY_VIEW = msgspec.json.Decoder(_EntryView)
+_ENTRY_VIEW = RecordCodec(_EntryView)
 
 
 def bare_entry(key: str, graph: FoldedGraph) -> GraphEntry:
@@ -92,7 +99,7 @@ def enrich(key: str, graph: FoldedGraph, cache: Store | None) -> GraphEntry:
     prefix, record = found
     if record is None:
         raise FileNotFoundError(f"compile cache entry {cache.url}/{key} has no {ENTRY_RECORD}")
-    meta = _ENTRY_VIEW.decode(record).meta
+    meta = _ENTRY_VIEW.decode(record, source=f"{cache.url}/{key}/{ENTRY_RECORD}").meta
     if not meta.files:
         raise ValueError(f"compile cache entry {cache.url}/{key} names no artifact")
     artifact = meta.files[0]

@@ -20,12 +20,10 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
-
 from vllm_neuron.backends import join, local_path_of, open_store
 from vllm_neuron.compile.entry import read_record
 from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
-from vllm_neuron.compile.toolchains.base import CompiledArtifact
+from vllm_neuron.compile.toolchains.base import ARTIFACTS
 from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
 from vllm_neuron.compile.toolchains.select import select_toolchain
 
@@ -51,7 +49,7 @@ def _cache_runner(compilation_hash: str, cache_dir: str | None) -> Callable[...,
     if entry_dir is None:
         raise ReplayError(f"the compile cache {cache_dir} is not on local disk")
     record = read_record(store, content)
-    artifact = msgspec.convert(record.meta, CompiledArtifact)
+    artifact = ARTIFACTS.convert(record.meta, source=f"{cache_dir}/{content} meta")
     toolchain = select_toolchain("host")
     if artifact.toolchain != toolchain.name:
         raise ReplayError(
