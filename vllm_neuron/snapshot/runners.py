@@ -45,7 +45,7 @@ def _cache_runner(compilation_hash: str, cache_dir: str | None) -> Callable[...,
     content = store.published(compilation_hash)
     if content is None:
         raise ReplayError(f"the compile cache {cache_dir} has no entry {compilation_hash}")
-    entry_dir = store.local_path(content)
+    entry_dir = store.local_dir_of(content)  # the documented door for loading an entry
     if entry_dir is None:
         raise ReplayError(f"the compile cache {cache_dir} is not on local disk")
     record = read_record(store, content)
