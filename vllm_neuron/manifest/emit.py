@@ -103,7 +103,8 @@ def enrich(key: str, graph: FoldedGraph, cache: Store | None) -> GraphEntry:
     if not meta.files:
         raise ValueError(f"compile cache entry {cache.url}/{key} names no artifact")
     artifact = meta.files[0]
-    info = cache.info(f"{prefix}/{artifact}")  # the one stat: size and compile time
+    neff_path = f"{prefix}/{artifact}"  # a key: `info` refuses a bad one
+    info = cache.info(neff_path)  # the one stat: size and compile time
     if info is None:
         raise FileNotFoundError(f"compile cache entry {cache.url}/{key} has no {artifact}")
     hlo_file = meta.hlo_file
@@ -118,7 +119,7 @@ def enrich(key: str, graph: FoldedGraph, cache: Store | None) -> GraphEntry:
     return GraphEntry(
         graph_hash=key,
         hlo_path=join(prefix, hlo_file) if hlo_file else None,
-        neff_path=join(prefix, artifact),
+        neff_path=neff_path,
         neff_size=info.size,
         created_timestamp=_iso(info.mtime),
         input_shapes=graph.input_shapes,
