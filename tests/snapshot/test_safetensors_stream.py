@@ -10,11 +10,10 @@ from __future__ import annotations
 import io
 
 import pytest
+import safetensors.torch as st  # installed by the test extra: a missing one is a failure
+import torch
 
-torch = pytest.importorskip("torch")
-st = pytest.importorskip("safetensors.torch")
-
-from vllm_neuron.snapshot.encoding import decode_tensor, dtype_name, write_tensor  # noqa: E402
+from vllm_neuron.snapshot.encoding import decode_tensor, dtype_name, write_tensor
 
 SHAPES = [(), (0,), (1,), (3,), (2, 3, 5), (7, 1, 4)]
 
