@@ -1,4 +1,4 @@
-"""Shared data of the manifest tests: the seed's example graph as a real cache entry."""
+"""Shared data of the manifest tests: the documented example graph as a real cache entry."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The seed's TP=2 example, end to end: two real writer processes, a real cache entry."""
+"""The documented TP=2 example, end to end: two real writer processes, a real cache entry."""
 
 from __future__ import annotations
 

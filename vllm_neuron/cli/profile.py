@@ -60,7 +60,7 @@ def register(sub: Any) -> None:
                      "(default: device_profile,system_profile)")
     srv.add_argument("--model-env", action="append", default=[], metavar="NAME",
                      help="declare a model-specific compile variable to snapshot into "
-                     "run_spec.json (repeatable; the seed's debug/headroom ones always are)")
+                     "run_spec.json (repeatable; the Neuron debug/headroom ones always are)")
     wl = cap.add_argument_group("workload")
     wl.add_argument("--input-len", type=int, default=128)
     wl.add_argument("--output-len", type=int, default=None, help="decode only (default 256)")

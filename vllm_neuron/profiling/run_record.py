@@ -9,7 +9,7 @@ a failed capture nor erase a successful one. ``windows`` records every profiling
 capture ran (see `Window`) and ``max_windows`` the bound it ran under.
 
 ``profile`` is what discovery found (`artifacts.ProfileArtifacts`, from `artifacts.collect`).
-It keeps the seed's keys for a Neuron capture (``device_ntff``, ``system_trace_pb``,
+It keeps the Neuron plugin's keys for a Neuron capture (``device_ntff``, ``system_trace_pb``,
 ``trace_info_pb``, ``neff_dir``, ``cpu_util_pb``, ``host_mem_pb``); a torch-profiler capture
 uses the same structure with ``profiler: "torch"``, its worker traces in ``traces`` and the
 rank-0 trace as ``device_trace`` (the trace whose absence or emptiness is the failure to
@@ -140,7 +140,7 @@ def profile_from_artifacts(found: ProfileArtifacts, activities: list[str]) -> Pr
     return msgspec.structs.replace(found, activities=list(activities))
 
 
-class SeedProfile(msgspec.Struct, frozen=True, kw_only=True):
+class PluginProfile(msgspec.Struct, frozen=True, kw_only=True):
     """``profile`` in the Neuron plugin's manifest: absolute paths, null when not written."""
 
     device_ntff: str | None = None
@@ -151,14 +151,14 @@ class SeedProfile(msgspec.Struct, frozen=True, kw_only=True):
     host_mem_pb: str | None = None
 
 
-class SeedManifest(msgspec.Struct, frozen=True, kw_only=True):
+class PluginManifest(msgspec.Struct, frozen=True, kw_only=True):
     """The Neuron plugin's ``manifest.json``: the keys the profiling document lists.
 
     Used only to type-check that form before it is upcast; unknown keys are ignored.
     """
 
     recipe: str
-    profile: SeedProfile
+    profile: PluginProfile
     neff_hashes: list[str] = msgspec.field(default_factory=list)
 
 
@@ -169,7 +169,7 @@ def _upcast_seed_form(raw: dict[str, Any]) -> dict[str, Any]:
     Keys the two forms share keep their values (and are type-checked by the final
     conversion), so a plugin file that also carries one of our fields is not overridden.
     """
-    seed = msgspec.convert(raw, SeedManifest)  # raises ValidationError, naming the key
+    seed = msgspec.convert(raw, PluginManifest)  # raises ValidationError, naming the key
     out = dict(raw)
     profile = dict(raw["profile"])
     profile.setdefault("profiler", NEURON)

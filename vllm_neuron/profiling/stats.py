@@ -237,7 +237,7 @@ def matches_no_prefill_free_signature(
 ) -> bool:
     """True when every busy tick reports roughly one prompt of ``input_len`` per tick.
 
-    The seed's signature of the structural failure: a prompt throughput of exactly
+    The documented signature of the structural failure: a prompt throughput of exactly
     ``input_len / tick`` on every tick (``tolerance`` is relative, to absorb the engine's
     rounding and tick jitter).
     """
