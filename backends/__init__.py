@@ -38,6 +38,7 @@ from .records import (
 from .router import (
     is_url,
     local_path_of,
+    local_root_missing,
     normalize_location,
     open_store,
     register_scheme,
@@ -82,6 +83,7 @@ __all__ = [
     "is_url",
     "join",
     "local_path_of",
+    "local_root_missing",
     "normalize_location",
     "open_store",
     "register_scheme",

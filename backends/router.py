@@ -188,6 +188,17 @@ def local_path_of(location: str | os.PathLike[str], *, home: str | None = None) 
     return _absolute(rest, home) if scheme == LOCAL_SCHEME else None
 
 
+def local_root_missing(location: str | os.PathLike[str]) -> bool:
+    """True when ``location`` is local (a path or ``file://`` URL) and no directory is there.
+
+    What a reader asks before ``open_store(location, create=False)``, to say "no cache
+    here" instead of reading an empty tier. Any other scheme says False: whether a prefix
+    exists there is known only by reading it.
+    """
+    path = local_path_of(location)
+    return path is not None and not os.path.isdir(path)
+
+
 def normalize_location(raw: str | os.PathLike[str], *, home: str | None = None) -> str:
     """``raw`` as a setting should keep it: a plain path ``~``-expanded (with ``home`` or
     $HOME) and made absolute, a ``file://`` URL with its path made absolute the same way

@@ -27,6 +27,7 @@ from vllm_neuron.backends import (
     UnknownScheme,
     is_url,
     local_path_of,
+    local_root_missing,
     normalize_location,
     open_store,
     register_scheme,
@@ -311,3 +312,19 @@ def test_helpers_refuse_what_open_store_refuses(location: str) -> None:
 @pytest.mark.parametrize("url", ["gs://b/x", "memory://m", "s3://b/p", "HTTP://h/x"])
 def test_remote_urls_have_no_local_path(url: str) -> None:
     assert is_url(url) and local_path_of(url) is None
+
+
+def test_local_root_missing_says_whether_a_reader_would_find_a_directory(tmp_path: Path) -> None:
+    """Readers ask this before opening with create=False; only a local directory answers."""
+    there, file = tmp_path / "cache", tmp_path / "file"
+    there.mkdir()
+    file.write_bytes(b"x")
+    assert not local_root_missing(str(there))
+    assert not local_root_missing(f"file://{there}")
+    assert local_root_missing(str(tmp_path / "nothing"))
+    assert local_root_missing(f"file://{tmp_path}/nothing")
+    assert local_root_missing(str(file))  # a file is not a tier
+    # Other schemes cannot say without a read; asking makes no request and creates nothing.
+    assert not local_root_missing("memory://never-named")
+    assert not local_root_missing("s3://no-such-bucket/prefix")
+    assert not (tmp_path / "nothing").exists()

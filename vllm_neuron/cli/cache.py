@@ -3,18 +3,31 @@
 from __future__ import annotations
 
 import argparse
-import os
 from typing import Any
 
-from vllm_neuron.backends import local_path_of, open_store
+from vllm_neuron.backends import local_root_missing, open_store
+from vllm_neuron.compile.cache import STAGING_MAX_AGE
+from vllm_neuron.compile.events import read_stats
+from vllm_neuron.compile.inventory import (
+    explain_keys,
+    find_leftovers,
+    list_entries,
+    parse_duration,
+    parse_size,
+    plan_prune,
+    remove_leftovers,
+    verify_entries,
+    verify_entry,
+)
+from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
+from vllm_neuron.compile.promote import save_cache
+from vllm_neuron.compile.quarantine import quarantine_entry
 from vllm_neuron.envs import remote_cache_url
 
 from .format import ProgressBar, human_age, human_size, print_json, table
 
 
 def _default_cache_dir() -> str:
-    from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
-
     return get_neuron_compile_cache_dir()
 
 
@@ -70,15 +83,12 @@ def _cache_dir(args: argparse.Namespace) -> str:
 
 def _tier(args: argparse.Namespace) -> Any:
     url = getattr(args, "url", None) or _cache_dir(args)
-    path = local_path_of(url)
-    if path is not None and not os.path.isdir(path):
+    if local_root_missing(url):
         raise ValueError(f"no compile cache at {url}")
     return open_store(url, create=False)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from vllm_neuron.compile.inventory import list_entries
-
     entries = list_entries(_tier(args))
     if args.json:
         print_json([{**e.__dict__, "age_seconds": e.age_seconds} for e in entries])
@@ -94,8 +104,6 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    from vllm_neuron.compile.events import read_stats
-
     stats = read_stats(_cache_dir(args))
     if args.json:
         print_json(stats)
@@ -119,9 +127,6 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from vllm_neuron.compile.inventory import verify_entries, verify_entry
-    from vllm_neuron.compile.quarantine import quarantine_entry
-
     store = _tier(args)
 
     def quarantine(key: str, problem: str) -> None:
@@ -148,9 +153,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    from vllm_neuron.compile.inventory import list_entries
-    from vllm_neuron.compile.promote import save_cache
-
     if not args.to:
         raise ValueError("promote needs --to URL (or NEURON_LIBTORCH_REMOTE_CACHE)")
     cache_dir = _cache_dir(args)
@@ -165,15 +167,6 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from vllm_neuron.compile.cache import STAGING_MAX_AGE
-    from vllm_neuron.compile.inventory import (
-        find_leftovers,
-        parse_duration,
-        parse_size,
-        plan_prune,
-        remove_leftovers,
-    )
-
     store = _tier(args)
     plan = plan_prune(
         store,
@@ -201,8 +194,6 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from vllm_neuron.compile.inventory import explain_keys
-
     diff = explain_keys(_tier(args), args.key_a, args.key_b)
     if not diff:
         print("the two entries have identical key components")

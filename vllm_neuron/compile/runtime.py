@@ -79,7 +79,7 @@ class CompileRuntime:
         self, gm: Any, example_inputs: Sequence[Any]
     ) -> tuple[Callable[..., Any], CompiledGraph]:
         """`compile_graph`, plus the record of what happened (key, cache source, artifact)."""
-        from .key import compute_cache_key
+        from .key import compute_cache_key  # lazy: imports torch.fx, only when compiling
 
         toolchain = self.toolchain
         flags = toolchain.compiler_args()

@@ -29,6 +29,7 @@ from vllm_neuron.backends import Store, join, open_store
 from vllm_neuron.backends.records import Document, RecordCodec
 from vllm_neuron.compile.entry import ENTRY_RECORD, ENTRY_SCHEMA_VERSION, ENTRY_TAG
 from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
+from vllm_neuron.compile.toolchains.neuron import parse_hlo_entry_result_shapes
 from vllm_neuron.envs import manifest_settings
 from vllm_neuron.identity import get_server_prefix
 
@@ -110,8 +111,6 @@ def enrich(key: str, graph: FoldedGraph, cache: Store | None) -> GraphEntry:
     hlo_file = meta.hlo_file
     output_shapes = meta.output_shapes
     if hlo_file:
-        from vllm_neuron.compile.toolchains.neuron import parse_hlo_entry_result_shapes
-
         hlo = cache.read(join(prefix, hlo_file))
         if hlo is None:
             raise FileNotFoundError(f"compile cache entry {cache.url}/{key} has no {hlo_file}")

@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends import is_url, local_path_of, normalize_location, open_store
+from vllm_neuron.backends import Store, is_url, local_root_missing, normalize_location, open_store
 
 from .schema import MANIFEST_FILE, GraphEntry, Manifest, decode_manifest
 
@@ -33,8 +33,7 @@ def load_manifest(location: str) -> tuple[str, Manifest]:
     if name.endswith(".json"):
         store, key = open_store(parent, create=False), name
     else:
-        path = local_path_of(root)
-        if path is not None and not os.path.isdir(path):
+        if local_root_missing(root):
             raise FileNotFoundError(f"no manifest at {location}")
         store = open_store(root, create=False)
         if store.exists(MANIFEST_FILE):
@@ -106,6 +105,7 @@ def check_manifest(manifest: Manifest, cache_root: str | None) -> list[str]:
     an artifact the manifest names that is missing from the cache cannot be served.
     """
     problems = []
+    cache = None if cache_root is None else open_store(cache_root, create=False)
     world = manifest.config.topology.world_size
     for graph in manifest.graphs:
         ranks = set(graph.ranks)
@@ -115,16 +115,16 @@ def check_manifest(manifest: Manifest, cache_root: str | None) -> list[str]:
                 f"graph {graph.graph_hash} was traced by {len(ranks)} of {world} ranks "
                 f"(missing ranks {missing}): partial deployment"
             )
-        problems.extend(_missing_artifacts(graph, cache_root))
+        problems.extend(_missing_artifacts(graph, cache, cache_root))
     return problems
 
 
-def _missing_artifacts(graph: GraphEntry, cache_root: str | None) -> list[str]:
-    if cache_root is None:
+def _missing_artifacts(graph: GraphEntry, cache: Store | None, cache_root: str | None) -> list[str]:
+    if cache is None:
         return []
     out = []
     for label, rel in (("neff_path", graph.neff_path), ("hlo_path", graph.hlo_path)):
-        if rel and not os.path.isfile(os.path.join(cache_root, rel)):
+        if rel and not cache.exists(rel):
             out.append(f"graph {graph.graph_hash}: {label} {rel} is missing from {cache_root}")
     if graph.neff_path is None:
         out.append(f"graph {graph.graph_hash}: no artifact recorded (enrichment failed)")

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-from vllm_neuron.backends import Store, is_url, join, local_path_of, open_store
+from vllm_neuron.backends import Store, is_url, join, local_root_missing, open_store
 
 from .config import load_snapshot_config
 from .encoding import SnapshotFormat, decode_tensor
@@ -153,8 +153,7 @@ def find_bundles(store: Store, prefix: str = "") -> list[str]:
 def open_snapshot_root(url: str) -> Store:
     """The store at a snapshot root, read-only in spirit: nothing is created, and a local
     root (a path or ``file://`` URL) that is not a directory is a ReplayError."""
-    path = local_path_of(url)
-    if path is not None and not os.path.isdir(path):
+    if local_root_missing(url):
         raise ReplayError(f"no snapshot directory at {url}")
     return open_store(url, create=False)
 

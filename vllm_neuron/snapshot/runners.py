@@ -16,11 +16,10 @@ A graph traced inside vLLM calls vLLM's CPU kernels; their library is loaded on 
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Callable
 from typing import Any
 
-from vllm_neuron.backends import join, local_path_of, open_store
+from vllm_neuron.backends import join, local_root_missing, open_store
 from vllm_neuron.compile.entry import read_record
 from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
 from vllm_neuron.compile.toolchains.base import ARTIFACTS
@@ -38,8 +37,7 @@ RUNNERS = ("auto", "cache", "eager")
 def _cache_runner(compilation_hash: str, cache_dir: str | None) -> Callable[..., Any]:
     if cache_dir is None:
         cache_dir = get_neuron_compile_cache_dir()
-    path = local_path_of(cache_dir)
-    if path is not None and not os.path.isdir(path):
+    if local_root_missing(cache_dir):
         raise ReplayError(f"no compile cache at {cache_dir}")
     store = open_store(cache_dir, create=False)
     content = store.published(compilation_hash)
