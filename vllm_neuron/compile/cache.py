@@ -18,7 +18,6 @@ warning, and the node carries on alone.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import socket
@@ -33,12 +32,10 @@ from vllm_neuron.backends import (
     LockTimeout,
     Record,
     Store,
-    join,
     normalize_location,
     open_store,
     validate_hex,
 )
-from vllm_neuron.backends.records import RecordCodec, RecordError, Untagged, encode
 
 from .building import CompileFn, compile_and_publish, compile_uncached
 from .entry import (
@@ -59,6 +56,14 @@ from .events import (
     LockWaited,
     VerificationFailed,
 )
+from .failures import (
+    FAILURES_DIR,
+    FailureNote,
+    clear_failure_note,
+    describe,
+    recent_failure,
+    write_failure_note,
+)
 from .quarantine import quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
 
@@ -75,24 +80,7 @@ __all__ = [
 
 logger = logging.getLogger("vllm_neuron.compile")
 
-FAILURES_DIR = ".failures"
 STAGING_MAX_AGE = 6 * 3600.0
-
-
-class FailureNote(Record, frozen=True, tag="compile-failure"):
-    """``.failures/<key>.json``: the last failed compile of a key, for the ranks waiting on
-    it (they fail at once instead of compiling again)."""
-
-    at: float
-    error: str  # "<type>: <message>"
-    pid: int
-    host: str
-
-
-FAILURE_NOTES = RecordCodec(
-    FailureNote,
-    untagged=Untagged("compile-failure", 1, "a failure note from before records had tags"),
-)
 
 
 class CompileError(RuntimeError):
@@ -337,7 +325,7 @@ class TwoTierCache:
         record, seconds = compile_and_publish(
             self.local, key, compile_fn, components=components, toolchain=self.toolchain,
             target=self.target, on_failure=lambda exc: self._write_failure(key, exc))
-        self.local.delete(join(FAILURES_DIR, f"{key}.json"))
+        clear_failure_note(self.local, key)
         self._record(
             Compiled(key=key, at=time.time(), seconds=seconds, toolchain=self.toolchain,
                      size=record.total_size)
@@ -358,19 +346,12 @@ class TwoTierCache:
 
     # ----------------------------------------------------------- failures
     def _write_failure(self, key: str, exc: BaseException) -> None:
-        message = f"{type(exc).__name__}: {exc}"
+        message = describe(exc)
         self._record(CompileFailed(key=key, at=time.time(), error=message))
-        note = FailureNote(at=time.time(), error=message, pid=os.getpid(),
-                           host=socket.gethostname())  # fmt: skip
-        with contextlib.suppress(Exception):
-            self.local.write(join(FAILURES_DIR, f"{key}.json"), encode(note))
+        write_failure_note(self.local, key, message)
 
     def _recent_failure(self, key: str, *, since: float) -> FailureNote | None:
-        try:
-            note = FAILURE_NOTES.read(self.local, join(FAILURES_DIR, f"{key}.json"))
-        except RecordError:
-            return None  # a torn note says nothing about this compile
-        return note if note is not None and note.at >= since else None
+        return recent_failure(self.local, key, since=since)
 
     # --------------------------------------------------------------- hygiene
     def _collect_stale_staging(self) -> None:

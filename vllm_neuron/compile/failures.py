@@ -1,0 +1,68 @@
+"""Failure notes: what a failed compile leaves for the processes waiting on its key.
+
+A rank that waited on a key's lock while its holder compiled must not compile the key
+again when that compile failed (it would fail the same way, one rank after another, each
+paying the compile). The holder writes ``.failures/<key>.json`` in the tier before it
+releases the lock; a waiter that takes the lock afterwards reads the note and raises the
+holder's error at once. A note older than the wait says nothing about this compile, and
+a successful compile removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import time
+
+from vllm_neuron.backends import Record, Store, join
+from vllm_neuron.backends.records import RecordCodec, RecordError, Untagged, encode
+
+FAILURES_DIR = ".failures"
+
+
+class FailureNote(Record, frozen=True, tag="compile-failure"):
+    """``.failures/<key>.json``: the last failed compile of a key."""
+
+    at: float
+    error: str  # "<type>: <message>"
+    pid: int
+    host: str
+
+
+FAILURE_NOTES = RecordCodec(
+    FailureNote,
+    untagged=Untagged("compile-failure", 1, "a failure note from before records had tags"),
+)
+
+
+def _note_key(key: str) -> str:
+    return join(FAILURES_DIR, f"{key}.json")
+
+
+def describe(exc: BaseException) -> str:
+    """How a failure is named in notes and events: ``"<type>: <message>"``."""
+    return f"{type(exc).__name__}: {exc}"
+
+
+def write_failure_note(store: Store, key: str, error: str) -> FailureNote:
+    """Leave `error` for the waiters on `key`. Best-effort: a store that cannot take the
+    note costs the waiters a compile, never the failing process its real error."""
+    note = FailureNote(at=time.time(), error=error, pid=os.getpid(), host=socket.gethostname())
+    with contextlib.suppress(Exception):
+        store.write(_note_key(key), encode(note))
+    return note
+
+
+def recent_failure(store: Store, key: str, *, since: float) -> FailureNote | None:
+    """The note of a compile of `key` that failed at or after `since`, if any."""
+    try:
+        note = FAILURE_NOTES.read(store, _note_key(key))
+    except RecordError:
+        return None  # a torn note says nothing about this compile
+    return note if note is not None and note.at >= since else None
+
+
+def clear_failure_note(store: Store, key: str) -> None:
+    """Forget a key's failure (it compiled since)."""
+    store.delete(_note_key(key))
