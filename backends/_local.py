@@ -356,3 +356,18 @@ class LocalStore(Store):
         if self._durable:
             fsync_dir(os.path.dirname(dst_path))
         return True
+
+    def rename(self, src: str, dst: str) -> bool:
+        # One rename(2): atomic, whatever the size; the destination's directory is made
+        # only when the first attempt says it is missing (the common case pays nothing).
+        src_path, dst_path = self._path(validate_key(src)), self._path(validate_key(dst))
+        try:
+            os.replace(src_path, dst_path)
+        except FileNotFoundError:
+            if not os.path.lexists(src_path):
+                return False
+            os.makedirs(os.path.dirname(dst_path), exist_ok=True)
+            os.replace(src_path, dst_path)
+        if self._durable:
+            fsync_dir(os.path.dirname(dst_path))
+        return True

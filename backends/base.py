@@ -416,3 +416,13 @@ class StoreBase(ABC):
     def _usage(self, prefix: str) -> tuple[int, float]:
         """Total size and newest modification time under `prefix` (for `leftovers`)."""
         return operations.usage(self, prefix)
+
+    def rename(self, src: str, dst: str) -> bool:
+        """Move the file or the directory at `src` to `dst`; False when nothing is there.
+
+        For content whose place changes after it was written (a profile run sets a
+        rejected window's traces and an earlier launch's log aside). A file at `dst` is
+        replaced; a directory is moved to a `dst` that does not exist yet. One `rename(2)`
+        on local disk; elsewhere a copy of each file, then `src` deleted (not atomic).
+        """
+        return operations.rename(self, src, dst)

@@ -138,3 +138,26 @@ def usage(store: StoreBase, prefix: str) -> tuple[int, float]:
     """Total size and newest modification time of the files under `prefix`."""
     infos = list(store.iter_files(prefix))
     return sum(i.size for i in infos), max((i.mtime for i in infos), default=0.0)
+
+
+def rename(store: StoreBase, src: str, dst: str) -> bool:
+    """Copy the file at `src`, or every file under it, to `dst`, then delete `src`.
+
+    For stores where nothing renames (objects, memory): a reader may see both copies for
+    a moment, never neither. A file already at a destination key is replaced.
+    """
+    src, dst = validate_key(src), validate_key(dst)
+    if store.info(src) is not None:
+        moves = [(src, dst)]
+    else:
+        moves = [(key, join(dst, key[len(src) + 1:])) for key in store.list(src)]
+        if not moves:
+            return False
+    for old, new in moves:
+        with store.open_read(old) as reader:
+            store.write_from(new, reader)
+    if moves[0][0] == src:
+        store.delete(src)
+    else:
+        store.delete_tree(src)
+    return True
