@@ -29,8 +29,8 @@ from vllm_neuron.snapshot import (
     read_call_meta,
 )
 from vllm_neuron.snapshot.bundles import list_bundles, load_bundle
-from vllm_neuron.snapshot.capture import neuron_serialize_op
 from vllm_neuron.snapshot.encoding import FORMATS
+from vllm_neuron.snapshot.tensor_writers import neuron_serialize_op
 
 CapturerFactory = Callable[..., SnapshotCapturer]  # the capturer_for fixture
 

@@ -1,11 +1,14 @@
 """Input snapshots: capture the inputs of one selected forward per rank, replay it off-device.
 
 See docs/snapshots.md. Policy lives here (what, when, where); the device-to-host
-write sits behind a narrow writer interface (:mod:`.capture`).
+write sits behind a narrow writer interface (:mod:`.tensor_writers`).
 
 - :mod:`.config` - settings and the selection rules, resolved once per process;
 - :mod:`.context` - the forward context the model runner publishes, the capture budget;
-- :mod:`.capture` - per-executable capturer, writers, ``install_snapshot_capture``;
+- :mod:`.capture` - per-executable capturer (which call), ``install_snapshot_capture``;
+- :mod:`.capture_spec` - what one executable captures and where, ``SnapshotCaptureError``;
+- :mod:`.bundle_writer` - one selected call written as a bundle, ``meta.json`` last;
+- :mod:`.tensor_writers` - the device-to-host write: host (torch) or Neuron runtime;
 - :mod:`.meta` - ``meta.json``, the bundle's identity and commit record;
 - :mod:`.encoding` - pt / npy / safetensors, bit-exact for every dtype they can hold;
 - :mod:`.bundles` - find, address (``<hash>/rank<N>/call<K>`` or a path) and load bundles;
@@ -14,19 +17,10 @@ write sits behind a narrow writer interface (:mod:`.capture`).
 - :mod:`.replay` - replay bundles and report per bundle.
 """
 
-from .capture import (
-    CaptureSpec,
-    HostTensorWriter,
-    NeuronRuntimeWriter,
-    RankInfo,
-    SnapshotCaptureError,
-    SnapshotCapturer,
-    SnapshotWriter,
-    build_capturer,
-    default_writer,
-    install_snapshot_capture,
-    resolve_capture_spec,
-)
+from vllm_neuron.identity import RankInfo
+
+from .capture import SnapshotCapturer, build_capturer, install_snapshot_capture
+from .capture_spec import CaptureSpec, SnapshotCaptureError, resolve_capture_spec
 from .config import (
     CaptureSelector,
     ConfigError,
@@ -50,6 +44,12 @@ from .context import (
 )
 from .encoding import SnapshotEncodingError
 from .meta import CallMeta, read_call_meta, write_call_meta
+from .tensor_writers import (
+    HostTensorWriter,
+    NeuronRuntimeWriter,
+    SnapshotWriter,
+    default_writer,
+)
 
 __all__ = [
     "CallMeta",

@@ -1,0 +1,265 @@
+"""Writing one selected call as a bundle: its inputs, the run, its outputs, ``meta.json``.
+
+Why apart from the capturer (:mod:`.capture`): deciding *which* call to capture is on the
+execute path of every forward and must stay cheap; writing a bundle happens for a handful
+of selected calls and carries the whole fail-loud protocol:
+
+1. every input is described (dtype, shape, kernel handle) before anything is written, so
+   a value that cannot be stored fails the forward with nothing on disk;
+2. an earlier bundle at the same call index is removed, ``meta.json`` first;
+3. the writer (:mod:`.tensor_writers`) writes ``tensor{i}.{fmt}`` for every positional
+   input, the executable runs, its outputs are written as ``output{j}.{fmt}`` (the replay
+   reference), and ``meta.json`` is written last, atomically: that write is what makes the
+   bundle exist;
+4. any failure deletes what was written and raises (:class:`SnapshotCaptureError`).
+
+The graph is exported once per compilation hash (``<hash>/graph.pt2``) so a bundle can be
+replayed eagerly where the compiled artifact cannot run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import logging
+import os
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from vllm_neuron.backends import Store, join
+
+from .capture_spec import CaptureSpec, SnapshotCaptureError
+from .context import SnapshotForwardContext
+from .encoding import SnapshotFormat, check_encodable, dtype_name, file_name
+from .kernel_handles import (
+    HandleSource,
+    KernelHandle,
+    KernelHandleError,
+    handle_input_indices,
+    resolve_handles,
+)
+from .meta import GRAPH_FILE, META_FILE, CallMeta, InputSpec, MatchRecord, write_call_meta
+from .tensor_writers import HostTensorWriter, SnapshotWriter
+
+if TYPE_CHECKING:
+    from vllm_neuron.compile.runtime import CompiledGraph
+
+__all__ = ["BundleWriter"]
+
+logger = logging.getLogger("vllm_neuron.snapshot")
+
+
+def _is_tensor(value: Any) -> bool:
+    import torch  # heavy and optional: only once a selected call is written
+
+    return isinstance(value, torch.Tensor)
+
+
+def _describe(
+    values: Sequence[Any],
+    stem: str,
+    fmt: SnapshotFormat,
+    handles: Mapping[int, HandleSource] | None = None,
+) -> list[InputSpec]:
+    """Specs of the positional values; raises before anything is written if one cannot be
+    stored (an unsupported dtype, or a value that is neither a tensor nor a number).
+
+    A kernel-handle input (``handles``) is described by the weight stored in its place."""
+    specs: list[InputSpec] = []
+    for i, value in enumerate(values):
+        source = handles.get(i) if handles else None
+        if source is not None:
+            specs.append(_tensor_spec(i, source.weight, stem, fmt, source.handle))
+        elif _is_tensor(value):
+            specs.append(_tensor_spec(i, value, stem, fmt))
+        elif value is None or isinstance(value, bool | int | float):
+            specs.append(InputSpec(index=i, kind="scalar", value=value))
+        else:
+            raise SnapshotCaptureError(
+                f"{stem}{i} is a {type(value).__name__}; snapshots hold tensors and numbers"
+            )
+    return specs
+
+
+def _tensor_spec(
+    index: int, tensor: Any, stem: str, fmt: SnapshotFormat, handle: KernelHandle | None = None
+) -> InputSpec:
+    """The spec of a tensor stored as ``<stem><index>``: the value itself, or the weight
+    standing in for a kernel handle."""
+    check_encodable(tensor.dtype, fmt, what=f"{stem}{index}")
+    return InputSpec(
+        index=index,
+        kind="tensor" if handle is None else "kernel-handle",
+        file=file_name(f"{stem}{index}", fmt),
+        dtype=dtype_name(tensor.dtype),
+        shape=[int(d) for d in tensor.shape],
+        stride=[int(s) for s in tensor.stride()],
+        nbytes=int(tensor.numel() * tensor.element_size()),
+        device=str(tensor.device),
+        handle=handle,
+    )
+
+
+def _flatten_outputs(out: Any) -> list[Any]:
+    import torch.utils._pytree as pytree  # heavy and optional: only for a selected call
+
+    return list(pytree.tree_leaves(out))
+
+
+class BundleWriter:
+    """Writes the bundles of one executable; remembers what is shared by all its calls
+    (the exported graph's key, which inputs are kernel handles)."""
+
+    def __init__(
+        self, spec: CaptureSpec, writer: SnapshotWriter, graph: CompiledGraph | None = None
+    ) -> None:
+        self.spec = spec
+        self.writer = writer
+        self.graph = graph
+        self._graph_key: str | None = None
+        self._graph_tried = False
+        self._handle_indices: dict[int, str] | None = None
+
+    def capture_call(
+        self,
+        ctx: SnapshotForwardContext,
+        call_index: int,
+        selected_by: list[str],
+        matches: Sequence[Any],
+        fn: Callable[..., Any],
+        args: Sequence[Any],
+    ) -> Any:
+        """Write the bundle of this call around running ``fn``; see the module docstring."""
+        spec = self.spec
+        fmt = spec.format
+        prefix = spec.call_prefix(call_index)
+        try:
+            handles = resolve_handles(args, self._graph_handles())
+        except KernelHandleError as exc:
+            raise SnapshotCaptureError(
+                f"input snapshot of {prefix} is impossible: {exc}; the forward was aborted"
+            ) from exc
+        inputs = _describe(args, "tensor", fmt, handles)  # raises before anything is written
+        store = spec.store()
+        where = f"{store.url.rstrip('/')}/{prefix}"
+        try:
+            self._clear_previous(store, prefix)
+            graph_key = self._ensure_graph(store)
+            self.writer.write(
+                store, prefix,
+                [(s.file, handles[s.index].weight if s.index in handles else args[s.index])
+                 for s in inputs if s.file],
+                fmt,
+            )
+        except Exception as exc:
+            self._cleanup(store, prefix)
+            raise SnapshotCaptureError(
+                f"input snapshot of {where} failed while writing the inputs: {exc}; "
+                "the forward was aborted and no bundle was left"
+            ) from exc
+        except BaseException:
+            self._cleanup(store, prefix)
+            raise
+        try:
+            out = fn(*args)
+        except BaseException:
+            self._cleanup(store, prefix)
+            raise
+        try:
+            leaves = _flatten_outputs(out)
+            outputs = _describe(leaves, "output", fmt)
+            HostTensorWriter().write(
+                store, prefix, [(s.file, leaves[s.index]) for s in outputs if s.file], fmt
+            )
+            meta = CallMeta(
+                compilation_hash=spec.compilation_hash,
+                format=fmt,
+                global_rank=spec.ranks.global_rank,
+                tp_rank=spec.ranks.tp_rank,
+                dp_rank=spec.ranks.dp_rank,
+                call_index=call_index,
+                selected_by=selected_by,
+                inputs=inputs,
+                outputs=outputs,
+                global_step=ctx.step,
+                is_prompt=ctx.is_prompt,
+                req_ids=list(ctx.req_ids),
+                positions=list(ctx.positions),
+                matches=[MatchRecord(**dataclasses.asdict(m)) for m in matches],
+                num_speculative_tokens=ctx.num_speculative_tokens,
+                writer=self.writer.name,
+                toolchain=None if self.graph is None else self.graph.artifact.toolchain,
+                target=None if self.graph is None else self.graph.artifact.target,
+                graph=graph_key,
+                created=time.time(),
+                pid=os.getpid(),
+            )
+            write_call_meta(store, prefix, meta)
+        except Exception as exc:
+            self._cleanup(store, prefix)
+            raise SnapshotCaptureError(
+                f"input snapshot of {where} failed while writing the outputs/meta.json: {exc}; "
+                "the forward was aborted and no bundle was left"
+            ) from exc
+        except BaseException:
+            self._cleanup(store, prefix)
+            raise
+        logger.info("vllm_neuron: captured input snapshot %s (selected by %s)", where,
+                    ", ".join(selected_by))  # fmt: skip
+        return out
+
+    def _graph_handles(self) -> dict[int, str]:
+        """Inputs the graph hands to a kernel as a process-local handle (once per graph)."""
+        if self._handle_indices is None:
+            gm = None if self.graph is None else self.graph.gm
+            self._handle_indices = handle_input_indices(gm)
+        return self._handle_indices
+
+    def _clear_previous(self, store: Store, prefix: str) -> None:
+        """A bundle (or leftovers) from an earlier run at the same call index is replaced:
+        its meta.json goes first, so it stops existing before any of its files change."""
+        if not store.list(prefix):
+            return
+        logger.warning("vllm_neuron: replacing the earlier snapshot at %s/%s",
+                       store.url.rstrip("/"), prefix)  # fmt: skip
+        store.delete(join(prefix, META_FILE))
+        store.delete_tree(prefix)
+
+    def _cleanup(self, store: Store, prefix: str) -> None:
+        try:
+            store.delete(join(prefix, META_FILE))
+            store.delete_tree(prefix)
+        except Exception as exc:  # noqa: BLE001 - the original error is what matters
+            logger.error("vllm_neuron: could not remove the failed snapshot %s/%s: %s",
+                         store.url.rstrip("/"), prefix, exc)  # fmt: skip
+
+    def _ensure_graph(self, store: Store) -> str | None:
+        """Save the graph once per hash (``<hash>/graph.pt2``, a ``torch.export`` program)
+        so a bundle can be replayed eagerly where the compiled artifact cannot run (a NEFF
+        off the device). Best-effort: the inputs are what the capture promises."""
+        if self._graph_tried:
+            return self._graph_key
+        self._graph_tried = True
+        key = join(self.spec.compilation_hash, GRAPH_FILE)
+        if store.exists(key):
+            self._graph_key = key
+            return key
+        if self.graph is None:
+            return None
+        try:
+            import torch  # heavy and optional: only once per hash, for a selected call
+
+            ep = torch.export.export(self.graph.gm, tuple(self.graph.example_inputs))
+            buf = io.BytesIO()
+            torch.export.save(ep, buf)
+            store.create(key, buf.getvalue())
+            self._graph_key = key
+        except Exception as exc:  # noqa: BLE001 - best-effort, see the docstring
+            logger.warning(
+                "vllm_neuron: could not save the graph of %s for eager replay (%s); "
+                "replay will need its compile-cache entry",
+                self.spec.compilation_hash,
+                exc,
+            )
+        return self._graph_key
