@@ -153,11 +153,12 @@ def test_sigint_mid_capture(vllm_capture: Capture) -> None:
 
     reader = threading.Thread(target=read_stderr, daemon=True)
     reader.start()
-    serve_log = root / "agent_artifacts" / "profiles" / "sigint" / "logs" / "serve.log"
+    run_dir = root / "agent_artifacts" / "profiles" / "sigint"
     try:
         # Handshake: the server has logged a tick with requests running, so the workload
         # (and the capture stage) is under way.
-        follower = LogFollower(str(serve_log), from_start=True)
+        follower = LogFollower(open_store(str(run_dir), create=False), "logs/serve.log",
+                               from_start=True)
         running = False
         while not running:
             assert proc.poll() is None, "".join(lines)[-4000:]

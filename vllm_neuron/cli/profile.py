@@ -10,9 +10,10 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends import open_store
+from vllm_neuron.backends import local_root_missing, open_store
 from vllm_neuron.envs import load_profiling_settings
 from vllm_neuron.profiling.capture import run_capture
+from vllm_neuron.profiling.files import file_size
 from vllm_neuron.profiling.layout import artifacts_root
 from vllm_neuron.profiling.options import DEFAULT_MAX_WINDOWS, CaptureOptions
 from vllm_neuron.profiling.run_record import STATUS_UNRECORDED, read_manifest
@@ -195,7 +196,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
 
 def _load_manifest(run_dir: str) -> Any:
-    if not os.path.isdir(run_dir):
+    if local_root_missing(os.path.abspath(run_dir)):  # a URL is not a run directory either
         raise ValueError(f"{run_dir} is not a directory")
     manifest = read_manifest(open_store(run_dir, create=False))
     if manifest is None:
@@ -219,9 +220,8 @@ def _print_manifest(m: Any) -> None:
         path = getattr(p, key)
         if path is None and key != "device_trace":
             continue
-        size = "-"
-        if path and os.path.isfile(path):
-            size = human_size(os.path.getsize(path))
+        found = file_size(path) if path else None
+        size = "-" if found is None else human_size(found)
         rows.append((key, path or "(null)", size))
     print(table(["ARTIFACT", "PATH", "SIZE"], rows))
     if m.trigger:
@@ -263,9 +263,9 @@ def cmd_list(args: argparse.Namespace) -> int:
     root = load_profiling_settings(project_root=args.project_root).project_root
     profiles = os.path.join(artifacts_root(root), "profiles")
     rows = []
-    for name in sorted(os.listdir(profiles)) if os.path.isdir(profiles) else []:
+    for name in open_store(profiles, create=False).list_dir(""):  # sorted; none if missing
         run_dir = os.path.join(profiles, name)
-        if not os.path.isdir(run_dir):
+        if local_root_missing(run_dir):  # not a directory: not a run
             continue
         try:
             m = read_manifest(open_store(run_dir, create=False))

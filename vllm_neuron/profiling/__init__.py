@@ -10,7 +10,9 @@ The modules, one job each:
 - `stats`      the stats-line decode trigger and the no-prefill-free-tick fallback detector
 - `artifacts`  discovery of what the profiler wrote; `run_record` the output manifest
 - `trace`      per-step annotations of vLLM torch-profiler traces; `validate` the checks
-- `capture`    one capture end to end (windows retried up to ``max_windows``)
+- `files`      files named by path, read through the store of their directory
+- `windows`    the profiling windows: run, judged, set aside (up to ``max_windows``)
+- `capture`    one capture end to end: launches, the decode fallback, teardown, manifest
 """
 
 from .capture import CaptureResult, run_capture

@@ -3,7 +3,9 @@
 The session directory's name carries an instance id, a pid and a nanosecond timestamp
 that cannot be known in advance, so artifacts are discovered, never assumed; the manifest
 then names each one by absolute path. What discovery finds is the manifest's ``profile``
-record itself (`ProfileArtifacts`): one struct, so the two cannot drift apart.
+record itself (`ProfileArtifacts`): one struct, so the two cannot drift apart. Discovery
+lists the directory through a store opened on it (the storage layer is the only door to
+bytes), in the order a walk of the tree visits it.
 
 Two profilers write into ``output/``:
 
@@ -18,11 +20,15 @@ Two profilers write into ``output/``:
 
 from __future__ import annotations
 
+import functools
 import os
+import posixpath
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 import msgspec
+
+from vllm_neuron.backends import Store, open_store
 
 NEURON = "neuron"
 TORCH = "torch"
@@ -42,11 +48,13 @@ class TraceEntry(msgspec.Struct, frozen=True, kw_only=True):
     worker: str = ""
 
 
-class ProfileArtifacts(msgspec.Struct, frozen=True, kw_only=True):
+class ProfileArtifacts(msgspec.Struct, frozen=True, kw_only=True, dict=True):
     """The manifest's ``profile``: absolute paths of the artifacts found (None when absent).
 
     ``activities`` are the Neuron profiler activities the run asked for (what makes a
     zero-byte host file evidence or not); discovery cannot see them, the run passes them.
+    (``dict=True`` gives instances a ``__dict__`` for `neff_hashes` to be cached in; only
+    the fields are encoded and compared.)
     """
 
     profiler: str
@@ -62,35 +70,43 @@ class ProfileArtifacts(msgspec.Struct, frozen=True, kw_only=True):
     activities: list[str] = msgspec.field(default_factory=list)
     traces: list[TraceEntry] = msgspec.field(default_factory=list)
 
-    @property
+    @functools.cached_property
     def neff_hashes(self) -> list[str]:
         """The hashes in the names of the NEFFs under ``neff_dir``, sorted and distinct: the
         manifest's top-level ``neff_hashes`` (where the Neuron plugin's form keeps them).
 
-        Read from disk on each access, so it is only meaningful where the files are (the
-        capturing host); a manifest that was read back has them in its own field.
+        Listed on the first access and kept, so it is only meaningful where the files are
+        (the capturing host); a manifest that was read back has them in its own field.
         """
+        if not self.neff_dir:
+            return []
+        keys = open_store(self.neff_dir, create=False).list("")
         hashes = set()
-        for path in _walk_files(self.neff_dir) if self.neff_dir else ():
-            if path.endswith(".neff"):
-                found = _NEFF_HASH.findall(os.path.basename(path)[: -len(".neff")])
+        for key in keys:
+            if key.endswith(".neff"):
+                found = _NEFF_HASH.findall(posixpath.basename(key)[: -len(".neff")])
                 if found:
                     hashes.add(max(found, key=len))
         return sorted(hashes)
 
 
-def _walk_files(root: str) -> Iterator[str]:
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            yield os.path.join(dirpath, name)
+def _walk_order(key: str) -> list[tuple[int, str]]:
+    """Sort key putting `key` where a top-down walk (names sorted) visits it: a directory's
+    files before its subdirectories. Discovery keeps that order: where two sessions both
+    wrote ``trace_info.pb``, the one visited last is named."""
+    *dirs, name = key.split("/")
+    return [(1, d) for d in dirs] + [(0, name)]
 
 
-def _size(path: str) -> int:
-    try:
-        return os.path.getsize(path)
-    except OSError:
-        return -1
+def _listing(output_dir: str) -> tuple[Store, list[str]]:
+    """The store on `output_dir` (nothing created) and every file key in it, in walk order."""
+    store = open_store(output_dir, create=False)
+    return store, sorted(store.list(""), key=_walk_order)
+
+
+def _size(store: Store, key: str) -> int:
+    info = store.info(key)
+    return -1 if info is None else info.size
 
 
 def torch_worker_name(path: str) -> str:
@@ -113,10 +129,12 @@ def collect(output_dir: str, profiler: str, *, activities: Iterable[str] = ()) -
 
 
 def _collect_torch(output_dir: str, activities: list[str]) -> ProfileArtifacts:
+    store, keys = _listing(output_dir)
     traces = [
-        TraceEntry(path=path, size=_size(path), worker=torch_worker_name(path))
-        for path in _walk_files(output_dir)
-        if path.endswith(TORCH_TRACE_SUFFIXES)
+        TraceEntry(path=os.path.join(output_dir, key), size=_size(store, key),
+                   worker=torch_worker_name(key))
+        for key in keys
+        if key.endswith(TORCH_TRACE_SUFFIXES)
     ]
     traces.sort(key=lambda t: (t.worker, t.path))
     return ProfileArtifacts(
@@ -129,13 +147,16 @@ def _collect_torch(output_dir: str, activities: list[str]) -> ProfileArtifacts:
 
 
 def _collect_neuron(output_dir: str, activities: list[str]) -> ProfileArtifacts:
-    files = list(_walk_files(output_dir))
-    ntffs = sorted((p for p in files if p.endswith(".ntff")), key=lambda p: (-_size(p), p))
+    store, keys = _listing(output_dir)
+    sizes = {os.path.join(output_dir, k): _size(store, k) for k in keys
+             if k.endswith((".ntff", ".pb"))}  # fmt: skip
+    files = [os.path.join(output_dir, k) for k in keys]
+    ntffs = sorted((p for p in files if p.endswith(".ntff")), key=lambda p: (-sizes[p], p))
     pbs = [p for p in files if p.endswith(".pb")]
     named = {os.path.basename(p): p for p in pbs}
     special = {"trace_info.pb", *HOST_FILES.values()}
     system = sorted((p for p in pbs if os.path.basename(p) not in special),
-                    key=lambda p: (-_size(p), p))  # fmt: skip
+                    key=lambda p: (-sizes[p], p))  # fmt: skip
     neff_dirs = sorted({os.path.dirname(p) for p in files if p.endswith(".neff")})
     device = ntffs[0] if ntffs else None
     anchor = device or (system[0] if system else None)
@@ -151,5 +172,5 @@ def _collect_neuron(output_dir: str, activities: list[str]) -> ProfileArtifacts:
         host_mem_pb=named.get(HOST_FILES["host_mem_pb"]),
         session_dir=os.path.dirname(anchor) if anchor else None,
         activities=activities,
-        traces=[TraceEntry(path=p, size=_size(p)) for p in ntffs],
+        traces=[TraceEntry(path=p, size=sizes[p]) for p in ntffs],
     )

@@ -6,15 +6,20 @@ The order is the contract:
    server is launched, so it survives a launch or compile failure;
 2. the server is launched in its own process group, logging to ``logs/serve.log``, and
    polled on ``/v1/models``;
-3. the recipe runs in profiling windows: each window's trace is checked for the phase
-   before it is accepted, and a window that missed it is set aside (``windows/``) and the
-   workload runs again, up to ``max_windows`` per launch (a decode capture may also
-   relaunch once with the decode-only connector);
+3. the recipe runs in profiling windows (`windows`): each window's trace is checked for
+   the phase before it is accepted, and a window that missed it is set aside
+   (``windows/``) and the workload runs again, up to ``max_windows`` per launch (a decode
+   capture may also relaunch once with the decode-only connector);
 4. from a ``finally`` block, whatever happened (an error, Ctrl-C, SIGTERM): an owed
    ``/stop_profile`` is sent, ``manifest.json`` is written, the server's process group is
    torn down, and the manifest is rewritten with the teardown record, the artifacts found
    and the validation result. A second Ctrl-C during that block is ignored, so a capture
    cannot leak a device-holding server by being interrupted twice.
+
+The run directory is a store, and the capture reads, lists and moves its files through it.
+The two directories another program writes its own files into, the profiler's ``output/``
+and the server's ``logs/``, are handed out by the store's door (`Store.local_output`) for as
+long as a server may write there.
 """
 
 from __future__ import annotations
@@ -26,7 +31,6 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
@@ -36,7 +40,15 @@ from vllm_neuron.version import __version__
 
 from . import artifacts as artifacts_mod
 from .client import HTTPFailure, VllmClient
-from .layout import RunLayout, default_run_name
+from .layout import (
+    LOGS_DIR,
+    OUTPUT_DIR,
+    SERVE_LOG,
+    SERVE_LOG_NAME,
+    RunLayout,
+    attempt_log_key,
+    default_run_name,
+)
 from .lifecycle import ReadyTimeout, ServerExited, ServerProcess
 from .options import (
     FALLBACK_MODES,
@@ -51,19 +63,10 @@ from .recipes import (
     ProfilerControl,
     RecipeFailed,
     RecipeResult,
-    WindowMissed,
     decode_isolation,
     prefill_isolation,
 )
-from .run_record import (
-    Attempt,
-    ProfileManifest,
-    Teardown,
-    Validation,
-    Window,
-    profile_from_artifacts,
-    write_manifest,
-)
+from .run_record import Attempt, ProfileManifest, Teardown, Validation, write_manifest
 from .run_spec import (
     DECODE,
     DEFAULT_MODEL_ENV,
@@ -80,7 +83,8 @@ from .run_spec import (
 )
 from .signals import Interrupted, shielded, signals_interrupt
 from .trace import TraceError, read_trace
-from .validate import check_phase_traces, validate_run
+from .validate import validate_run
+from .windows import Windows
 
 __all__ = ["CaptureOptions", "CaptureResult", "run_capture"]
 
@@ -104,7 +108,7 @@ class _Run:
         self.settings = load_profiling_settings(project_root=opts.project_root)
         self.run_name = opts.run_name or default_run_name(PHASES[self.recipe])
         self.layout = RunLayout.for_run(self.settings.project_root, self.run_name)
-        if os.path.exists(self.layout.run_dir) and os.listdir(self.layout.run_dir):
+        if open_store(self.layout.run_dir, create=False).list_dir(""):
             raise ValueError(
                 f"run directory {self.layout.run_dir} already exists; choose another --run-name"
             )
@@ -115,10 +119,12 @@ class _Run:
             raise ValueError(f"max_windows (--max-windows) must be at least 1, got "
                              f"{opts.max_windows}")
         self.workload = build_workload(opts, self.recipe)
-        self.serve_config = build_serve_config(opts, self.profiler, self.layout, self.recipe)
-        os.makedirs(self.layout.output_dir, exist_ok=True)
-        os.makedirs(os.path.dirname(self.layout.serve_log), exist_ok=True)
         self.store = open_store(self.layout.run_dir)
+        self.doors = contextlib.ExitStack()  # closed once the last server is gone
+        self.output_dir = self.doors.enter_context(self.store.local_output(OUTPUT_DIR))
+        logs = self.doors.enter_context(self.store.local_output(LOGS_DIR))
+        self.serve_log = os.path.join(logs, SERVE_LOG_NAME)
+        self.serve_config = build_serve_config(opts, self.profiler, self.output_dir)
         self.started_at = utc_now()
         self.t0 = time.monotonic()
         self.status = "running"
@@ -128,9 +134,10 @@ class _Run:
         self.server: ServerProcess | None = None
         self.control: ProfilerControl | None = None
         self.attempts: list[Attempt] = []
-        self.windows: list[Window] = []
+        self.windows = Windows(self.store, self.layout.run_dir, self.output_dir,
+                               profiler=self.profiler, phase=PHASES[self.recipe],
+                               limit=opts.max_windows, log=log)
         self.kv_transfer: KVTransfer | None = None
-        self.result = RecipeResult()
         self.timings: dict[str, float] = {}
         self.versions: dict[str, str | None] = {
             "vllm_neuron": _own_version(),
@@ -171,7 +178,7 @@ class _Run:
         self.stage = "launch"
         self.log(f"launching (attempt {attempt}): {' '.join(argv)}")
         self.server = ServerProcess.launch(
-            argv, env=env, cwd=self.settings.vllm_neuron_dir, log_path=self.layout.serve_log
+            argv, env=env, cwd=self.settings.vllm_neuron_dir, log_path=self.serve_log
         )
         self.log(f"server pid {self.server.pid}, process group {self.server.pgid}; "
                  f"log {self.layout.serve_log}")
@@ -198,10 +205,11 @@ class _Run:
         while True:
             self.launch(attempt)
             assert self.server is not None and self.control is not None
+            assert self.spec is not None
             self.stage = "capture"
             t = time.monotonic()
             try:
-                self.capture_windows(attempt)
+                self.windows.capture(attempt, self.control, self.spec, self.run_recipe)
             except NeedsFallback as exc:
                 if self.opts.decode_fallback == "never" or self.kv_transfer is not None:
                     raise RecipeFailed(f"decode arming never fired: {exc.reason}") from None
@@ -217,43 +225,6 @@ class _Run:
             self.status = "ok"
             return
 
-    # -- profiling windows -----------------------------------------------------------------
-    def capture_windows(self, attempt: int) -> None:
-        """Run windows until one's trace holds the phase, at most ``max_windows``.
-
-        Raises `RecipeFailed` naming the setting when every window missed; the last
-        window's files stay in ``output/`` so validation reports what was recorded.
-        """
-        limit = self.opts.max_windows
-        last = ""
-        for window in range(1, limit + 1):
-            self.result = RecipeResult()
-            assert self.control is not None
-            self.control.timings = {}
-            try:
-                self.result = self.run_recipe(window)
-            except WindowMissed as exc:
-                last = exc.reason
-                self.log(f"profiling window {window} of {limit} missed: {exc.reason}")
-                self.windows.append(self._window(attempt, window, "missed", exc.reason))
-                continue
-            failures, traces, steps = self.check_window()
-            if not failures:
-                self.windows.append(
-                    self._window(attempt, window, "captured", "", traces, steps))
-                if window > 1:
-                    self.log(f"profiling window {window} of {limit} captured the phase")
-                return
-            last = "; ".join(failures)
-            self.log(f"profiling window {window} of {limit} rejected: {last}")
-            kept = None if window == limit else self.layout.window_dir(attempt, window)
-            self.windows.append(
-                self._window(attempt, window, "rejected", last, traces, steps, kept))
-        raise RecipeFailed(
-            f"none of {limit} profiling windows recorded the {PHASES[self.recipe]} phase "
-            f"(max_windows {limit}; raise it with --max-windows); last: {last}"
-        )
-
     def run_recipe(self, window: int) -> RecipeResult:
         assert self.control is not None
         if self.recipe == PREFILL:
@@ -265,61 +236,16 @@ class _Run:
             self.control.client,
             self.control,
             self.workload,
-            log_path=self.layout.serve_log,
+            log_store=self.store,
+            log_key=SERVE_LOG,
             connector_mode=self.kv_transfer is not None,
             patience=self.opts.fallback_patience,
             tick_seconds=self.opts.stats_interval,
             request_timeout=self.opts.request_timeout,
             window=window,
             log=self.log,
-            on_armed=self._armed,
+            on_armed=self.windows.armed,
         )
-
-    def check_window(self) -> tuple[list[str], list[str], dict[str, list[str]]]:
-        """The window just closed: its phase failures, its traces, their step names.
-
-        Only torch-profiler traces can be read here: Neuron traces are flushed when the
-        workers exit, so a Neuron window is accepted as is and checked after teardown.
-        """
-        found = artifacts_mod.collect(self.layout.output_dir, self.profiler)
-        traces = [t.path for t in found.traces]
-        if self.profiler != artifacts_mod.TORCH:
-            return [], traces, {}
-        if not traces:
-            return ["the profiler wrote no trace for the window"], traces, {}
-        assert self.spec is not None
-        failures, steps = check_phase_traces(traces, self.spec, device_trace=found.device_trace)
-        return failures, traces, steps
-
-    def _window(
-        self,
-        attempt: int,
-        window: int,
-        outcome: str,
-        reason: str,
-        traces: list[str] | None = None,
-        steps: dict[str, list[str]] | None = None,
-        move_to: str | None = None,
-    ) -> Window:
-        """The window's record; with `move_to`, its files are moved there out of output/."""
-        traces = list(traces or [])
-        names = [name for path in traces for name in (steps or {}).get(path, [])]
-        if move_to is not None:
-            traces = _move_contents(self.layout.output_dir, move_to, traces)
-        return Window(
-            window=window,
-            attempt=attempt,
-            outcome=outcome,
-            reason=reason,
-            trigger=self.result.trigger,
-            traces=traces,
-            steps=names,
-            requests=dict(self.result.requests),
-            timings=dict(self.control.timings) if self.control is not None else {},
-        )
-
-    def _armed(self, trigger: dict[str, Any]) -> None:
-        self.result.trigger = trigger
 
     def _attempt_record(self, attempt: int, outcome: str, reason: str) -> Attempt:
         return Attempt(
@@ -333,22 +259,16 @@ class _Run:
 
     def finish_attempt(self, attempt: int, outcome: str, reason: str) -> None:
         """Tear down a failed attempt's server and keep its log beside the next one."""
-        kept = os.path.join(os.path.dirname(self.layout.serve_log), f"serve.attempt{attempt}.log")
+        kept = self.layout.attempt_log(attempt)
         with shielded(self.log, reraise=True):  # a Ctrl-C here ends the run after teardown
             self.teardown()
         with contextlib.suppress(OSError):
-            os.replace(self.layout.serve_log, kept)
+            self.store.rename(SERVE_LOG, attempt_log_key(attempt))
         record = self._attempt_record(attempt, outcome, reason)
         self.attempts.append(msgspec.structs.replace(record, serve_log=kept))
         # Nothing was armed in this attempt, but clear the output so only one session
         # (the fallback's) can be found there.
-        for name in os.listdir(self.layout.output_dir):
-            path = os.path.join(self.layout.output_dir, name)
-            if os.path.isdir(path):
-                shutil.rmtree(path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
+        self.windows.clear()
 
     # -- the finally block -----------------------------------------------------------------
     def stop_owed_profile(self) -> None:
@@ -380,7 +300,8 @@ class _Run:
         self.server = None
 
     def manifest(self, *, final: bool, validation: Validation | None = None) -> ProfileManifest:
-        found = artifacts_mod.collect(self.layout.output_dir, self.profiler)
+        activities = self.opts.activities if self.profiler == artifacts_mod.NEURON else []
+        found = artifacts_mod.collect(self.output_dir, self.profiler, activities=activities)
         executed: list[str] = []
         if self.profiler == artifacts_mod.TORCH and found.device_trace and final:
             with contextlib.suppress(TraceError, OSError):
@@ -399,13 +320,10 @@ class _Run:
             run_dir=self.layout.run_dir,
             run_spec=self.layout.run_spec,
             serve_log=self.layout.serve_log,
-            profile=profile_from_artifacts(
-                found,
-                list(self.opts.activities) if self.profiler == artifacts_mod.NEURON else [],
-            ),
+            profile=found,
             neff_hashes=found.neff_hashes,
             executed_graphs=executed,
-            trigger=self.result.trigger,
+            trigger=self.windows.result.trigger,
             fallback=(
                 {"kv_transfer_config": self.kv_transfer.config, "reason": self.kv_transfer.reason}
                 if self.kv_transfer is not None
@@ -413,8 +331,8 @@ class _Run:
             ),
             attempts=list(self.attempts),
             max_windows=self.opts.max_windows,
-            windows=list(self.windows),
-            requests=self.result.requests,
+            windows=list(self.windows.records),
+            requests=self.windows.result.requests,
             timings=timings,
             versions=dict(self.versions),
             teardown=self.teardowns[-1] if self.teardowns else None,
@@ -427,16 +345,6 @@ class _Run:
         self.status = status
         self.error = error
         self.failed_stage = self.stage
-
-
-def _move_contents(src: str, dest: str, paths: list[str]) -> list[str]:
-    """Move everything under `src` into `dest`; returns where `paths` (under src) went."""
-    names = os.listdir(src)
-    if names:
-        os.makedirs(dest, exist_ok=True)
-    for name in names:
-        shutil.move(os.path.join(src, name), os.path.join(dest, name))
-    return [os.path.join(dest, os.path.relpath(p, src)) for p in paths]
 
 
 def _own_version() -> str:
@@ -478,6 +386,7 @@ def run_capture(
                     say(f"cleanup step {step.__name__} failed: {exc}")
             # Written before cleanup (above), so even a teardown that never returns leaves one.
             run.teardown()
+            run.doors.close()  # no server writes there any more
             write_manifest(run.store, run.manifest(final=True))
             report = validate_run(run.layout.run_dir)
             validation = Validation(ok=report.ok, failures=report.failures, notes=report.notes)

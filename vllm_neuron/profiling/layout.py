@@ -17,7 +17,9 @@ from dataclasses import dataclass
 ARTIFACTS_DIR = "agent_artifacts"
 RUN_SPEC_FILE = "run_spec.json"
 MANIFEST_FILE = "manifest.json"
-SERVE_LOG = "logs/serve.log"
+LOGS_DIR = "logs"
+SERVE_LOG_NAME = "serve.log"
+SERVE_LOG = f"{LOGS_DIR}/{SERVE_LOG_NAME}"
 OUTPUT_DIR = "output"
 WINDOWS_DIR = "windows"
 
@@ -46,6 +48,16 @@ def artifacts_root(project_root: str) -> str:
 
 def models_dir(project_root: str) -> str:
     return os.path.join(artifacts_root(project_root), "models")
+
+
+def window_key(attempt: int, window: int) -> str:
+    """The run-store key of a rejected window's files: outside ``output/``, never mixed."""
+    return f"{WINDOWS_DIR}/attempt{attempt}-window{window}"
+
+
+def attempt_log_key(attempt: int) -> str:
+    """The run-store key an earlier launch's server log is kept under (decode fallback)."""
+    return f"{LOGS_DIR}/serve.attempt{attempt}.log"
 
 
 def bench_dir(project_root: str, run_name: str) -> str:
@@ -82,4 +94,7 @@ class RunLayout:
 
     def window_dir(self, attempt: int, window: int) -> str:
         """Where a rejected window's files are kept: outside ``output/``, never mixed."""
-        return os.path.join(self.run_dir, WINDOWS_DIR, f"attempt{attempt}-window{window}")
+        return os.path.join(self.run_dir, window_key(attempt, window))
+
+    def attempt_log(self, attempt: int) -> str:
+        return os.path.join(self.run_dir, attempt_log_key(attempt))

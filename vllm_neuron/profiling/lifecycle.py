@@ -34,6 +34,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import psutil
+
+from .files import file_store
+
 # A new process group (pgid == pid) in the launcher's session; see the module docstring.
 _OWN_PROCESS_GROUP: dict[str, Any] = (
     {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
@@ -74,38 +78,22 @@ def check_signalable_group(pgid: int) -> None:
 
 
 def group_members(pgid: int, *, include_zombies: bool = False) -> list[int]:
-    """Pids of the processes whose process group is `pgid` (from /proc)."""
+    """Pids of the processes whose process group is `pgid` (zombies only when asked).
+
+    psutil lists the processes (portably, where /proc parsing was Linux's alone);
+    `os.getpgid` names each one's group, since psutil has no accessor for it. A process
+    that exits while the list is read is simply not a member.
+    """
     members = []
-    try:
-        entries = os.listdir("/proc")
-    except OSError:  # pragma: no cover - no /proc: fall back to "is the leader alive"
-        return [pgid] if _alive(pgid) else []
-    for entry in entries:
-        if not entry.isdigit():
-            continue
+    for proc in psutil.process_iter(["status"]):
         try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
+            if os.getpgid(proc.pid) != pgid:
+                continue
+        except OSError:  # gone meanwhile (ProcessLookupError), or not ours to ask
             continue
-        # comm (field 2) may contain spaces and parentheses: split after the last ')'.
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) < 3:
-            continue
-        state, group = fields[0], int(fields[2])
-        if group == pgid and (include_zombies or state != b"Z"):
-            members.append(int(entry))
+        if include_zombies or proc.info["status"] != psutil.STATUS_ZOMBIE:
+            members.append(proc.pid)
     return sorted(members)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass
@@ -125,12 +113,18 @@ class TeardownRecord:
 
 
 class ServerProcess:
-    """A server launched in its own process group, with its output in a log file."""
+    """A server launched in its own process group, with its output in a log file.
+
+    The log is named by path (what the caller hands the server, e.g. through a store's
+    `local_output` door) and is written and read through the store of its directory: the
+    server's stdout is an append descriptor of that store, its tail is read back from it.
+    """
 
     def __init__(self, proc: subprocess.Popen[bytes], pgid: int, log_path: str) -> None:
         self.proc = proc
         self.pgid = pgid
         self.log_path = log_path
+        self._log = file_store(log_path)
         self.teardown_record: TeardownRecord | None = None
 
     @classmethod
@@ -142,17 +136,24 @@ class ServerProcess:
         cwd: str | None,
         log_path: str,
     ) -> ServerProcess:
-        os.makedirs(os.path.dirname(log_path) or ".", exist_ok=True)
-        with open(log_path, "ab") as log:
+        store, key = file_store(log_path, create=True)
+        # An O_APPEND descriptor, as a file opened in "ab" mode has: the server and every
+        # process it forks append their output; ours is closed once the child has its copy.
+        out = store.open_appender(key, truncate=False)
+        try:
+            if out.fileno() < 0:
+                raise ValueError(f"server log {log_path}: its store cannot append in place")
             proc = subprocess.Popen(
                 list(argv),
                 env=dict(env),
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
-                stdout=log,
+                stdout=out.fileno(),
                 stderr=subprocess.STDOUT,
                 **_OWN_PROCESS_GROUP,
             )
+        finally:
+            out.close()
         try:
             pgid = os.getpgid(proc.pid)
         except ProcessLookupError:  # already gone and reaped
@@ -169,8 +170,9 @@ class ServerProcess:
         return self.proc.poll()
 
     def log_tail(self, max_bytes: int = 4000) -> str:
+        store, key = self._log
         try:
-            with open(self.log_path, "rb") as f:
+            with store.open_read(key) as f:
                 f.seek(0, os.SEEK_END)
                 size = f.tell()
                 f.seek(max(0, size - max_bytes))

@@ -15,9 +15,7 @@ from typing import Any
 from vllm_neuron.envs import ProfilingSettings
 
 from . import artifacts as artifacts_mod
-from .layout import RunLayout
 from .run_spec import (
-    DECODE,
     DECODE_ONLY_CONNECTOR,
     DEFAULT_ACTIVITIES,
     DEFAULT_ENTRYPOINT,
@@ -103,14 +101,20 @@ def build_workload(opts: CaptureOptions, recipe: str) -> Workload:
         raise ValueError("decode isolation needs an output length of at least 2")
     if workload.num_requests < workload.concurrency:
         raise ValueError("num_requests must be at least the concurrency")
+    if (opts.max_num_seqs is not None and opts.concurrency
+            and opts.max_num_seqs < opts.concurrency):
+        raise ValueError(
+            f"--max-num-seqs {opts.max_num_seqs} is below the concurrency "
+            f"{opts.concurrency}: Running can never reach the target"
+        )
     return workload
 
 
-def build_serve_config(
-    opts: CaptureOptions, profiler: str, layout: RunLayout, recipe: str
-) -> ServeConfig:
+def build_serve_config(opts: CaptureOptions, profiler: str, output_dir: str) -> ServeConfig:
+    """The server's configuration, its profiler writing into `output_dir` (a real directory:
+    the capture hands the run store's ``output/`` to the server through the store's door)."""
     profiler_config, additional = profiler_settings(
-        profiler, layout.output_dir, activities=opts.activities
+        profiler, output_dir, activities=opts.activities
     )
     env = dict(opts.server_env)
     if opts.stats_interval is not None:
@@ -118,12 +122,6 @@ def build_serve_config(
     if profiler == artifacts_mod.NEURON:
         # At the 5 s default, workers die before the runtime flushes its system traces.
         env.setdefault("VLLM_NEURON_WORKER_TERMINATION_TIMEOUT", "60")
-    if (recipe == DECODE and opts.max_num_seqs is not None and opts.concurrency
-            and opts.max_num_seqs < opts.concurrency):
-            raise ValueError(
-                f"--max-num-seqs {opts.max_num_seqs} is below the concurrency "
-                f"{opts.concurrency}: Running can never reach the target"
-            )
     return ServeConfig(
         model=opts.model,
         served_model_name=opts.served_model_name,

@@ -42,6 +42,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from vllm_neuron.backends import Store
+
 from .client import VllmClient
 from .logfollow import LogFollower
 from .run_spec import Workload
@@ -171,7 +173,8 @@ def decode_isolation(
     profiler: ProfilerControl,
     workload: Workload,
     *,
-    log_path: str,
+    log_store: Store,
+    log_key: str,
     connector_mode: bool,
     patience: int,
     tick_seconds: float | None,
@@ -188,7 +191,7 @@ def decode_isolation(
     afterwards still records what armed it. Raises `WindowMissed` when the workload ended
     with every trigger withdrawn as stale (see the module docstring).
     """
-    follower = LogFollower(log_path)
+    follower = LogFollower(log_store, log_key)
     detector = FallbackDetector(
         workload.concurrency,
         patience=patience,

@@ -40,7 +40,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends import Store, register_upcaster
+from vllm_neuron.backends import Store, local_path_of, register_upcaster
 from vllm_neuron.backends.records import Document, RecordCodec, encode_document
 
 from .artifacts import NEURON, ProfileArtifacts
@@ -133,11 +133,6 @@ class ProfileManifest(Document, frozen=True, kw_only=True):
     validation: Validation | None = None
     started_at: str = ""
     finished_at: str = ""
-
-
-def profile_from_artifacts(found: ProfileArtifacts, activities: list[str]) -> ProfileArtifacts:
-    """`found` recording `activities` (for a caller that did not pass them to `collect`)."""
-    return msgspec.structs.replace(found, activities=list(activities))
 
 
 class PluginProfile(msgspec.Struct, frozen=True, kw_only=True):
@@ -238,5 +233,5 @@ def read_manifest(store: Store) -> ProfileManifest | None:
     data = store.read(MANIFEST_FILE)
     if data is None:
         return None
-    where = store.local_path("") or store.url
+    where = local_path_of(store.url) or store.url  # the run directory, for a local store
     return decode_manifest(data, where, source=f"{where.rstrip('/')}/{MANIFEST_FILE}")

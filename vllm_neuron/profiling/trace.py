@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import msgspec
 
+from .files import file_store
+
 STEP_PATTERN = re.compile(
     r"^execute_(?:(?P<total>\d+)_)?"
     r"context_(?P<ctx_reqs>\d+)\((?:sq)?(?P<ctx_tokens>\d+)[^)]*\)_"
@@ -103,7 +105,8 @@ class TraceError(ValueError):
 def read_trace(path: str) -> TraceSummary:
     """The annotated steps (in time order) and metadata of one torch-profiler trace."""
     try:
-        with open(path, "rb") as f:
+        store, key = file_store(path)
+        with store.open_read(key) as f:
             raw = f.read()
         if raw[:2] == b"\x1f\x8b":
             raw = gzip.decompress(raw)

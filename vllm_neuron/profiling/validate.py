@@ -27,10 +27,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-from vllm_neuron.backends import open_store
+from vllm_neuron.backends import local_root_missing, open_store
 from vllm_neuron.backends.records import RecordError
 
 from .artifacts import HOST_ACTIVITIES, NEURON, TORCH, ProfileArtifacts, collect
+from .files import file_size
 from .layout import MANIFEST_FILE, RUN_SPEC_FILE
 from .run_record import STATUS_UNRECORDED, ProfileManifest, decode_manifest
 from .run_spec import DECODE, MAX_ITERATIONS, PREFILL, RunSpec, decode_run_spec
@@ -52,9 +53,8 @@ class ValidationReport:
 def _file_problem(label: str, path: str | None) -> str | None:
     if not path:
         return f"{label} is null: no such artifact was written"
-    try:
-        size = os.path.getsize(path)
-    except OSError:
+    size = file_size(path)
+    if size is None:
         return f"{label} {path} does not exist"
     if size == 0:
         return f"{label} {path} is zero bytes"
@@ -82,7 +82,7 @@ def _load(run_dir: str, report: ValidationReport) -> tuple[RunSpec | None, Profi
 def validate_run(run_dir: str) -> ValidationReport:
     run_dir = os.path.abspath(run_dir)
     report = ValidationReport(run_dir)
-    if not os.path.isdir(run_dir):
+    if local_root_missing(run_dir):
         report.failures.append(f"{run_dir} is not a directory")
         return report
     spec, manifest = _load(run_dir, report)
@@ -126,7 +126,7 @@ def _check_neuron(profile: ProfileArtifacts, report: ValidationReport) -> None:
                 problem + " (workers killed before the runtime flushed its buffers? "
                 "set VLLM_NEURON_WORKER_TERMINATION_TIMEOUT=60)"
             )
-    if not profile.neff_dir or not os.path.isdir(profile.neff_dir):
+    if not profile.neff_dir or local_root_missing(profile.neff_dir):
         report.failures.append(
             f"NEFF directory {profile.neff_dir or '(null)'} is missing: Neuron Explorer cannot "
             "render the device profile without it"
@@ -141,9 +141,8 @@ def _check_host_files(profile: ProfileArtifacts, report: ValidationReport) -> No
             if activity in requested:
                 report.failures.append(f"{key}: {activity} was requested but no file was written")
             continue
-        try:
-            size = os.path.getsize(path)
-        except OSError:
+        size = file_size(path)
+        if size is None:
             report.failures.append(f"{key} {path} does not exist")
             continue
         if size > 0:
