@@ -71,6 +71,12 @@ class Lock(ABC):
         """Fencing token: strictly increases with every new holder (0 for kernel locks)."""
         return 0
 
+    @property
+    def took_over_from(self) -> str | None:
+        """The previous holder whose lease had expired unreleased when this one took it
+        (a holder that died); None when the lock was free. Kernel locks cannot tell."""
+        return None
+
     def check(self) -> None:  # noqa: B027 - kernel locks cannot be lost while held
         """Raise `LeaseLost` if this holder no longer owns the lock."""
 
@@ -131,6 +137,7 @@ class LeaseLock(Lock):
         self._generation = 0
         self._held = False
         self._lost = False
+        self._took_over_from: str | None = None
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -164,6 +171,9 @@ class LeaseLock(Lock):
             latest, record = self._latest()
             free = latest == 0 or (record is not None and record.free(time.time()))
             if free and self.store.create(self._key(latest + 1), self._record(latest + 1)):
+                self._took_over_from = None
+                if record is not None and not record.released:  # expired, not let go
+                    self._took_over_from = record.owner or "an unreadable lease"
                 self._on_acquired(latest + 1)
                 return
             if deadline is not None and time.monotonic() >= deadline:
@@ -232,3 +242,7 @@ class LeaseLock(Lock):
     @property
     def generation(self) -> int:
         return self._generation
+
+    @property
+    def took_over_from(self) -> str | None:
+        return self._took_over_from

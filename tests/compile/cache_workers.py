@@ -42,6 +42,7 @@ HELD = "held"  # in a hold_dir: the held compile's pid
 RESUME = "resume"  # in a hold_dir: created by the test to let the held compile go on
 WAITING = "waiting-"  # in a waiting_dir: waiting-<pid>, written just before a lock wait
 COMPILING = "compiling-"  # in a rendezvous_dir: compiling-<key>, one per running compile
+FLEET_WAITING = "fleet-waiting-"  # in a fleet_wait_dir: a process polling the remote
 SAFETY = 600.0  # seconds; a handshake that takes this long is a hang, not a slow machine
 
 
@@ -151,6 +152,23 @@ def _announce_lock_waits(store: Any, waiting_dir: str) -> None:
     store.lock = lock
 
 
+def _announce_fleet_waits(cache: Any, fleet_wait_dir: str) -> None:
+    """Write ``<fleet_wait_dir>/fleet-waiting-<pid>`` when this process looks at the remote
+    for the second time on one miss: the first look is the plain fetch, every later one is
+    a poll while another node holds the key's remote lease. A test then knows by a file
+    that this process is waiting on the fleet."""
+    real_fetch = cache.fetch_remote
+    looks = {"n": 0}
+
+    def fetch_remote(key: str) -> Any:
+        looks["n"] += 1
+        if looks["n"] == 2:
+            _touch(os.path.join(fleet_wait_dir, f"{FLEET_WAITING}{os.getpid()}"))
+        return real_fetch(key)
+
+    cache.fetch_remote = fetch_remote
+
+
 def _rendezvous(rendezvous_dir: str, key: str, parties: int) -> None:
     """Announce a compile of `key`, then wait until compiles of `parties` different keys
     are running at once: if different keys contended, this would never return."""
@@ -197,29 +215,40 @@ def run_get(args: Mapping[str, Any]) -> dict[str, Any]:
         timeout=float(args.get("timeout", 120)),
         lease_duration=float(args.get("lease_duration", 30)),
         precompiled_only=bool(args.get("precompiled_only", False)),
+        remote_options=args.get("remote_options"),
+        remote_write=args.get("remote_write", "auto"),
+        remote_lease_seconds=float(args.get("remote_lease_seconds", 30)),
+        compile_retry_after=float(args.get("compile_retry_after", 300)),
     )
+    if args.get("fleet_wait_dir"):
+        _announce_fleet_waits(cache, args["fleet_wait_dir"])
     key = args["key"]
     _wait_for_go(args.get("barrier_dir"))
     t0 = time.time()
-    try:
-        result = cache.get_or_compile(
-            key,
-            lambda out: fake_compile(
-                out,
-                key=key,
-                delay=float(args.get("delay", 0)),
-                marker_dir=args.get("marker_dir"),
-                fail=args.get("fail"),
-                hold_dir=args.get("hold_dir"),
-            ),
+
+    def compile_fn(out: str) -> dict[str, Any]:
+        if args.get("rendezvous_dir"):
+            _rendezvous(args["rendezvous_dir"], key, int(args["rendezvous"]))
+        return fake_compile(
+            out,
+            key=key,
+            delay=float(args.get("delay", 0)),
+            marker_dir=args.get("marker_dir"),
+            fail=args.get("fail"),
+            hold_dir=args.get("hold_dir"),
         )
+
+    try:
+        result = cache.get_or_compile(key, compile_fn)
     except Exception as exc:  # reported to the test, which asserts on it
         return {"ok": False, "error_type": type(exc).__name__, "error": str(exc),
-                "started": t0, "finished": time.time(), "pid": os.getpid()}
+                "started": t0, "finished": time.time(), "pid": os.getpid(),
+                "local_dir": cache.local_dir}
     assert result.path is not None
     return {
         "ok": True,
         "source": result.source,
+        "local_dir": cache.local_dir,
         "path": result.path,
         "wrong": entry_is_right(result.path, key),
         "started": t0,
@@ -313,6 +342,29 @@ def parse_result(stdout: str) -> dict[str, Any]:
         if line.startswith(RESULT_PREFIX):
             return dict(json.loads(line[len(RESULT_PREFIX):]))
     raise AssertionError(f"no result line in worker output:\n{stdout}")
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """The test's environment without the cache settings a developer may have exported."""
+    env = dict(os.environ)
+    for name in ("NEURON_LIBTORCH_REMOTE_CACHE", "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE",
+                 "VLLM_NEURON_DISABLE_WARMUP_COMPILE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES",
+                 "VLLM_NEURON_REMOTE_WRITE"):
+        env.pop(name, None)
+    env.update(extra)
+    return env
+
+
+def finish_workers(procs: list[Any], timeout: float = SAFETY) -> list[dict[str, Any]]:
+    """Every worker's result, in order; a worker that exits non-zero fails the test."""
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=timeout)
+        assert p.returncode == 0, f"worker exited {p.returncode}:\n{out}\n{err}"
+        result = parse_result(out)
+        result["stderr"] = err
+        results.append(result)
+    return results
 
 
 def worker_command(mode: str, args: Mapping[str, Any]) -> list[str]:

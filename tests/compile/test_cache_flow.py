@@ -33,6 +33,7 @@ from vllm_neuron.compile.entry import (
     encode_record,
 )
 from vllm_neuron.compile.events import read_stats
+from vllm_neuron.compile.inventory import verify_entry
 from vllm_neuron.compile.quarantine import QUARANTINE_DIR
 
 KEY = "0123456789abcdef0123456789abcdef"
@@ -296,8 +297,9 @@ def test_corrupt_local_entry_is_refetched_from_the_remote(
 
 
 @pytest.mark.parametrize("damage", [truncate, alter], ids=["truncated", "altered"])
+@pytest.mark.parametrize("remote_write", ["auto", "off"])
 def test_corrupt_remote_entry_is_quarantined_and_compiled_locally(
-    tmp_path, compile_fn, cache_warnings, damage
+    tmp_path, compile_fn, cache_warnings, damage, remote_write
 ):
     node_a, node_b, remote = (str(tmp_path / n) for n in ("a", "b", "remote"))
     TwoTierCache(node_a).get_or_compile(KEY, compile_fn(KEY))
@@ -305,7 +307,8 @@ def test_corrupt_remote_entry_is_quarantined_and_compiled_locally(
     damage(os.path.join(remote, KEY, "graph.bin"))
 
     fn = Counter(compile_fn, KEY)
-    result = TwoTierCache(node_b, remote=remote).get_or_compile(KEY, fn)
+    node = TwoTierCache(node_b, remote=remote, remote_write=remote_write)
+    result = node.get_or_compile(KEY, fn)
     assert (result.source, fn.calls) == ("compiled", 1)
     assert entry_is_right(result.path, KEY) is None
     warnings = cache_warnings()
@@ -313,9 +316,15 @@ def test_corrupt_remote_entry_is_quarantined_and_compiled_locally(
     assert remote in warnings[0] and KEY in warnings[0] and "graph.bin" in warnings[0]
     if damage is alter:  # a 4 KiB file: the streaming path, checking BLAKE3
         assert "fails its BLAKE3 check" in warnings[0]
-    assert open_store(remote).published(KEY) is None  # withdrawn from the remote too
     assert not os.listdir(os.path.join(node_b, ".staging"))  # the bad copy was not kept
     assert read_stats(node_b).verification_failures == 1
+    if remote_write == "auto":
+        # The compile that replaced the corrupt entry was promoted: the remote is repaired.
+        assert read_stats(node_b).promotions == 1
+        assert entry_is_right(os.path.join(remote, KEY), KEY) is None
+        assert verify_entry(open_store(remote), KEY) is None
+        return
+    assert open_store(remote).published(KEY) is None  # withdrawn from the remote too
     # Re-promoting the good local entry repairs the remote tier.
     assert save_cache(node_b, remote, KEY) is True
 

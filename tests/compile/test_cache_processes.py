@@ -31,9 +31,10 @@ from cache_workers import (
     SAFETY,
     WAITING,
     entry_is_right,
-    parse_result,
+    finish_workers,
     release_barrier,
     worker_command,
+    worker_env,
 )
 
 from vllm_neuron.backends import open_store
@@ -42,26 +43,6 @@ from vllm_neuron.compile.entry import ENTRY_RECORD, decode_record
 from vllm_neuron.compile.events import Compiled, read_stats
 
 KEY = "5ca1ab1e5ca1ab1e5ca1ab1e5ca1ab1e"
-
-
-def _env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
-    for name in ("NEURON_LIBTORCH_REMOTE_CACHE", "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE",
-                 "VLLM_NEURON_DISABLE_WARMUP_COMPILE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES"):
-        env.pop(name, None)
-    env.update(extra)
-    return env
-
-
-def _finish(
-    procs: list[subprocess.Popen[str]], timeout: float = SAFETY
-) -> list[dict[str, Any]]:
-    results = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, f"worker exited {p.returncode}:\n{out}\n{err}"
-        results.append(parse_result(out))
-    return results
 
 
 class EntryPoller(threading.Thread):
@@ -128,14 +109,14 @@ def test_eight_processes_compile_one_graph_exactly_once(tmp_path):
     procs = [
         subprocess.Popen(
             worker_command("torch", {"model": "mlp_a", "barrier_dir": barrier}),
-            env=_env(VLLM_CACHE_ROOT=str(root), VLLM_NEURON_TOOLCHAIN="host",
+            env=worker_env(VLLM_CACHE_ROOT=str(root), VLLM_NEURON_TOOLCHAIN="host",
                      TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{i}")),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for i in range(8)
     ]
     release_barrier(barrier, 8, procs)
-    results = _finish(procs)
+    results = finish_workers(procs)
 
     cache_dir = str(root / "neuron" / "compile_cache")
     assert read_stats(cache_dir).compiles == 1
@@ -161,14 +142,14 @@ def test_two_graphs_compile_once_each_and_in_parallel(tmp_path):
             # keys contended for one lock, the first would wait forever (and fail).
             worker_command("torch", {"model": model, "barrier_dir": barrier,
                                      "rendezvous_dir": rendezvous, "rendezvous": 2}),
-            env=_env(VLLM_CACHE_ROOT=str(root), VLLM_NEURON_TOOLCHAIN="host",
+            env=worker_env(VLLM_CACHE_ROOT=str(root), VLLM_NEURON_TOOLCHAIN="host",
                      TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{i}")),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for i, model in enumerate(models)
     ]
     release_barrier(barrier, len(procs), procs)
-    results = _finish(procs)
+    results = finish_workers(procs)
 
     assert all(r["matches"] for r in results), results
     keys = {model: {k for r, m in zip(results, models, strict=True) if m == model
@@ -199,7 +180,7 @@ def _spawn_getters(tmp_path: Any, n: int, **args: Any) -> tuple[list[Any], str, 
             "barrier_dir": barrier, "hold_dir": str(tmp_path / "hold"),
             "waiting_dir": str(tmp_path / "waiting"), **args}
     procs = [
-        subprocess.Popen(worker_command("get", base), env=_env(), stdout=subprocess.PIPE,
+        subprocess.Popen(worker_command("get", base), env=worker_env(), stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
         for _ in range(n)
     ]
@@ -267,7 +248,7 @@ def test_sigkill_of_the_compiling_process_heals_itself(tmp_path, lock):
         assert _started(markers) == [victim]
         os.kill(victim, signal.SIGKILL)
         survivors = [p for p in procs if p.pid != victim]
-        results = _finish(survivors)
+        results = finish_workers(survivors)
         dead = next(p for p in procs if p.pid == victim)
         dead.wait(SAFETY)
         assert dead.returncode == -signal.SIGKILL
@@ -294,7 +275,7 @@ def test_a_failing_compile_reaches_every_waiter_promptly(tmp_path):
         # Every waiter is queued before the compile fails: each started waiting first.
         _hold_everyone(tmp_path, procs)
         open(os.path.join(str(tmp_path / "hold"), RESUME), "w").close()
-        results = _finish(procs)
+        results = finish_workers(procs)
     assert poller.observations == 0 and poller.problems == []
     assert len(_started(markers)) == 1  # the waiters did not retry the failing compile
     errors = sorted((r["error_type"], "the compiler said no" in r["error"]) for r in results)

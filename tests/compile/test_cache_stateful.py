@@ -9,12 +9,16 @@ step:
   complete, record-matching entry, or a corruption the model itself injected);
 * never a wrong artifact: every artifact handed out has the key's own bytes;
 * at most one compile per key per node, plus one per corruption that could force a
-  recompile on that node.
+  recompile on that node;
+* with VLLM_NEURON_REMOTE_WRITE=auto (compiles promote, coordinated by remote leases), at
+  most one compile per key in the whole fleet, plus one per corruption; a crash leaves an
+  expired remote lease behind, which the next compile of the key takes over.
 
 It runs on three pairs of tiers, with examples under the ``ci`` profile
 (tests/hypothesis_profiles.py) in proportion to what an example costs:
 
-* memory local tiers, a memory remote (S3's semantics: commit records, no rename): 400;
+* memory local tiers, a memory remote (S3's semantics: commit records, no rename): 400,
+  and 200 more with a read-only remote (VLLM_NEURON_REMOTE_WRITE=off);
 * local-disk local tiers (the production fast path of `lookup_local`: an entry is the
   directory ``<root>/<key>``, published by rename), a memory remote: 300;
 * local-disk local tiers and a remote on S3 (moto's S3 HTTP API on loopback): 25, of up
@@ -88,9 +92,10 @@ class Tiers:
 
 
 class TwoTierModel(RuleBasedStateMachine):
-    def __init__(self, tiers: Tiers | None = None) -> None:
+    def __init__(self, tiers: Tiers | None = None, remote_write: str = "auto") -> None:
         super().__init__()
         self.tiers = tiers or Tiers()
+        self.remote_write = remote_write
         self.remote_url = self.tiers.remote_url
         self.remote = open_store(self.remote_url)
         self.locals: list[Store] = [self.tiers.local(n) for n in range(NODES)]
@@ -101,12 +106,16 @@ class TwoTierModel(RuleBasedStateMachine):
         self.loaded: list[set[str]] = [set() for _ in range(NODES)]
         self.compiles = {(n, k): 0 for n in range(NODES) for k in KEYS}
         self.budget = {(n, k): 1 for n in range(NODES) for k in KEYS}
+        # Fleet-wide: one compile per key, plus one per event that can force another (a
+        # corruption, a holder that died); only when compiles promote (remote_write=auto).
+        self.fleet_budget = dict.fromkeys(KEYS, 1)
 
     def teardown(self) -> None:
         self.tiers.close()
 
     def _boot(self, node: int) -> TwoTierCache:
-        cache = TwoTierCache(self.locals[node], remote=self.remote_url, lease_duration=5.0)
+        cache = TwoTierCache(self.locals[node], remote=self.remote_url, lease_duration=5.0,
+                             remote_write=self.remote_write, remote_lease_seconds=5.0)
         # Each variant really runs on its backends.
         if self.tiers.disk_dir is not None:
             # lookup_local's fast path: entries are directories under this root.
@@ -161,6 +170,8 @@ class TwoTierModel(RuleBasedStateMachine):
             self.local_state[(node, key)] = GOOD
             if want == "compiled" and remote == CORRUPT:
                 self.remote_state[key] = ABSENT  # quarantined by the failed fetch
+            if want == "compiled" and self.remote_write == "auto":
+                self.remote_state[key] = GOOD  # promoted by the compiling node
         self.loaded[node].add(key)
 
     @rule(node=st.integers(0, NODES - 1), key=st.sampled_from(KEYS))
@@ -191,6 +202,7 @@ class TwoTierModel(RuleBasedStateMachine):
         self.locals[node].write(join(prefix, name), junk)
         self.local_state[(node, key)] = CORRUPT
         self.budget[(node, key)] += 1
+        self.fleet_budget[key] += 1
 
     @precondition(lambda self: any(s != ABSENT for s in self.local_state.values()))
     @rule(data=st.data())
@@ -211,6 +223,7 @@ class TwoTierModel(RuleBasedStateMachine):
         self.local_state[(node, key)] = ABSENT
         self.loaded[node].discard(key)
         self.budget[(node, key)] += 1
+        self.fleet_budget[key] += 1
 
     @precondition(lambda self: any(s != ABSENT for s in self.remote_state.values()))
     @rule(data=st.data())
@@ -230,6 +243,7 @@ class TwoTierModel(RuleBasedStateMachine):
         self.remote_state[key] = CORRUPT
         for n in range(NODES):
             self.budget[(n, key)] += 1
+        self.fleet_budget[key] += 1
 
     @rule(node=st.integers(0, NODES - 1), key=st.sampled_from(KEYS),
           where=st.sampled_from(["local", "remote"]))
@@ -238,8 +252,9 @@ class TwoTierModel(RuleBasedStateMachine):
         store = self.locals[node] if where == "local" else self.remote
         staging = store.stage(key)
         staging.write(FILES[0], expected(key, FILES[0])[:7])  # never committed
-        # A dead holder's kernel lock is gone with it; an expired lease stays behind.
-        if where == "local" and not store.capabilities.kernel_locks:
+        # A dead holder's kernel lock is gone with it; an expired lease stays behind (on
+        # the remote: the key's fleet lease, which the next compile of the key takes over).
+        if not store.capabilities.kernel_locks:
             locks = join(".locks", key)
             gens = [int(g) for g in store.list_dir(locks) if g.isdigit()]
             gen = max(gens, default=0) + 1
@@ -293,10 +308,19 @@ class TwoTierModel(RuleBasedStateMachine):
         for nk, count in self.compiles.items():
             assert count <= self.budget[nk], (nk, count, self.budget[nk])
 
+    @invariant()
+    def at_most_one_compile_per_key_in_the_fleet(self) -> None:
+        if self.remote_write != "auto":
+            return  # each node compiles on its own: the per-node budget is the bound
+        for key in KEYS:
+            count = sum(self.compiles[(n, key)] for n in range(NODES))
+            assert count <= self.fleet_budget[key], (key, count, self.fleet_budget[key])
 
-def _run(tiers: Callable[[], Tiers], examples_in_ci: int, steps: int = 30) -> None:
+
+def _run(tiers: Callable[[], Tiers], examples_in_ci: int, steps: int = 30,
+         remote_write: str = "auto") -> None:
     run_state_machine_as_test(
-        lambda: TwoTierModel(tiers()),
+        lambda: TwoTierModel(tiers(), remote_write),
         settings=settings(
             max_examples=examples(ci=examples_in_ci),
             stateful_step_count=steps,
@@ -308,6 +332,11 @@ def _run(tiers: Callable[[], Tiers], examples_in_ci: int, steps: int = 30) -> No
 
 def test_two_tier_model_in_memory() -> None:
     _run(Tiers, 400)
+
+
+def test_two_tier_model_in_memory_with_a_read_only_remote() -> None:
+    """VLLM_NEURON_REMOTE_WRITE=off: only explicit promotions fill the remote."""
+    _run(Tiers, 200, remote_write="off")
 
 
 def test_two_tier_model_on_local_disk(tmp_path: Path) -> None:

@@ -89,7 +89,9 @@ def test_an_old_event_segment_folds(tmp_path: Path) -> None:
     (tmp_path / EVENTS_STREAM / "old.jsonl").write_bytes(fixture("events.jsonl"))
     stats = read_stats(str(tmp_path))
     assert stats.skipped_lines == 0
-    assert (stats.hits, stats.misses, stats.compiles, stats.compile_failures) == (1, 1, 1, 1)
+    # The segment's fetch is a hit of the remote tier: two hits, one per tier.
+    assert (stats.hits, stats.misses, stats.compiles, stats.compile_failures) == (2, 1, 1, 1)
+    assert stats.hits_by_tier == {"local": 1, "remote": 1}
     assert (stats.fetches, stats.promotions, stats.verification_failures) == (1, 1, 1)
     assert stats.remote_outages == 1 and stats.lock_wait_seconds == 0.5
 

@@ -23,7 +23,7 @@ import os
 import socket
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -64,6 +64,8 @@ from .failures import (
     recent_failure,
     write_failure_note,
 )
+from .fleet import RemoteSingleFlight
+from .promote import promote_entry
 from .quarantine import quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
 
@@ -81,6 +83,10 @@ __all__ = [
 logger = logging.getLogger("vllm_neuron.compile")
 
 STAGING_MAX_AGE = 6 * 3600.0
+
+RemoteWrite = Literal["auto", "off"]
+"""VLLM_NEURON_REMOTE_WRITE: "auto" compiles once per fleet (remote leases, promotion after
+a compile); "off" leaves the remote read-only (promotion is `save_cache`)."""
 
 
 class CompileError(RuntimeError):
@@ -121,6 +127,9 @@ class TwoTierCache:
         target: str = "cpu",
         lease_duration: float = 30.0,
         remote_options: Mapping[str, Any] | None = None,
+        remote_write: RemoteWrite = "auto",
+        remote_lease_seconds: float = 30.0,
+        compile_retry_after: float = 300.0,
     ) -> None:
         if disabled and precompiled_only:
             raise ValueError(
@@ -134,6 +143,14 @@ class TwoTierCache:
         self.local_dir = self.local.url  # where the local tier is, for messages and tools
         self.remote_url = remote or None
         self._remote = RemoteTier(self.remote_url, remote_options or {}, self._record)
+        if remote_write not in ("auto", "off"):
+            raise ValueError(
+                f"VLLM_NEURON_REMOTE_WRITE must be auto or off, got {remote_write!r}"
+            )
+        self.remote_write: RemoteWrite = remote_write
+        self._fleet = RemoteSingleFlight(
+            self._remote, lease_seconds=remote_lease_seconds, retry_after=compile_retry_after,
+            record=self._record)  # fmt: skip
         self.timeout = timeout
         self.disabled = disabled
         self.precompiled_only = precompiled_only
@@ -276,6 +293,7 @@ class TwoTierCache:
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
     ) -> CacheResult:
         wait_start = time.time()
+        deadline = time.monotonic() + self.timeout
         lock = self.local.lock(key, lease_duration=self.lease_duration)
         t0 = time.perf_counter()
         try:
@@ -303,11 +321,11 @@ class TwoTierCache:
                     f"compile of {key} failed in process {failure.pid} on {failure.host}: "
                     f"{failure.error}"
                 )
-            self._record(CacheMiss(key=key, at=time.time()))
             fetched = self.fetch_remote(key)
             if fetched is not None:
                 return fetched
             if self.precompiled_only:
+                self._record(CacheMiss(key=key, at=time.time()))
                 where = f"the local cache {self.local_dir}"
                 if self.remote_url:
                     where += f" or the remote cache {self.remote_url}"
@@ -315,13 +333,32 @@ class TwoTierCache:
                     f"compile cache miss for {key} in {where}, and "
                     "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 forbids compiling at runtime"
                 )
-            return self._compile_and_publish(key, compile_fn, components)
+            if self.remote_write == "off":
+                return self._compile_and_publish(key, compile_fn, components)
+            return self._fleet.run(
+                key,
+                started=wait_start,
+                deadline=deadline,
+                fetch=lambda: self.fetch_remote(key),
+                compile_here=lambda: self._compile_and_publish(key, compile_fn, components),
+                promote=lambda remote: promote_entry(self.local, remote, key),
+                timeout_error=lambda: self._timeout(key, f"another node to compile {key}"),
+            )
         finally:
             lock.release()
+
+    def _timeout(self, key: str, what: str) -> TimeoutError:
+        return TimeoutError(
+            f"waited {self.timeout:g} s for {what} "
+            f"(NEURON_LIBTORCH_COMPILATION_TIMEOUT={self.timeout:g})"
+        )
 
     def _compile_and_publish(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
     ) -> CacheResult:
+        # A miss is a key that no tier could serve: counted here, when it is compiled, not
+        # before a fetch or a wait for another node (those end as hits of the remote).
+        self._record(CacheMiss(key=key, at=time.time()))
         record, seconds = compile_and_publish(
             self.local, key, compile_fn, components=components, toolchain=self.toolchain,
             target=self.target, on_failure=lambda exc: self._write_failure(key, exc))

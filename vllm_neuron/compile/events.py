@@ -7,7 +7,7 @@ never fails a compile.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from vllm_neuron.backends import Record, open_store
 
@@ -72,6 +72,24 @@ class VerificationFailed(Record, frozen=True, tag="verify_failed"):
     reason: str
 
 
+class LeaseWaited(Record, frozen=True, tag="lease_wait"):
+    """This node waited on the fleet: another node held the key's remote lease."""
+
+    key: str
+    at: float
+    seconds: float
+    outcome: str  # "fetched", "took-over", "failed-elsewhere", "remote-down", "timeout"
+
+
+class LeaseTakenOver(Record, frozen=True, tag="lease_takeover"):
+    """This process took a key's remote lease from a holder whose lease had expired."""
+
+    key: str
+    at: float
+    previous_owner: str
+    remote: str
+
+
 class RemoteUnavailable(Record, frozen=True, tag="remote_unavailable"):
     at: float
     remote: str
@@ -88,14 +106,23 @@ CACHE_EVENTS: tuple[type[Record], ...] = (
     Promoted,
     VerificationFailed,
     RemoteUnavailable,
+    LeaseWaited,
+    LeaseTakenOver,
 )
 
 
 @dataclass
 class CacheStats:
-    """What the cache did, folded from its events."""
+    """What the cache did, folded from its events.
+
+    ``hits`` counts every graph served without compiling here, by tier in
+    ``hits_by_tier``: "memory" (already loaded in the process), "local", and "remote" (a
+    fetch). A miss is a graph that no tier held when this process looked (it compiled it,
+    or failed).
+    """
 
     hits: int = 0
+    hits_by_tier: dict[str, int] = field(default_factory=dict)
     misses: int = 0
     compiles: int = 0
     compile_failures: int = 0
@@ -105,13 +132,16 @@ class CacheStats:
     remote_outages: int = 0
     compile_seconds: float = 0.0
     lock_wait_seconds: float = 0.0
+    lease_waits: int = 0
+    lease_wait_seconds: float = 0.0
+    lease_takeovers: int = 0
     fetch_seconds: float = 0.0
     time_saved_seconds: float = 0.0
     skipped_lines: int = 0
 
     def apply(self, event: Record) -> CacheStats:
         if isinstance(event, CacheHit):
-            self.hits += 1
+            self._hit(event.tier)
             self.time_saved_seconds += event.compile_seconds
         elif isinstance(event, CacheMiss):
             self.misses += 1
@@ -121,6 +151,7 @@ class CacheStats:
         elif isinstance(event, CompileFailed):
             self.compile_failures += 1
         elif isinstance(event, Fetched):
+            self._hit("remote")
             self.fetches += 1
             self.fetch_seconds += event.seconds
             self.time_saved_seconds += max(0.0, event.compile_seconds - event.seconds)
@@ -132,7 +163,16 @@ class CacheStats:
             self.verification_failures += 1
         elif isinstance(event, RemoteUnavailable):
             self.remote_outages += 1
+        elif isinstance(event, LeaseWaited):
+            self.lease_waits += 1
+            self.lease_wait_seconds += event.seconds
+        elif isinstance(event, LeaseTakenOver):
+            self.lease_takeovers += 1
         return self
+
+    def _hit(self, tier: str) -> None:
+        self.hits += 1
+        self.hits_by_tier[tier] = self.hits_by_tier.get(tier, 0) + 1
 
 
 def read_stats(cache_dir: str) -> CacheStats:

@@ -45,13 +45,18 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def write_failure_note(store: Store, key: str, error: str) -> FailureNote:
-    """Leave `error` for the waiters on `key`. Best-effort: a store that cannot take the
-    note costs the waiters a compile, never the failing process its real error."""
+def write_failure_note(store: Store, key: str, error: str) -> bool:
+    """Leave `error` for the waiters on `key`; False when the store refused the note.
+
+    Best-effort: a store that cannot take the note costs the waiters a compile, never the
+    failing process its real error.
+    """
     note = FailureNote(at=time.time(), error=error, pid=os.getpid(), host=socket.gethostname())
-    with contextlib.suppress(Exception):
+    try:
         store.write(_note_key(key), encode(note))
-    return note
+    except Exception:  # noqa: BLE001 - see above
+        return False
+    return True
 
 
 def recent_failure(store: Store, key: str, *, since: float) -> FailureNote | None:
@@ -64,5 +69,6 @@ def recent_failure(store: Store, key: str, *, since: float) -> FailureNote | Non
 
 
 def clear_failure_note(store: Store, key: str) -> None:
-    """Forget a key's failure (it compiled since)."""
-    store.delete(_note_key(key))
+    """Forget a key's failure (it compiled since). Best-effort, like the note itself."""
+    with contextlib.suppress(Exception):
+        store.delete(_note_key(key))

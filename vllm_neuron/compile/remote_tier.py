@@ -37,6 +37,7 @@ class RemoteTier:
         self._store: Store | None = None
         self._down_until = 0.0
         self._warned = False
+        self._read_only = False
 
     def store(self) -> Store | None:
         """The remote store, or None when unset or currently unreachable."""
@@ -62,6 +63,24 @@ class RemoteTier:
                 self.url,
                 exc,
             )
+
+    @property
+    def read_only(self) -> bool:
+        """True once a write was denied: the remote is then read from, never written."""
+        return self._read_only
+
+    def write_denied(self, exc: BaseException) -> None:
+        """A write to the remote was refused (permissions): go on as with
+        VLLM_NEURON_REMOTE_WRITE=off, with one warning."""
+        if self._read_only:
+            return
+        self._read_only = True
+        logger.warning(
+            "compile cache: the remote tier %s (NEURON_LIBTORCH_REMOTE_CACHE) refused a "
+            "write: %s; using it read-only, as with VLLM_NEURON_REMOTE_WRITE=off",
+            self.url,
+            exc,
+        )
 
 
 def fetch_entry(remote: Store, key: str, local: Store) -> EntryRecord | None:

@@ -1,0 +1,226 @@
+"""Compile once per fleet: nodes (separate local tiers) with several ranks each, on one
+shared remote (a folder, and S3 on moto's real HTTP API), started together.
+
+Each "rank" is a real process (cache_workers.run_get) with the fake compile, whose bytes
+say which key they belong to and which leaves a marker per compile *started*, so a test
+counts compiles across the fleet even for a process it killed. Every "meanwhile" is a
+handshake on files: the held compile says where it stopped (``hold_dir``), a process
+polling the remote for another node's compile says so (``fleet_wait_dir``); time limits
+only catch hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from typing import Any
+
+import pytest
+from cache_workers import (
+    FLEET_WAITING,
+    HELD,
+    RESUME,
+    SAFETY,
+    finish_workers,
+    worker_command,
+    worker_env,
+)
+
+from vllm_neuron.backends import open_store
+from vllm_neuron.compile.entry import ENTRY_RECORD
+from vllm_neuron.compile.events import read_stats
+from vllm_neuron.compile.inventory import verify_entries
+
+KEY = "f1ee7f1ee7f1ee7f1ee7f1ee7f1ee7aa"
+OTHER = "f1ee7f1ee7f1ee7f1ee7f1ee7f1ee7bb"
+
+
+@pytest.fixture(params=["folder", "s3"])
+def shared_remote(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
+    """The fleet's remote tier: where it is, and how a worker opens it.
+
+    The folder remote uses leases, not kernel locks, as on NFS or FSx: nodes share no
+    kernel there, and a lease is what expires when a holder dies.
+    """
+    if request.param == "folder":
+        return {"remote": str(tmp_path / "remote"), "remote_options": {"lock": "lease"}}
+    request.getfixturevalue("s3_env")  # AWS_ENDPOINT_URL for the workers
+    return {"remote": request.getfixturevalue("s3_store_url"), "remote_options": {}}
+
+
+def _spawn(tmp_path: Any, fleet: dict[str, Any], *, nodes: int, ranks: int,
+           key: str = KEY, **args: Any) -> list[subprocess.Popen[str]]:
+    """`nodes` x `ranks` getters, lined up at one barrier (released by the caller)."""
+    procs = []
+    for node in range(nodes):
+        for _ in range(ranks):
+            worker_args = {
+                "key": key,
+                "cache_dir": str(tmp_path / f"node{node}"),
+                "barrier_dir": str(tmp_path / "barrier"),
+                "marker_dir": str(tmp_path / "markers"),
+                "fleet_wait_dir": str(tmp_path / "fleet-waits"),
+                "timeout": SAFETY,
+                **fleet,
+                **args,
+            }
+            procs.append(subprocess.Popen(
+                worker_command("get", worker_args), env=worker_env(),
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def _go(tmp_path: Any, procs: list[subprocess.Popen[str]]) -> None:
+    from cache_workers import release_barrier
+
+    release_barrier(str(tmp_path / "barrier"), len(procs), procs)
+
+
+def _started(tmp_path: Any, marker: str = "markers") -> int:
+    path = tmp_path / marker
+    return len([n for n in os.listdir(path) if n.startswith("started-")]) if path.exists() else 0
+
+
+def _wait_for(predicate: Any, what: str, procs: list[subprocess.Popen[str]]) -> Any:
+    deadline = time.monotonic() + SAFETY
+    while True:
+        value = predicate()
+        if value:
+            return value
+        dead = [p for p in procs if p.poll() is not None and p.returncode != -signal.SIGKILL]
+        if dead:
+            out, err = dead[0].communicate()
+            raise AssertionError(f"a worker exited while waiting for {what}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.02)
+
+
+def _fleet_waiters(tmp_path: Any) -> list[str]:
+    path = tmp_path / "fleet-waits"
+    return [n for n in os.listdir(path) if n.startswith(FLEET_WAITING)] if path.exists() else []
+
+
+def _remote_store(fleet: dict[str, Any]) -> Any:
+    return open_store(fleet["remote"], create=False)
+
+
+def _node_stats(tmp_path: Any, nodes: int) -> list[Any]:
+    return [read_stats(str(tmp_path / f"node{n}")) for n in range(nodes)]
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_a_cold_fleet_compiles_a_graph_once(tmp_path, shared_remote):
+    procs = _spawn(tmp_path, shared_remote, nodes=4, ranks=2, delay=1.0)
+    _go(tmp_path, procs)
+    results = finish_workers(procs)
+
+    assert all(r["ok"] and r["wrong"] is None for r in results), results
+    assert _started(tmp_path) == 1  # compiles *started* in the whole fleet
+    sources = sorted(r["source"] for r in results)
+    assert sources.count("compiled") == 1, sources
+    assert set(sources) <= {"compiled", "remote", "local-after-wait"}, sources
+    remote = _remote_store(shared_remote)
+    assert remote.published(KEY) is not None  # promoted without a manual step
+    assert [(v.key, v.ok) for v in verify_entries(remote)] == [(KEY, True)]
+    stats = _node_stats(tmp_path, 4)
+    assert sum(s.compiles for s in stats) == 1
+    assert sum(s.promotions for s in stats) == 1
+    assert sum(s.hits_by_tier.get("remote", 0) for s in stats) == 3  # one fetch per other node
+    assert sum(s.misses for s in stats) == 1  # a fetch is a hit of the remote tier
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_two_graphs_are_compiled_once_each_and_at_the_same_time(tmp_path, shared_remote):
+    # A compile waits until the other key's compile is running too: if the two keys waited
+    # on each other anywhere in the fleet, this would hang (and the safety limit trips).
+    procs = []
+    for key, half in ((KEY, "a"), (OTHER, "b")):
+        procs += _spawn(tmp_path / half, shared_remote, nodes=4, ranks=1, key=key,
+                        barrier_dir=str(tmp_path / "barrier"),
+                        rendezvous_dir=str(tmp_path / "rendezvous"),
+                        rendezvous=2)
+    _go(tmp_path, procs)
+    results = finish_workers(procs)
+
+    assert all(r["ok"] and r["wrong"] is None for r in results), results
+    assert _started(tmp_path / "a") == 1 and _started(tmp_path / "b") == 1
+    remote = _remote_store(shared_remote)
+    assert remote.published(KEY) is not None and remote.published(OTHER) is not None
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_a_killed_holder_costs_one_lease_and_a_successor_finishes(tmp_path, shared_remote):
+    hold = tmp_path / "hold"
+    procs = _spawn(tmp_path, shared_remote, nodes=3, ranks=2, hold_dir=str(hold),
+                   remote_lease_seconds=2)
+    _go(tmp_path, procs)
+    holder_pid = int(_wait_for(lambda: (hold / HELD).exists() and (hold / HELD).read_text(),
+                               "a compile to stop half-way", procs))
+    # Every other node polls the remote for the held compile (its second rank queues on
+    # the node's lock): the kill lands while the fleet waits on the holder's lease.
+    _wait_for(lambda: len(_fleet_waiters(tmp_path)) >= 2, "the other nodes to wait", procs)
+    os.kill(holder_pid, signal.SIGKILL)
+
+    survivors = [p for p in procs if p.pid != holder_pid]
+    results = finish_workers(survivors)
+    assert [p for p in procs if p.pid == holder_pid][0].wait() == -signal.SIGKILL
+
+    assert all(r["ok"] and r["wrong"] is None for r in results), results
+    assert _started(tmp_path) == 2  # the killed compile and one successor's
+    stats = _node_stats(tmp_path, 3)
+    assert sum(s.compiles for s in stats) == 1
+    assert sum(s.lease_takeovers for s in stats) == 1
+    remote = _remote_store(shared_remote)
+    content = remote.published(KEY)
+    assert content is not None and remote.read(f"{content}/{ENTRY_RECORD}") is not None
+    assert [(v.key, v.ok) for v in verify_entries(remote)] == [(KEY, True)]
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_a_failed_compile_reaches_every_node_at_once_and_later_starts_during_cool_down(
+    tmp_path, shared_remote
+):
+    hold = tmp_path / "hold"
+    procs = _spawn(tmp_path, shared_remote, nodes=3, ranks=2, hold_dir=str(hold),
+                   fail="the compiler crashed")
+    _go(tmp_path, procs)
+    _wait_for(lambda: (hold / HELD).exists(), "a compile to stop half-way", procs)
+    _wait_for(lambda: len(_fleet_waiters(tmp_path)) >= 2, "the other nodes to wait", procs)
+    (hold / RESUME).touch()
+    results = finish_workers(procs)
+
+    # Nobody waited for the timeout (SAFETY, far away) and nobody compiled again.
+    assert not any(r["ok"] for r in results), results
+    assert {r["error_type"] for r in results} <= {"ValueError", "CompileError",
+                                                  "FleetCompileError"}, results
+    assert all("the compiler crashed" in r["error"] for r in results), results
+    assert sum(r["error_type"] == "FleetCompileError" for r in results) >= 2
+    assert _started(tmp_path) == 1
+
+    # A process that starts within the cool-down raises the recorded error, compiling
+    # nothing; once the cool-down is over (here: a zero cool-down) it compiles again.
+    later = _spawn(tmp_path / "later", shared_remote, nodes=1, ranks=1,
+                   marker_dir=str(tmp_path / "markers"))
+    _go(tmp_path / "later", later)
+    (again,) = finish_workers(later)
+    assert again["error_type"] == "FleetCompileError" and "the compiler crashed" in again["error"]
+    assert _started(tmp_path) == 1
+    retry = _spawn(tmp_path / "retry", shared_remote, nodes=1, ranks=1,
+                   marker_dir=str(tmp_path / "markers"), compile_retry_after=1e-6)
+    _go(tmp_path / "retry", retry)
+    (retried,) = finish_workers(retry)
+    assert retried["ok"] and retried["source"] == "compiled" and retried["wrong"] is None
+    assert _started(tmp_path) == 2
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_remote_write_off_is_the_node_alone_design(tmp_path, shared_remote):
+    procs = _spawn(tmp_path, shared_remote, nodes=2, ranks=1, remote_write="off")
+    _go(tmp_path, procs)
+    results = finish_workers(procs)
+    assert all(r["ok"] and r["source"] == "compiled" for r in results), results
+    assert _started(tmp_path) == 2  # each node compiles: the remote is read-only
+    assert _remote_store(shared_remote).published(KEY) is None

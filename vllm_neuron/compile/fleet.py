@@ -1,0 +1,195 @@
+"""Compile once per fleet: a key that no tier holds is compiled by one process in the fleet.
+
+Inside a node the ranks already queue on the key's local lock; the process that holds it
+comes here on a miss of both tiers. It takes the key's lease **on the remote store**
+(`Store.lock`: a fenced lease made of create-if-absent generation records on S3 and NFS, a
+kernel lock on a folder every node reaches through one kernel), compiles, publishes
+locally, promotes to the remote and lets the lease go. A process that finds the lease
+held waits for the remote commit, polling with backoff, and fetches it.
+
+Why this is safe without trusting the lease: publication on the remote is
+first-writer-wins (a rename that refuses a non-empty target, or an exclusive commit
+record), so a holder that was presumed dead and comes back late cannot replace what its
+successor published; it checks its lease (`Lock.check`, the fencing generation) before
+promoting or writing a failure note, to avoid the wasted upload and the false note.
+
+What a dead or failing compiler costs:
+
+* a holder that dies stops renewing its lease; one waiter takes the lease over when it
+  expires (`VLLM_NEURON_REMOTE_LEASE_SECONDS`) and compiles;
+* a compile that fails leaves a failure note on the remote (`failures.py`); waiters on
+  every node raise its error at once, and processes that start within the cool-down
+  (`VLLM_NEURON_COMPILE_RETRY_AFTER`) raise it too instead of compiling the same failing
+  graph again;
+* a remote that fails (unreachable, denied) is set aside by `RemoteTier` with one
+  warning, and the process compiles locally, as without a remote.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from vllm_neuron.backends import Lock, LockTimeout, Record, Store
+
+from .events import LeaseTakenOver, LeaseWaited
+from .failures import (
+    FailureNote,
+    clear_failure_note,
+    describe,
+    recent_failure,
+    write_failure_note,
+)
+from .remote_tier import RemoteTier
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+T = TypeVar("T")
+
+MAX_POLL_INTERVAL = 1.0
+"""The longest pause between two looks at the remote while another node compiles: the
+delay a finished compile can add to its waiters, against one small request per second."""
+
+
+class FleetCompileError(RuntimeError):
+    """The compile of a key failed elsewhere in the fleet (within the cool-down)."""
+
+
+def failure_message(key: str, note: FailureNote, remote: Store) -> str:
+    return (
+        f"compile of {key} failed in process {note.pid} on {note.host} "
+        f"(recorded in {remote.url}): {note.error}"
+    )
+
+
+class RemoteSingleFlight:
+    """One node's side of the fleet-wide protocol for one cache (see the module doc)."""
+
+    def __init__(
+        self,
+        tier: RemoteTier,
+        *,
+        lease_seconds: float,
+        retry_after: float,
+        record: Callable[[Record], None],
+    ) -> None:
+        self.tier = tier
+        self.lease_seconds = lease_seconds
+        self.retry_after = retry_after
+        self._record = record
+
+    def run(
+        self,
+        key: str,
+        *,
+        started: float,
+        deadline: float,
+        fetch: Callable[[], T | None],
+        compile_here: Callable[[], T],
+        promote: Callable[[Store], object],
+        timeout_error: Callable[[], Exception],
+    ) -> T:
+        """The artifacts of `key`: fetched from the remote once another node published
+        them, or compiled here (and promoted) when this process wins the key's lease.
+
+        `started` (epoch seconds) is when this process began waiting for `key`: a failure
+        recorded after it is this wait's failure. `deadline` (monotonic) bounds the wait.
+        """
+        remote = self.tier.store()
+        if remote is None or self.tier.read_only:
+            return compile_here()
+        lease = remote.lock(key, lease_duration=self.lease_seconds)
+        wait_start = time.perf_counter()
+        waited = False
+        delay = 0.05
+        while True:
+            try:
+                since = min(started, time.time() - self.retry_after)
+                note = recent_failure(remote, key, since=since)
+                if note is not None:
+                    self._waited(key, wait_start, waited, "failed-elsewhere")
+                    raise FleetCompileError(failure_message(key, note, remote))
+                lease.acquire(timeout=0)
+                break
+            except LockTimeout:
+                pass
+            except FleetCompileError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+                self.tier.failed(exc)
+                self._waited(key, wait_start, waited, "remote-down")
+                return compile_here()
+            waited = True
+            fetched = fetch()
+            if fetched is not None:
+                self._waited(key, wait_start, waited, "fetched")
+                return fetched
+            if self.tier.store() is None:  # the fetch found the remote down: go on alone
+                self._waited(key, wait_start, waited, "remote-down")
+                return compile_here()
+            now = time.monotonic()
+            if now >= deadline:
+                self._waited(key, wait_start, waited, "timeout")
+                raise timeout_error()
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 1.5, MAX_POLL_INTERVAL)
+        self._waited(key, wait_start, waited, "took-over" if waited else "free")
+        try:
+            previous = lease.took_over_from
+            if previous is not None:
+                self._record(LeaseTakenOver(key=key, at=time.time(), previous_owner=previous,
+                                            remote=remote.url))  # fmt: skip
+                logger.warning("compile cache: took over the compile of %s from %s, whose "
+                               "lease on %s expired", key, previous, remote.url)  # fmt: skip
+            fetched = fetch()  # published between our last look and the lease
+            if fetched is not None:
+                return fetched
+            try:
+                result = compile_here()
+            except Exception as exc:
+                self._note_failure(remote, lease, key, exc)
+                raise
+            self._promote(remote, lease, key, promote)
+            return result
+        finally:
+            self._let_go(lease)
+
+    # ---------------------------------------------------------------- parts
+    def _waited(self, key: str, since: float, waited: bool, outcome: str) -> None:
+        if waited:
+            self._record(LeaseWaited(key=key, at=time.time(),
+                                     seconds=time.perf_counter() - since, outcome=outcome))
+
+    def _note_failure(self, remote: Store, lease: Lock, key: str, exc: Exception) -> None:
+        try:
+            lease.check()
+        except Exception:  # noqa: BLE001 - taken over: the new holder's outcome counts
+            return
+        if not write_failure_note(remote, key, describe(exc)):
+            logger.warning("compile cache: could not record the failed compile of %s in %s",
+                           key, remote.url)
+
+    def _promote(
+        self, remote: Store, lease: Lock, key: str, promote: Callable[[Store], object]
+    ) -> None:
+        try:
+            lease.check()
+        except Exception as exc:  # noqa: BLE001 - fencing: a successor owns the key now
+            logger.warning("compile cache: compiled %s, but the lease on %s was taken over "
+                           "(%s); leaving the promotion to the new holder", key, remote.url, exc)
+            return
+        try:
+            promote(remote)
+            clear_failure_note(remote, key)
+        except PermissionError as exc:
+            self.tier.write_denied(exc)
+        except Exception as exc:  # noqa: BLE001 - the local entry serves this node anyway
+            self.tier.failed(exc)
+
+    def _let_go(self, lease: Lock) -> None:
+        try:
+            lease.release()
+        except Exception as exc:  # noqa: BLE001 - an unreleased lease expires by itself
+            logger.debug("compile cache: could not release a remote lease: %s", exc)
