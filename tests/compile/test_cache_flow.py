@@ -585,7 +585,8 @@ def test_a_remote_file_missing_from_a_published_entry_quarantines_it(
     assert result.source == "compiled"
     warnings = cache_warnings()
     assert len(warnings) == 1 and "w0.bin is missing" in warnings[0]
-    assert open_store(remote).published(KEY) is None
+    # Withdrawn, then replaced by the promotion of the node's compile: repaired.
+    assert verify_entry(open_store(remote), KEY) is None
 
 
 # ------------------------------------------------------- BLAKE3 and older records

@@ -7,13 +7,16 @@ The decision flow (docs/compile-cache.md), per key:
 3. re-check local: another process may have finished while we waited;
 4. a compile by the holder we waited for failed -> raise its error now, not at timeout;
 5. remote configured -> fetch, verify every checksum, publish locally;
-6. pre-compiled-only mode -> `RuntimeError`;
-7. compile into a staging directory, write the commit record last, publish atomically.
+6. pre-compiled-only mode -> `PrecompiledOnlyMiss`;
+7. remote writable (VLLM_NEURON_REMOTE_WRITE=auto) -> the fleet's single flight
+   (`fleet.py`): take the key's remote lease and go on to 8 then promote, or wait for the
+   node that holds it and fetch what it publishes;
+8. compile into a staging directory, write the commit record last, publish atomically.
 
-Correctness never rests on the lock: publication is first-writer-wins, so a holder that
-died (its kernel lock is dropped, its lease expires) only costs the next one a compile, and
-nothing half-built is ever visible. The remote tier is best-effort: when it fails, one
-warning, and the node carries on alone.
+Correctness never rests on a lock or a lease: publication is first-writer-wins, so a
+holder that died (its kernel lock is dropped, its lease expires) only costs the next one a
+compile, and nothing half-built is ever visible. The remote tier is best-effort: when it
+fails, one warning, and the node carries on alone.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import os
 import socket
 import time
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
@@ -42,7 +45,6 @@ from .entry import (
     ENTRY_RECORD,
     EntryProblem,
     EntryRecord,
-    check_checksums,
     decode_record,
     read_record,
 )
@@ -65,6 +67,8 @@ from .failures import (
     write_failure_note,
 )
 from .fleet import RemoteSingleFlight
+from .inventory import verify_entry
+from .outcomes import CacheResult, CompileError, PrecompiledOnlyMiss, RemoteWrite
 from .promote import promote_entry
 from .quarantine import quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
@@ -83,34 +87,6 @@ __all__ = [
 logger = logging.getLogger("vllm_neuron.compile")
 
 STAGING_MAX_AGE = 6 * 3600.0
-
-RemoteWrite = Literal["auto", "off"]
-"""VLLM_NEURON_REMOTE_WRITE: "auto" compiles once per fleet (remote leases, promotion after
-a compile); "off" leaves the remote read-only (promotion is `save_cache`)."""
-
-
-class CompileError(RuntimeError):
-    """The compile of a key failed (in this process or in the one we waited for)."""
-
-
-class PrecompiledOnlyMiss(RuntimeError):
-    """A miss in pre-compiled-only mode (VLLM_NEURON_DISABLE_WARMUP_COMPILE=1)."""
-
-
-class CacheResult(msgspec.Struct, frozen=True, gc=False):
-    """Where a key's artifacts are, and how they got there.
-
-    A frozen msgspec struct rather than a dataclass: one is built on every hit, and a
-    frozen dataclass's ``__init__`` alone costs as much as a `stat`.
-    """
-
-    key: str
-    path: str | None  # the entry's directory on local disk (None for a non-disk local tier)
-    record: EntryRecord
-    source: str  # "memory", "local", "local-after-wait", "remote", "compiled", "uncached"
-    seconds: float
-    prefix: str = ""  # where the entry's files are in the local store
-
 
 class TwoTierCache:
     """One node's view of the cache: a local store plus an optional remote store."""
@@ -420,20 +396,10 @@ class TwoTierCache:
         Runs under the key's lock, so it never withdraws an entry that a compile or fetch
         is replacing at that moment.
         """
-        lock = self.local.lock(key, lease_duration=self.lease_duration)
-        lock.acquire(timeout=self.timeout)
-        try:
-            prefix = self.local.published(key)
-            if prefix is None:
-                raise EntryProblem(f"{self.local_dir}/{key}: no such entry")
-            record = read_record(self.local, prefix)
-            if record.key != key:
-                raise EntryProblem(f"{self.local_dir}/{key}: record names key {record.key}")
-            check_checksums(self.local, prefix, record)
-        except EntryProblem as exc:
-            if self.local.published(key) is not None:
-                self.quarantine(self.local, key, str(exc), tier="local")
-            return str(exc)
-        finally:
-            lock.release()
-        return None
+        if self.local.published(key) is None:
+            return f"{self.local_dir}/{key}: no such entry"
+        with self.local.lock(key, lease_duration=self.lease_duration, timeout=self.timeout):
+            problem = verify_entry(self.local, key)
+            if problem is not None and self.local.published(key) is not None:
+                self.quarantine(self.local, key, problem, tier="local")
+        return problem

@@ -42,6 +42,7 @@ from .failures import (
     recent_failure,
     write_failure_note,
 )
+from .outcomes import CompileError
 from .remote_tier import RemoteTier
 
 logger = logging.getLogger("vllm_neuron.compile")
@@ -53,7 +54,7 @@ MAX_POLL_INTERVAL = 1.0
 delay a finished compile can add to its waiters, against one small request per second."""
 
 
-class FleetCompileError(RuntimeError):
+class FleetCompileError(CompileError):
     """The compile of a key failed elsewhere in the fleet (within the cool-down)."""
 
 
