@@ -1,6 +1,6 @@
 """The contract of the store operations domain code needs, run by every backend.
 
-`StoreContractTests` (``testing.py``) inherits these, so each backend's test class runs
+`StoreContractTests` (the ``testing`` package) inherits these, so each backend's test class runs
 them too: the hot-path reads and checks, digests, streamed writes, leftovers, the two
 doors to real directories, and the verified copy between this store and another one
 (local disk or memory, so both the kernel-copy and the streaming path are crossed).
