@@ -224,3 +224,39 @@ def test_remote_write_off_is_the_node_alone_design(tmp_path, shared_remote):
     assert all(r["ok"] and r["source"] == "compiled" for r in results), results
     assert _started(tmp_path) == 2  # each node compiles: the remote is read-only
     assert _remote_store(shared_remote).published(KEY) is None
+
+
+# ------------------------------------------------------------ real compiles (slow)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3 * SAFETY)
+def test_a_cold_fleet_compiles_a_real_inductor_graph_once(tmp_path, shared_remote):
+    """4 nodes x 2 ranks, each rank a process running ``torch.compile(backend="vllm_neuron")``
+    with its own Inductor cache (only our cache can save a compile): one compile in all."""
+    remote = shared_remote["remote"]
+    barrier = str(tmp_path / "barrier")
+    procs = [
+        subprocess.Popen(
+            worker_command("torch", {"model": "mlp_a", "barrier_dir": barrier}),
+            env=worker_env(VLLM_CACHE_ROOT=str(tmp_path / f"node{node}"),
+                           NEURON_LIBTORCH_REMOTE_CACHE=remote, VLLM_NEURON_TOOLCHAIN="host",
+                           TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{node}-{rank}")),
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for node in range(4)
+        for rank in range(2)
+    ]
+    _go(tmp_path, procs)
+    results = finish_workers(procs, timeout=2 * SAFETY)
+
+    assert all(r["matches"] for r in results), results
+    sources = sorted(s for r in results for s in r["sources"])
+    assert sources.count("compiled") == 1, sources
+    assert set(sources) <= {"compiled", "remote", "local-after-wait"}, sources
+    (key,) = {k for r in results for k in r["keys"]}
+    stats = [read_stats(str(tmp_path / f"node{n}" / "neuron" / "compile_cache"))
+             for n in range(4)]
+    assert sum(s.compiles for s in stats) == 1
+    assert sum(s.hits_by_tier.get("remote", 0) for s in stats) == 3
+    assert _remote_store(shared_remote).published(key) is not None
