@@ -21,6 +21,33 @@ from .samples import BINARY
 class FileContractTests:
     """Single-file behaviour of a `Store`. Subclasses supply a ``store`` fixture."""
 
+    # ----------------------------------------------------------------- rename
+    def test_rename_moves_a_file_and_replaces_the_destination(self, store: Store) -> None:
+        store.write("a/log.txt", b"first launch")
+        store.write("b/kept.txt", b"old")
+        assert store.rename("a/log.txt", "b/kept.txt") is True
+        assert store.read("b/kept.txt") == b"first launch"
+        assert store.read("a/log.txt") is None and not store.exists("a/log.txt")
+        assert store.rename("a/log.txt", "b/again.txt") is False  # nothing there any more
+        assert store.read("b/again.txt") is None
+
+    def test_rename_moves_a_directory_with_everything_under_it(self, store: Store) -> None:
+        files = {"w/trace.json": b"{}", "w/deep/ntff/0.ntff": BINARY, "w/empty": b""}
+        for key, data in files.items():
+            store.write(key, data)
+        store.write("other/untouched", b"x")
+        assert store.rename("w", "set-aside/w1") is True
+        assert sorted(store.list("set-aside")) == sorted(f"set-aside/w1/{k[2:]}" for k in files)
+        for key, data in files.items():
+            assert store.read(f"set-aside/w1/{key[2:]}") == data
+        assert store.list("w") == []
+        assert store.read("other/untouched") == b"x"
+
+    def test_rename_of_nothing_is_false_and_creates_nothing(self, store: Store) -> None:
+        assert store.rename("missing", "elsewhere") is False
+        assert store.rename("no/such/dir", "x/y") is False
+        assert store.list("") == []
+
     # ----------------------------------------------------------- read/write
     def test_read_missing_is_none(self, store: Store) -> None:
         assert store.read("missing") is None

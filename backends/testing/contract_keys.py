@@ -52,6 +52,8 @@ class KeyContractTests:
             "log": store.log,
             "sub": store.sub,
             "write_record": lambda k: store.write_record(k, OtherEvent(note="x")),
+            "rename from": lambda k: store.rename(k, "ok"),
+            "rename to": lambda k: store.rename("ok", k),
             "stage.write": lambda k: store.stage("ok").write(k, b"x"),
             "log writer": lambda k: store.log("ok", writer=k),
         }
