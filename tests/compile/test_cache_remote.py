@@ -7,13 +7,12 @@ server of its own so that stopping it cannot disturb other tests.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import time
 import uuid
 
 import pytest
-from cache_workers import entry_is_right, parse_result, release_barrier, worker_command
+from cache_workers import entry_is_right, free_port, parse_result, release_barrier, worker_command
 
 from vllm_neuron.backends import open_store
 from vllm_neuron.compile import save_cache
@@ -119,19 +118,13 @@ def test_fetch_from_s3_configured_through_the_environment(
         cache.get_or_compile(_keys(1)[0], compile_fn(_keys(1)[0]))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def test_remote_outage_mid_run_compiles_locally_with_one_warning(
     tmp_path, compile_fn, cache_warnings, s3_server
 ):
     import boto3
     from moto.server import ThreadedMotoServer
 
-    port = _free_port()
+    port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
@@ -172,7 +165,7 @@ def test_unreachable_remote_in_precompiled_only_mode_is_still_a_clear_miss(
 ):
     remote = "s3://nobody/cache"
     cache = TwoTierCache(str(tmp_path), remote=remote, precompiled_only=True,
-                         remote_options={"endpoint_url": f"http://127.0.0.1:{_free_port()}",
+                         remote_options={"endpoint_url": f"http://127.0.0.1:{free_port()}",
                                          "retries": 0})
     with pytest.raises(PrecompiledOnlyMiss, match="VLLM_NEURON_DISABLE_WARMUP_COMPILE"):
         cache.get_or_compile(KEY, compile_fn(KEY))

@@ -24,6 +24,7 @@ from cache_workers import (
     RESUME,
     SAFETY,
     finish_workers,
+    free_port,
     worker_command,
     worker_env,
 )
@@ -224,6 +225,40 @@ def test_remote_write_off_is_the_node_alone_design(tmp_path, shared_remote):
     assert all(r["ok"] and r["source"] == "compiled" for r in results), results
     assert _started(tmp_path) == 2  # each node compiles: the remote is read-only
     assert _remote_store(shared_remote).published(KEY) is None
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_an_s3_outage_mid_wait_sends_every_node_on_alone_with_one_warning(tmp_path, s3_server):
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    stopped = False
+    hold = tmp_path / "hold"
+    try:
+        boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="outage")
+        fleet = {"remote": "s3://outage/cache", "remote_options": {"endpoint_url": endpoint}}
+        procs = _spawn(tmp_path, fleet, nodes=3, ranks=2, hold_dir=str(hold))
+        _go(tmp_path, procs)
+        _wait_for(lambda: (hold / HELD).exists(), "a compile to stop half-way", procs)
+        _wait_for(lambda: len(_fleet_waiters(tmp_path)) >= 2, "the other nodes to wait", procs)
+        server.stop()
+        stopped = True
+        (hold / RESUME).touch()
+        results = finish_workers(procs)
+    finally:
+        if not stopped:
+            server.stop()
+
+    assert all(r["ok"] and r["wrong"] is None for r in results), results
+    assert _started(tmp_path) == 3  # each node went on alone: one compile per node
+    warned = [sum("s3://outage/cache" in line for line in r["stderr"].splitlines())
+              for r in results]
+    assert max(warned) == 1 and sum(warned) >= 3, [r["stderr"] for r in results]
+    assert sum(s.remote_outages for s in _node_stats(tmp_path, 3)) >= 3
 
 
 # ------------------------------------------------------------ real compiles (slow)

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from vllm_neuron.backends import Lock, LockTimeout, Record, Store
+from vllm_neuron.backends import LeaseLost, Lock, LockTimeout, Record, Store
 
 from .events import LeaseTakenOver, LeaseWaited
 from .failures import (
@@ -166,7 +166,10 @@ class RemoteSingleFlight:
     def _note_failure(self, remote: Store, lease: Lock, key: str, exc: Exception) -> None:
         try:
             lease.check()
-        except Exception:  # noqa: BLE001 - taken over: the new holder's outcome counts
+        except LeaseLost:
+            return  # taken over: the new holder's outcome counts
+        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+            self.tier.failed(exc)
             return
         if not write_failure_note(remote, key, describe(exc)):
             logger.warning("compile cache: could not record the failed compile of %s in %s",
@@ -177,9 +180,12 @@ class RemoteSingleFlight:
     ) -> None:
         try:
             lease.check()
-        except Exception as exc:  # noqa: BLE001 - fencing: a successor owns the key now
+        except LeaseLost as exc:  # fencing: a successor owns the key now
             logger.warning("compile cache: compiled %s, but the lease on %s was taken over "
                            "(%s); leaving the promotion to the new holder", key, remote.url, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+            self.tier.failed(exc)
             return
         try:
             promote(remote)
