@@ -181,6 +181,37 @@ def test_a_killed_holder_costs_one_lease_and_a_successor_finishes(tmp_path, shar
 
 
 @pytest.mark.timeout(2 * SAFETY)
+def test_a_late_holder_cannot_replace_what_its_successor_promoted(tmp_path):
+    """Fencing: a holder frozen past its lease (SIGSTOP: a long GC pause, a stalled VM)
+    comes back after a successor took the lease over and promoted; it keeps its own local
+    entry but promotes nothing, and says why."""
+    fleet = {"remote": str(tmp_path / "remote"), "remote_options": {"lock": "lease"}}
+    hold = tmp_path / "hold"
+    procs = _spawn(tmp_path, fleet, nodes=2, ranks=1, hold_dir=str(hold),
+                   remote_lease_seconds=1)
+    _go(tmp_path, procs)
+    late_pid = int(_wait_for(lambda: (hold / HELD).exists() and (hold / HELD).read_text(),
+                             "a compile to stop half-way", procs))
+    _wait_for(lambda: _fleet_waiters(tmp_path), "the other node to wait", procs)
+    os.kill(late_pid, signal.SIGSTOP)  # no more heartbeats: the lease runs out
+    late = next(p for p in procs if p.pid == late_pid)
+    successor = next(p for p in procs if p.pid != late_pid)
+    (winner,) = finish_workers([successor])
+    assert winner["ok"] and winner["source"] == "compiled" and winner["wrong"] is None
+    os.kill(late_pid, signal.SIGCONT)
+    (hold / RESUME).touch()
+    (loser,) = finish_workers([late])
+
+    assert loser["ok"] and loser["source"] == "compiled" and loser["wrong"] is None
+    assert "taken over" in loser["stderr"], loser["stderr"]
+    stats = {r["pid"]: read_stats(r["local_dir"]) for r in (winner, loser)}
+    assert stats[winner["pid"]].lease_takeovers == 1
+    assert stats[winner["pid"]].promotions == 1 and stats[loser["pid"]].promotions == 0
+    remote = _remote_store(fleet)
+    assert [(v.key, v.ok) for v in verify_entries(remote)] == [(KEY, True)]
+
+
+@pytest.mark.timeout(2 * SAFETY)
 def test_a_failed_compile_reaches_every_node_at_once_and_later_starts_during_cool_down(
     tmp_path, shared_remote
 ):

@@ -78,7 +78,9 @@ class LeaseWaited(Record, frozen=True, tag="lease_wait"):
     key: str
     at: float
     seconds: float
-    outcome: str  # "fetched", "took-over", "failed-elsewhere", "remote-down", "timeout"
+    # "fetched", "acquired" (the lease came free: this process compiled), "failed-elsewhere",
+    # "remote-down", "read-only", "timeout"
+    outcome: str
 
 
 class LeaseTakenOver(Record, frozen=True, tag="lease_takeover"):

@@ -118,6 +118,10 @@ class RemoteSingleFlight:
                 pass
             except FleetCompileError:
                 raise
+            except PermissionError as exc:  # a read-only remote: fetch from it, write nothing
+                self.tier.write_denied(exc)
+                self._waited(key, wait_start, waited, "read-only")
+                return fetch() or compile_here()
             except Exception as exc:  # noqa: BLE001 - the remote is best-effort
                 self.tier.failed(exc)
                 self._waited(key, wait_start, waited, "remote-down")
@@ -136,7 +140,7 @@ class RemoteSingleFlight:
                 raise timeout_error()
             time.sleep(min(delay, deadline - now))
             delay = min(delay * 1.5, MAX_POLL_INTERVAL)
-        self._waited(key, wait_start, waited, "took-over" if waited else "free")
+        self._waited(key, wait_start, waited, "acquired")
         try:
             previous = lease.took_over_from
             if previous is not None:
