@@ -172,8 +172,8 @@ class RemoteSingleFlight:
             lease.check()
         except LeaseLost:
             return  # taken over: the new holder's outcome counts
-        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-            self.tier.failed(exc)
+        except Exception as remote_error:  # noqa: BLE001 - the remote is best-effort
+            self.tier.failed(remote_error)
             return
         if not write_failure_note(remote, key, describe(exc)):
             logger.warning("compile cache: could not record the failed compile of %s in %s",
