@@ -334,6 +334,18 @@ class LocalStore(Store):
     def _is_dir(self, key: str) -> bool:
         return os.path.isdir(self._path(key))
 
+    def _dir_version(self, key: str) -> str | None:
+        # What a conditional withdrawal compares once it has renamed the directory aside:
+        # rename(2) keeps the inode and the modification time; a directory published in
+        # its place is another inode, or the same number reused with another time.
+        try:
+            st = os.stat(self._path(key))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        if not stat.S_ISDIR(st.st_mode):
+            return None
+        return f"{st.st_dev:x}-{st.st_ino:x}-{st.st_mtime_ns:x}"
+
     def _rename_dir(self, src: str, dst: str, *, publish: bool = False) -> bool:
         src_path, dst_path = self._path(src), self._path(dst)
         if not os.path.isdir(src_path) and not publish:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from .base import StoreBase
+from .protocol import ByteStore
 
 
 class Appender(ABC):
@@ -33,7 +31,7 @@ class SegmentAppender(Appender):
     reader sees a prefix of the writer's records, never a torn line.
     """
 
-    def __init__(self, store: StoreBase, key: str, truncate: bool) -> None:
+    def __init__(self, store: ByteStore, key: str, truncate: bool) -> None:
         self._store, self._key = store, key
         existing = None if truncate else store.read(key)
         self._buffer = bytearray(existing or b"")

@@ -2,7 +2,10 @@
 
 `Store` (``store.py``) adds the protocols that are built from these operations: named
 locks and event logs. The split keeps the imports one-way: locks and event logs are
-written against `StoreBase`, and `Store` is assembled on top of all three.
+written against `StoreBase`, and `Store` is assembled on top of all three. Below it, the
+helpers `StoreBase` is assembled from (`operations.py`, `publication.py`, `staging.py`,
+`appenders.py`, `records.py`) are written against `protocol.ByteStore`, so none of them
+imports this module.
 
 A store is a key -> bytes map rooted at a URL. Backends differ in what they can promise,
 and say so in `Capabilities`; the protocols built on top (publication, locking, event
@@ -38,17 +41,12 @@ import contextlib
 import json
 import posixpath
 import shutil
-import time
-import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import IO, TYPE_CHECKING, Any
 
-import msgspec
-
-from . import operations
+from . import operations, publication
 from ._atomic import replacing
 from .appenders import Appender, SegmentAppender
 from .digests import Expected, FileDigest, digest_stream
@@ -56,7 +54,9 @@ from .errors import StoreError
 from .keys import join, validate_key, validate_prefix
 from .layout import COMMIT_RECORD, LOCKS_DIR, STAGING_DIR, TRASH_DIR, VERSIONS_DIR
 from .operations import Leftover
-from .records import COMMIT_RECORDS, CommitRecord, Record, RecordError, encode
+from .protocol import Capabilities, FileInfo
+from .publication import Publication
+from .records import Record, encode
 from .staging import Staging
 
 if TYPE_CHECKING:
@@ -72,34 +72,11 @@ __all__ = [  # the names other modules of the layer (and its tests) import from 
     "Capabilities",
     "FileInfo",
     "Leftover",
+    "Publication",
     "SegmentAppender",
     "Staging",
     "StoreBase",
 ]
-
-
-@dataclass(frozen=True)
-class Capabilities:
-    """What a store can promise; protocols choose their strategy from these flags."""
-
-    profile: str
-    atomic_rename: bool
-    kernel_locks: bool
-    native_append: bool
-    local_paths: bool
-    durable: bool = False
-
-
-class FileInfo(msgspec.Struct, frozen=True, gc=False):
-    """Size and modification time (seconds since the epoch) of one stored file.
-
-    A msgspec struct, not a frozen dataclass: `info` is on the manifest emit's path once
-    per entry, and a frozen dataclass's ``__init__`` costs more than the `stat` itself.
-    """
-
-    key: str
-    size: int
-    mtime: float
 
 
 class StoreBase(ABC):
@@ -226,72 +203,50 @@ class StoreBase(ABC):
         return None if data is None else json.loads(data)
 
     # ---------------------------------------------------------- publication
+    # The protocol itself is `publication.py`; these are its doors.
     def stage(self, final: str) -> Staging:
         """Start building the directory `final`; see `Staging`."""
         validate_key(final)
-        if self.capabilities.atomic_rename:
-            prefix = join(STAGING_DIR, f"{uuid.uuid4().hex}")
-        else:
-            prefix = join(final, VERSIONS_DIR, uuid.uuid4().hex)
-        return Staging(self, final, prefix)
+        return Staging(self, final, publication.staging_prefix(self, final))
 
     def published(self, final: str) -> str | None:
-        """The prefix holding the published content of `final`, or None if unpublished."""
-        validate_key(final)
-        if self.capabilities.atomic_rename:
-            return final if self._is_dir(final) else None
-        record = self._read_commit(final)
-        return None if record is None else join(final, VERSIONS_DIR, record.version)
+        """The prefix holding the published content of `final`, or None if unpublished.
+
+        The hot path (one `stat`, or one read of the commit record): a broken commit
+        record reads as unpublished here; `publication` tells it apart.
+        """
+        return publication.published(self, final)
+
+    def publication(self, final: str) -> Publication:
+        """What `final` is now: absent, published or broken, with its prefix and version.
+
+        A commit record that does not read, or names a version without files, is broken
+        (`Publication.problem` says how). Costs what `published` does, plus one listing
+        of the version on a commit-record store.
+        """
+        return publication.publication(self, final)
 
     def published_children(self, parent: str = "") -> builtins.list[str]:
-        """Names under `parent` that are published directories."""
+        """Names under `parent` holding a publication: directories (rename stores), or
+        names with a commit record (commit-record stores), broken ones included."""
         names = [n for n in self.list_dir(parent) if not n.startswith(".")]
         if self.capabilities.atomic_rename:
             return [n for n in names if self._is_dir(join(parent, n))]
         return [n for n in names if self.exists(join(parent, n, COMMIT_RECORD))]
 
-    def unpublish(self, final: str) -> bool:
-        """Withdraw a published directory atomically, then delete its files.
+    def unpublish(self, final: str, version: str | None = None) -> bool:
+        """Withdraw `final` atomically, then delete its files; True if this call did.
 
-        Returns True if this call withdrew it. Readers holding the old content prefix may
-        fail to read it afterwards; they must treat that as a miss.
+        With `version` (`Publication.version` of what the caller judged), only while
+        `final` is still that publication: one republished meanwhile stays, and of two
+        withdrawals of one version one at most returns True. Without, whatever is
+        published (a broken commit record too). Readers holding the old content prefix
+        may fail to read it afterwards; they must treat that as a miss.
         """
-        validate_key(final)
-        if self.capabilities.atomic_rename:
-            trash = join(TRASH_DIR, uuid.uuid4().hex)
-            if not self._rename_dir(final, trash):
-                return False
-            self.delete_tree(trash)
-            return True
-        record = self._read_commit(final)
-        if record is None:
-            return False
-        if not self.delete(join(final, COMMIT_RECORD)):
-            return False
-        self.delete_tree(join(final, VERSIONS_DIR, record.version))
-        return True
+        return publication.unpublish(self, final, version)
 
-    def _read_commit(self, final: str) -> CommitRecord | None:
-        try:
-            record = COMMIT_RECORDS.read(self, join(final, COMMIT_RECORD))
-            if record is not None:
-                validate_key(record.version)
-            return record
-        except (RecordError, ValueError):  # unreadable, or naming no key: unpublished
-            return None
-
-    def _commit_staged(self, staging: Staging) -> bool:
-        if self.capabilities.atomic_rename:
-            won = self._rename_dir(staging.prefix, staging.final, publish=True)
-            if not won:
-                self.delete_tree(staging.prefix)
-            return won
-        version = staging.prefix.rsplit("/", 1)[-1]
-        record = encode(CommitRecord(version=version, committed_at=time.time()))
-        won = self.create(join(staging.final, COMMIT_RECORD), record)
-        if not won:
-            self.delete_tree(staging.prefix)
-        return won
+    def _commit_staged(self, final: str, prefix: str) -> bool:
+        return publication.commit_staged(self, final, prefix)
 
     def _write_unpublished(self, key: str, data: bytes) -> None:
         """Write a file inside a staging area (atomicity is provided by the commit)."""
@@ -310,6 +265,10 @@ class StoreBase(ABC):
             return False
 
     def _rename_dir(self, src: str, dst: str, *, publish: bool = False) -> bool:
+        raise StoreError(f"{self.url} cannot rename directories atomically")
+
+    def _dir_version(self, key: str) -> str | None:
+        """The identity of the directory at `key` (None when absent): rename stores."""
         raise StoreError(f"{self.url} cannot rename directories atomically")
 
     def sub(self, prefix: str) -> Self:

@@ -17,34 +17,33 @@ import tempfile
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 from .digests import Expected, FileDigest
 from .errors import IntegrityError
 from .keys import join, validate_key, validate_prefix
 from .layout import STAGING_DIR, TRASH_DIR, VERSIONS_DIR
-
-if TYPE_CHECKING:
-    from .base import StoreBase
+from .protocol import ByteStore
 
 
 @dataclass(frozen=True)
 class Leftover:
     """What a writer killed mid-way left behind: a staging area, a withdrawn directory
-    being deleted, or an unpublished version; never visible as published."""
+    being deleted, an unpublished version, or the tombstone of a withdrawal
+    (``final/.v/withdraw-<version>/``, `publication.py`); never visible as published."""
 
     prefix: str
     size: int
     age_seconds: float
 
 
-def where(store: StoreBase, prefix: str) -> str:
+def where(store: ByteStore, prefix: str) -> str:
     """`prefix` of `store` as error messages name it: the store's URL and the key."""
     base = store.url if store.url.endswith("/") else store.url + "/"
     return base + prefix
 
 
-def read_published(store: StoreBase, final: str, rel: str) -> tuple[str, bytes | None] | None:
+def read_published(store: ByteStore, final: str, rel: str) -> tuple[str, bytes | None] | None:
     validate_key(rel)  # refused whether or not `final` is published
     prefix = store.published(final)
     if prefix is None:
@@ -52,7 +51,7 @@ def read_published(store: StoreBase, final: str, rel: str) -> tuple[str, bytes |
     return prefix, store.read(join(prefix, rel))
 
 
-def check_sizes(store: StoreBase, prefix: str, files: Mapping[str, Expected]) -> None:
+def check_sizes(store: ByteStore, prefix: str, files: Mapping[str, Expected]) -> None:
     prefix = validate_prefix(prefix)
     for rel, expected in files.items():
         info = store.info(join(prefix, validate_key(rel)))
@@ -63,7 +62,7 @@ def check_sizes(store: StoreBase, prefix: str, files: Mapping[str, Expected]) ->
                                  f"has {info.size} bytes, expected {expected.size}")
 
 
-def compare_sizes(store: StoreBase, prefix: str, files: Mapping[str, Expected],
+def compare_sizes(store: ByteStore, prefix: str, files: Mapping[str, Expected],
                   sizes: Mapping[str, int]) -> None:
     """`check_sizes` against sizes already known (one listing of the prefix, say)."""
     for rel, expected in files.items():
@@ -75,7 +74,7 @@ def compare_sizes(store: StoreBase, prefix: str, files: Mapping[str, Expected],
                                  f"has {size} bytes, expected {expected.size}")
 
 
-def digest_tree(store: StoreBase, prefix: str) -> dict[str, FileDigest]:
+def digest_tree(store: ByteStore, prefix: str) -> dict[str, FileDigest]:
     base = validate_prefix(prefix)
     out: dict[str, FileDigest] = {}
     for key in store.list(base):
@@ -86,7 +85,7 @@ def digest_tree(store: StoreBase, prefix: str) -> dict[str, FileDigest]:
 
 
 @contextlib.contextmanager
-def open_write(store: StoreBase, key: str) -> Iterator[IO[bytes]]:
+def open_write(store: ByteStore, key: str) -> Iterator[IO[bytes]]:
     """Buffer in memory, then one atomic `write` (stores whose writes are whole objects)."""
     validate_key(key)
     buffer = io.BytesIO()
@@ -95,7 +94,7 @@ def open_write(store: StoreBase, key: str) -> Iterator[IO[bytes]]:
 
 
 @contextlib.contextmanager
-def local_output(store: StoreBase, prefix: str) -> Iterator[str]:
+def local_output(store: ByteStore, prefix: str) -> Iterator[str]:
     """A scratch directory whose files are uploaded under `prefix` when the block exits."""
     prefix = validate_prefix(prefix)
     scratch = tempfile.mkdtemp(prefix="vn-output-")
@@ -110,7 +109,7 @@ def local_output(store: StoreBase, prefix: str) -> Iterator[str]:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def leftovers(store: StoreBase, older_than: float, parent: str) -> list[Leftover]:
+def leftovers(store: ByteStore, older_than: float, parent: str) -> list[Leftover]:
     now = time.time()
     candidates: list[str] = []
     if store.capabilities.atomic_rename:
@@ -134,13 +133,13 @@ def leftovers(store: StoreBase, older_than: float, parent: str) -> list[Leftover
     return out
 
 
-def usage(store: StoreBase, prefix: str) -> tuple[int, float]:
+def usage(store: ByteStore, prefix: str) -> tuple[int, float]:
     """Total size and newest modification time of the files under `prefix`."""
     infos = list(store.iter_files(prefix))
     return sum(i.size for i in infos), max((i.mtime for i in infos), default=0.0)
 
 
-def rename(store: StoreBase, src: str, dst: str) -> bool:
+def rename(store: ByteStore, src: str, dst: str) -> bool:
     """Copy the file at `src`, or every file under it, to `dst`, then delete `src`.
 
     For stores where nothing renames (objects, memory): a reader may see both copies for

@@ -24,14 +24,12 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar, Union
+from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, Union
 
 import msgspec
 
 from .errors import StoreError
-
-if TYPE_CHECKING:
-    from .base import StoreBase
+from .protocol import ByteStore
 
 T = TypeVar("T")
 MAX_ERRORS = 20  # error messages a `Decoded` keeps (its count of skipped lines is exact)
@@ -335,7 +333,7 @@ class RecordCodec(Generic[T]):
                     out.errors.append(str(exc))
         return out
 
-    def read(self, store: StoreBase, key: str) -> T | None:
+    def read(self, store: ByteStore, key: str) -> T | None:
         """The record at `key` of `store`; None when absent, `RecordError` naming
         ``<store url>/<key>`` when it does not read."""
         data = store.read(key)
@@ -352,10 +350,14 @@ class CommitRecord(Record, frozen=True, tag="commit"):
     """``<final>/.commit`` on a store without atomic rename: the version published.
 
     Created with create-if-absent, so the first writer's version is the one published.
+    ``empty``: the version was staged without files (otherwise a record naming a version
+    that has none is broken, and the next commit replaces it); records written before
+    it existed read as False, and readers that predate it ignore it.
     """
 
     version: str
     committed_at: float
+    empty: bool = False
 
 
 COMMIT_RECORDS = RecordCodec(

@@ -5,14 +5,12 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from typing import IO, TYPE_CHECKING
+from typing import IO
 
 from .digests import FileDigest
 from .errors import StoreError
 from .keys import join, validate_key
-
-if TYPE_CHECKING:
-    from .base import StoreBase
+from .protocol import ByteStore
 
 
 class Staging:
@@ -25,7 +23,7 @@ class Staging:
     committing removes the staged files.
     """
 
-    def __init__(self, store: StoreBase, final: str, prefix: str) -> None:
+    def __init__(self, store: ByteStore, final: str, prefix: str) -> None:
         self.store = store
         self.final = final
         self.prefix = prefix
@@ -88,7 +86,7 @@ class Staging:
             raise StoreError(f"staging for {self.final!r} was already committed or aborted")
         self._move_scratch_in()  # what a toolchain left in a scratch output_dir is staged
         self._done = True
-        return self.store._commit_staged(self)
+        return self.store._commit_staged(self.final, self.prefix)
 
     def abort(self) -> None:
         if not self._done:

@@ -23,6 +23,8 @@ changed one concern at a time, so each has its own module:
 - :mod:`.contract` - `StoreContractTests`, the class a backend subclasses, and sub views;
 - :mod:`.contract_files` - read, write, create-if-absent, listing, delete, info, local files;
 - :mod:`.contract_publication` - staging, commit, abort, unpublish;
+- :mod:`.contract_withdrawal` - what a publication is now, withdrawing one version, and
+  repairing a broken commit record;
 - :mod:`.contract_locks` - kernel locks and leases;
 - :mod:`.contract_eventlogs` - append-only event logs;
 - :mod:`.contract_keys` - bad keys and prefixes refused before any I/O;

@@ -23,11 +23,13 @@ from .contract_files import FileContractTests
 from .contract_keys import KeyContractTests
 from .contract_locks import LockContractTests
 from .contract_publication import PublicationContractTests
+from .contract_withdrawal import WithdrawalContractTests
 
 
 class StoreContractTests(
     FileContractTests,
     PublicationContractTests,
+    WithdrawalContractTests,
     LockContractTests,
     EventLogContractTests,
     KeyContractTests,

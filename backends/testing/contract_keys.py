@@ -48,6 +48,8 @@ class KeyContractTests:
             "stage": store.stage,
             "published": store.published,
             "unpublish": store.unpublish,
+            "publication": store.publication,
+            "unpublish version": lambda k: store.unpublish("ok", version=k),
             "lock": store.lock,
             "log": store.log,
             "sub": store.sub,
