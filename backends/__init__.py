@@ -4,11 +4,13 @@ Get a store with `open_store(url)`; see `store.Store` (and `base.StoreBase`) for
 `base.Capabilities` for what each backend promises. A new URL scheme is one
 `register_scheme` call. Whether a setting names a URL or a local directory is asked of
 `is_url`, `local_path_of` and `normalize_location`, never sniffed, so every caller agrees
-with `open_store`. Code above this layer does no file I/O on a store's files: every
-operation it needs is a store operation (docs/storage.md, "Operations"), with two
-documented doors to real directories for tools that only take a directory: loading a
-published entry (`Store.local_dir_of`) and writing one's own output files
-(`Staging.output_dir`, `Store.local_output`).
+with `open_store`; `check_location` says whether `open_store` would accept a location
+(settings are checked with it at start-up), `probe_store` whether an opened store can
+serve. Code above this layer does no file I/O on a store's files: every operation it needs
+is a store operation (docs/storage.md, "Operations"), with two documented doors to real
+directories for tools that only take a directory: loading a published entry
+(`Store.local_dir_of`) and writing one's own output files (`Staging.output_dir`,
+`Store.local_output`).
 """
 
 from .base import Capabilities, FileInfo, Leftover, Staging
@@ -16,10 +18,13 @@ from .digests import Expected, FileDigest
 from .errors import (
     IntegrityError,
     InvalidKey,
+    InvalidLocation,
     LeaseLost,
     LockTimeout,
     MissingDependency,
+    StoreAccessDenied,
     StoreError,
+    StoreMissing,
     StoreUnavailable,
     UnknownScheme,
 )
@@ -36,11 +41,13 @@ from .records import (
     register_upcaster,
 )
 from .router import (
+    check_location,
     is_url,
     local_path_of,
     local_root_missing,
     normalize_location,
     open_store,
+    probe_store,
     register_scheme,
     registered_schemes,
     unregister_scheme,
@@ -59,6 +66,7 @@ __all__ = [
     "FileInfo",
     "IntegrityError",
     "InvalidKey",
+    "InvalidLocation",
     "KernelLock",
     "LeaseLock",
     "LeaseLost",
@@ -71,7 +79,9 @@ __all__ = [
     "RecordCodec",
     "Staging",
     "Store",
+    "StoreAccessDenied",
     "StoreError",
+    "StoreMissing",
     "StoreUnavailable",
     "UnknownScheme",
     "copy_file",
@@ -80,12 +90,14 @@ __all__ = [
     "encode",
     "encode_into",
     "encode_line",
+    "check_location",
     "is_url",
     "join",
     "local_path_of",
     "local_root_missing",
     "normalize_location",
     "open_store",
+    "probe_store",
     "register_scheme",
     "register_upcaster",
     "registered_schemes",

@@ -6,12 +6,25 @@ S3 has no directory rename and no append, so publication is the commit-record pr
 are leases. Exclusive creates always go through `pipe_file(mode="create")`: s3fs's
 ``open(p, "xb")`` skips the condition and silently overwrites when it writes zero bytes.
 
-Every call is bounded (short connect timeout, few retries) and a transport failure becomes
-`StoreUnavailable` naming the URL, so an unreachable endpoint is a clear error, not a hang.
+Every request is bounded in total, whatever the endpoint does (`_BoundedS3` over s3fs's
+one door to botocore, ``_call_s3``): an endpoint that accepts connections and never answers
+costs one ``request_timeout`` (10 s by default) per store operation, not the product of
+botocore's attempts, s3fs's own retry loops and the read timeout (which made one operation
+take minutes). A request carrying a body gets its upload time on top, at a floor of
+64 KiB/s, so a slow link still uploads; a download's body is bounded per socket read
+(``read_timeout``), so large transfers are never cut. Inside the bound botocore still
+retries what it retries (throttling, 5xx, dropped connections).
+
+Failures are told apart and name the URL: no answer or a transport error is
+`StoreUnavailable`, a missing bucket (``NoSuchBucket``) `StoreMissing` - never a
+`FileNotFoundError`, which would read as a missing key and make every lookup a silent miss
+- and ``AccessDenied`` (any 403) `StoreAccessDenied`, also a `PermissionError`. `probe`
+is the one request that checks a store can serve (a one-key listing of its prefix).
 """
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import functools
 import os
@@ -24,7 +37,7 @@ from typing import IO, Any, TypeVar
 from . import operations
 from .base import Appender, Capabilities, FileInfo, SegmentAppender
 from .digests import Expected
-from .errors import MissingDependency, StoreUnavailable
+from .errors import MissingDependency, StoreAccessDenied, StoreMissing, StoreUnavailable
 from .keys import validate_key, validate_prefix
 from .store import Store
 
@@ -72,7 +85,18 @@ def _is_transport_error(exc: BaseException) -> bool:
 
 
 # Options of our own, consumed before s3fs sees the rest.
-_OWN_OPTIONS = frozenset({"endpoint_url", "connect_timeout", "read_timeout", "retries"})
+_OWN_OPTIONS = frozenset(
+    {"endpoint_url", "connect_timeout", "read_timeout", "request_timeout", "retries"}
+)
+DEFAULT_CONNECT_TIMEOUT = 5.0
+"""Seconds to open a TCP connection (an endpoint that drops SYNs)."""
+DEFAULT_READ_TIMEOUT = 15.0
+"""Seconds one socket read may wait: a stalled download stream, once its headers came."""
+DEFAULT_REQUEST_TIMEOUT = 10.0
+"""Seconds one request may take in total, botocore's and s3fs's retries included, until
+its response headers arrive (plus its upload at `MIN_UPLOAD_RATE`)."""
+MIN_UPLOAD_RATE = 64 * 1024
+"""Bytes per second: a request's body adds ``len(body) / MIN_UPLOAD_RATE`` to its bound."""
 # Accepted by fsspec's base classes through s3fs's **kwargs.
 _FSSPEC_OPTIONS = frozenset({"batch_size", "listings_expiry_time", "max_paths"})
 # Handed by s3fs to the botocore session it creates (through its **kwargs).
@@ -121,12 +145,82 @@ def _shared_session() -> Any:
         return _session
 
 
+def _request_limit(base: float, body: Any) -> float | None:
+    """The total seconds a request may take: ``base``, plus its body's upload time at the
+    floor rate; None (unbounded) for a body of unknown size, which s3fs never sends."""
+    if body is None:
+        return base
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        return base + len(body) / MIN_UPLOAD_RATE
+    return None
+
+
+def _s3_error(exc: BaseException) -> tuple[str, str]:
+    """(code, message) of the S3 error behind an exception s3fs translated, else ("", str)."""
+    response = getattr(exc.__cause__, "response", None)
+    error = response.get("Error", {}) if isinstance(response, dict) else {}
+    return str(error.get("Code") or ""), str(error.get("Message") or exc)
+
+
+def _refusal(url: str, method: str, bucket: Any, exc: BaseException) -> StoreUnavailable | None:
+    """The storage layer's error for a refusal s3fs reported as FileNotFound/Permission."""
+    code, message = _s3_error(exc)
+    if code == "NoSuchBucket":
+        return StoreMissing(
+            f"S3 store {url} is unavailable: bucket {bucket!r} does not exist "
+            f"(NoSuchBucket: {message})"
+        )
+    if isinstance(exc, PermissionError):
+        return StoreAccessDenied(
+            f"S3 store {url} refused {method} ({code or type(exc).__name__}: {message})"
+        )
+    return None
+
+
+@functools.cache
+def _bounded_fs_class() -> type:
+    """`s3fs.S3FileSystem` with every request bounded and the bucket's errors kept apart.
+
+    Built on first use (s3fs is optional). Every S3 request of s3fs - its async methods,
+    its files' reads and writes, its listings page by page - goes through ``_call_s3``;
+    the sync ``call_s3`` is rebuilt here because s3fs binds it to its own ``_call_s3``.
+    """
+    import s3fs
+    from fsspec.asyn import sync_wrapper
+
+    class BoundedS3FileSystem(s3fs.S3FileSystem):
+        store_url = "s3://"
+        endpoint = "the S3 endpoint"
+        request_timeout = DEFAULT_REQUEST_TIMEOUT
+
+        async def _call_s3(self, method: str, *akwarglist: Any, **kwargs: Any) -> Any:
+            limit = _request_limit(self.request_timeout, kwargs.get("Body"))
+            try:
+                return await asyncio.wait_for(
+                    super()._call_s3(method, *akwarglist, **kwargs), limit
+                )
+            except asyncio.TimeoutError:
+                raise StoreUnavailable(
+                    f"S3 store {self.store_url} is unavailable: no answer from "
+                    f"{self.endpoint} to {method} within {limit:g} s"
+                ) from None
+            except (FileNotFoundError, PermissionError) as exc:
+                refused = _refusal(self.store_url, method, kwargs.get("Bucket"), exc)
+                if refused is None:
+                    raise
+                raise refused from exc
+
+        call_s3 = sync_wrapper(_call_s3)
+
+    return BoundedS3FileSystem
+
+
 class S3Store(Store):
     """A store under ``s3://bucket/prefix``."""
 
     def __init__(self, url: str, bucket_and_prefix: str, options: Mapping[str, Any]) -> None:
         try:
-            import s3fs
+            fs_class = _bounded_fs_class()
         except ImportError as exc:  # pragma: no cover - exercised without the extra
             raise MissingDependency(
                 "the 's3' scheme needs s3fs: pip install 'vllm-neuron[s3]'"
@@ -135,8 +229,11 @@ class S3Store(Store):
         endpoint = opts.pop("endpoint_url", None) or os.environ.get("AWS_ENDPOINT_URL_S3") or (
             os.environ.get("AWS_ENDPOINT_URL")
         )
-        connect_timeout = float(opts.pop("connect_timeout", 5))
-        read_timeout = float(opts.pop("read_timeout", 60))
+        connect_timeout = float(opts.pop("connect_timeout", DEFAULT_CONNECT_TIMEOUT))
+        read_timeout = float(opts.pop("read_timeout", DEFAULT_READ_TIMEOUT))
+        request_timeout = float(opts.pop("request_timeout", DEFAULT_REQUEST_TIMEOUT))
+        if not request_timeout > 0:
+            raise ValueError(f"open_store: request_timeout must be > 0, got {request_timeout!r}")
         retries = int(opts.pop("retries", 2))
         client_kwargs = dict(opts.pop("client_kwargs", {}))
         if endpoint:
@@ -147,14 +244,20 @@ class S3Store(Store):
         config_kwargs.setdefault("retries", {"max_attempts": retries, "mode": "standard"})
         if "session" not in opts and not set(opts) & _SESSION_OPTIONS:
             opts["session"] = _shared_session()
-        fs = s3fs.S3FileSystem(
+        fs = fs_class(
             skip_instance_cache=True,
             use_listings_cache=False,
             client_kwargs=client_kwargs,
             config_kwargs=config_kwargs,
             **opts,
         )
+        # s3fs's own retry loops (around each request, and again around each download)
+        # only see what botocore gave up on; the request bound caps them with it.
         fs.retries = max(1, retries)
+        fs.store_url = url
+        fs.request_timeout = request_timeout
+        if client_kwargs.get("endpoint_url"):
+            fs.endpoint = str(client_kwargs["endpoint_url"])
         super().__init__(url, fs, bucket_and_prefix.strip("/"))
         self.capabilities = Capabilities(
             profile="s3",
@@ -163,6 +266,16 @@ class S3Store(Store):
             native_append=False,
             local_paths=False,
             durable=True,  # an acknowledged PUT is stored redundantly
+        )
+
+    @_translated
+    def probe(self) -> None:
+        """One request (a one-key listing of the prefix) that fails unless the store can
+        serve: `StoreMissing` for a missing bucket, `StoreAccessDenied` when refused,
+        `StoreUnavailable` when the endpoint does not answer within ``request_timeout``."""
+        bucket, _, prefix = self.root.partition("/")
+        self.fs.call_s3(
+            "list_objects_v2", Bucket=bucket, Prefix=f"{prefix}/" if prefix else "", MaxKeys=1
         )
 
     @_translated
@@ -261,3 +374,10 @@ class S3Store(Store):
             if details.get("type", "file") == "file" and str(path).startswith(base + "/"):
                 sizes[str(path)[len(base) + 1:]] = int(details.get("size", 0))
         operations.compare_sizes(self, prefix, files, sizes)
+
+
+def probe(store: Store) -> None:
+    """The S3 scheme's probe (`router.probe_store`): `S3Store.probe`."""
+    if not isinstance(store, S3Store):
+        raise TypeError(f"{store!r} is not an S3 store")
+    store.probe()

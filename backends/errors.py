@@ -19,12 +19,31 @@ class UnknownScheme(StoreError, ValueError):
     """`open_store` was given a URL scheme it has no backend for."""
 
 
+class InvalidLocation(StoreError, ValueError):
+    """A location that cannot be what its writer meant: a mangled URL of a registered scheme
+    (``s3:/bucket/x``, ``s3:bucket``), which would otherwise open as a local directory named
+    ``s3:``, or a URL missing a part its scheme needs (``s3://`` without a bucket). The
+    message names the location and, when it can, the URL that was probably meant."""
+
+
 class MissingDependency(StoreError, ImportError):
     """The backend for a scheme needs an optional package that is not installed."""
 
 
 class StoreUnavailable(StoreError, OSError):
     """The backend could not be reached (endpoint down, mount gone, credentials refused)."""
+
+
+class StoreMissing(StoreUnavailable):
+    """The store's root does not exist: an S3 bucket that is not there (``NoSuchBucket``), a
+    local root directory that a reader finds missing. Never a `FileNotFoundError`, so no
+    caller mistakes a missing bucket for a missing key (a miss)."""
+
+
+class StoreAccessDenied(StoreUnavailable, PermissionError):
+    """The store refused this caller: S3 ``AccessDenied`` (or another 403: a bad key, a bad
+    signature), a root directory it may not read. A `PermissionError` too, so a caller that
+    handles a refused write (``except PermissionError``) sees local and S3 refusals alike."""
 
 
 class LockTimeout(StoreError, TimeoutError):

@@ -15,7 +15,14 @@ caller that only reads passes ``create=False`` whatever the URL is.
 
 What is a URL is decided here once (`is_url`, `normalize_location`, `local_path_of`), so the
 code above the storage layer never sniffs for ``"://"`` and never disagrees with
-`open_store` about which strings name local directories.
+`open_store` about which strings name local directories. `check_location` says whether
+`open_store` would accept a location without opening anything: a registered scheme's name
+followed by ``:`` but not ``//`` (``s3:/bucket/x``, ``S3:bucket``, ``file:/x``) is a mangled
+URL, never a relative directory named ``s3:``, and is refused with the URL probably meant.
+
+`probe_store` makes the one cheap request that tells a store that cannot serve (its bucket
+or root directory missing, access refused, the endpoint not answering) from an empty one;
+each scheme registers its probe.
 """
 
 from __future__ import annotations
@@ -30,15 +37,40 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .errors import MissingDependency, UnknownScheme
+from .errors import (
+    InvalidLocation,
+    MissingDependency,
+    StoreAccessDenied,
+    StoreMissing,
+    StoreUnavailable,
+    UnknownScheme,
+)
 from .store import Store
 
 # RFC 3986 scheme syntax, followed by "://". Anchored: "a/b://c" is a local path.
 _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
+# A scheme name and a colon at the start: a URL when "//" follows, else (for a registered
+# scheme) a mangled one.
+_SCHEME_COLON_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
 # The scheme that plain paths (no "scheme://") are opened with.
 LOCAL_SCHEME = "file"
 # Accepted by every scheme: `open_store` consumes it and hands it to the opener.
 _UNIVERSAL_OPTIONS = frozenset({"create"})
+
+
+class Prober(Protocol):
+    """Makes one cheap request to ``store`` (opened by this scheme's opener): returns when
+    the store can serve, raises `StoreMissing`, `StoreAccessDenied` or `StoreUnavailable`
+    (naming the URL) when it cannot."""
+
+    def __call__(self, store: Store) -> None: ...
+
+
+class LocationCheck(Protocol):
+    """Refuses (`InvalidLocation`) a URL of this scheme that misses a part it needs;
+    ``location`` is the URL with ``scheme://`` removed. Makes no request."""
+
+    def __call__(self, url: str, location: str) -> None: ...
 
 
 class Opener(Protocol):
@@ -64,20 +96,33 @@ class Scheme:
     requires: tuple[str, ...]
     install_hint: str | None
     label: str
+    probe: Prober | str | None = None
+    check: LocationCheck | None = None
 
     def resolve_opener(self) -> Opener:
         """The opener, importing its module first when it was registered as a string."""
-        if not isinstance(self.opener, str):
-            return self.opener
-        module_name, _, attr = self.opener.partition(":")
-        module = importlib.import_module(module_name, package=__package__)
-        opener: Opener = getattr(module, attr)
+        opener: Opener = _resolve(self.opener)
         return opener
+
+    def resolve_probe(self) -> Prober | None:
+        """The probe (None: this scheme has nothing to ask), imported like the opener."""
+        if self.probe is None:
+            return None
+        probe: Prober = _resolve(self.probe)
+        return probe
 
     def accepted_options(self) -> frozenset[str]:
         """Every option name this scheme takes, ``create`` included."""
         names = self.options() if callable(self.options) else self.options
         return frozenset(names) | _UNIVERSAL_OPTIONS
+
+
+def _resolve(ref: Any) -> Any:
+    """``ref`` itself, or the attribute a ``"module:function"`` string names (imported now)."""
+    if not isinstance(ref, str):
+        return ref
+    module_name, _, attr = ref.partition(":")
+    return getattr(importlib.import_module(module_name, package=__package__), attr)
 
 
 _registry: dict[str, Scheme] = {}
@@ -92,6 +137,8 @@ def register_scheme(
     requires: Iterable[str] = (),
     install_hint: str | None = None,
     label: str | None = None,
+    probe: Prober | str | None = None,
+    check: LocationCheck | None = None,
     replace: bool = False,
 ) -> Scheme:
     """Make ``name://...`` URLs open with ``opener``.
@@ -103,14 +150,18 @@ def register_scheme(
     optional package (called only after ``requires`` are found). ``requires`` are top-level
     module names that must be importable; when one is missing, `open_store` raises
     `MissingDependency` quoting ``install_hint`` (default ``pip install <names>``).
-    ``label`` is how the scheme is listed in `UnknownScheme` errors.
+    ``label`` is how the scheme is listed in `UnknownScheme` errors. ``probe`` (a `Prober`
+    or ``"module:function"``) is what `probe_store` asks of this scheme's stores (None:
+    nothing to ask, as for memory). ``check`` is run by `check_location` (so by `open_store`)
+    on every URL of the scheme, without any request.
 
     Registering a name twice is a ValueError unless ``replace`` is true.
     """
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*", name):
         raise ValueError(f"register_scheme: {name!r} is not a URL scheme name")
-    if isinstance(opener, str) and not re.fullmatch(r"\.*[\w.]+:\w+", opener):
-        raise ValueError(f"register_scheme: opener {opener!r} is not 'module:function'")
+    for what, ref in (("opener", opener), ("probe", probe)):
+        if isinstance(ref, str) and not re.fullmatch(r"\.*[\w.]+:\w+", ref):
+            raise ValueError(f"register_scheme: {what} {ref!r} is not 'module:function'")
     if not callable(options):
         options = frozenset(options)
         if any(not isinstance(o, str) for o in options):
@@ -123,6 +174,8 @@ def register_scheme(
         requires=tuple(requires),
         install_hint=install_hint,
         label=label or key,
+        probe=probe,
+        check=check,
     )
     with _registry_lock:
         if key in _registry and not replace:
@@ -155,11 +208,65 @@ def _split(location: str) -> tuple[str, str]:
 
 
 def _check_location(location: str | os.PathLike[str], what: str) -> str:
+    """``location`` as a str: non-empty, no NUL, and not a mangled URL (`_refuse_mangled`)."""
     location = os.fspath(location)
     if not isinstance(location, str) or not location:
         raise ValueError(f"{what} needs a non-empty path or URL, got {location!r}")
     if "\x00" in location:
         raise ValueError(f"store URL must not contain NUL: {location!r}")
+    _refuse_mangled(location)
+    return location
+
+
+def _refuse_mangled(location: str) -> None:
+    """`InvalidLocation` for a registered scheme's name and a colon without ``//`` after it.
+
+    Such a string is a legal relative path (a directory named ``s3:``), but nobody means
+    that: opened as a path, ``s3:/bucket/cache`` would create ``./s3:/bucket/cache`` and
+    every node would "share" a cache that is local to each. A path that really starts so
+    can be written ``./s3:/...``. Unregistered names (``C:``, ``bogus:x``) stay paths.
+    """
+    if _SCHEME_RE.match(location):
+        return
+    m = _SCHEME_COLON_RE.match(location)
+    if m is None:
+        return
+    name = m.group(1).lower()
+    with _registry_lock:
+        known = name in _registry
+    if not known:
+        return
+    rest = location[m.end() :].replace("\\", "/").lstrip("/").strip()
+    if name == LOCAL_SCHEME:
+        meant = f"file:///{rest}" if rest else "file:///absolute/path"
+    else:
+        meant = f"{name}://{rest}" if rest else f"{name}://..."
+    raise InvalidLocation(
+        f"{location!r} is not a valid {name} URL (a URL has '//' after '{name}:'); "
+        f"did you mean {meant}?"
+    )
+
+
+def check_location(location: str | os.PathLike[str]) -> str:
+    """``location`` (as a str) if `open_store` would accept it; else the error it would raise.
+
+    Makes no request, imports no backend and creates nothing, so settings are checked at
+    start-up: `ValueError` for an empty location or one containing NUL, `InvalidLocation`
+    for a mangled URL of a registered scheme (``s3:/bucket/x``: "did you mean
+    s3://bucket/x?") or a URL its scheme refuses (``s3://`` without a bucket),
+    `UnknownScheme` for a ``scheme://`` nobody registered. Whether the store can be reached
+    is `probe_store`'s question.
+    """
+    location = _check_location(location, "check_location")
+    name, rest = _split(location)
+    with _registry_lock:
+        scheme = _registry.get(name)
+    if scheme is None:
+        raise UnknownScheme(
+            f"no store backend for scheme {name!r} in {location!r}; supported: {_supported()}"
+        )
+    if scheme.check is not None:
+        scheme.check(location, rest)
     return location
 
 
@@ -182,7 +289,8 @@ def is_url(location: str | os.PathLike[str]) -> bool:
 def local_path_of(location: str | os.PathLike[str], *, home: str | None = None) -> str | None:
     """The absolute local directory `open_store` would use for ``location`` (a plain path or
     a ``file://`` URL, ``~`` expanded with ``home`` or $HOME), or None for any other scheme,
-    which has no local directory to check."""
+    which has no local directory to check. `InvalidLocation` for a mangled URL
+    (``s3:/bucket``), which `open_store` refuses rather than open as a directory."""
     location = _check_location(location, "local_path_of")
     scheme, rest = _split(location)
     return _absolute(rest, home) if scheme == LOCAL_SCHEME else None
@@ -205,7 +313,9 @@ def normalize_location(raw: str | os.PathLike[str], *, home: str | None = None) 
     (``file:///abs``), any other URL unchanged. `open_store` opens the same root from the
     result as from ``raw``, whatever the current directory is later.
 
-    ValueError for an empty location or one containing NUL, as `open_store`.
+    ValueError for an empty location or one containing NUL, and `InvalidLocation` for a
+    mangled URL (``s3:/bucket``), as `open_store`; an unregistered ``scheme://`` is left as
+    it is (`check_location` refuses it).
     """
     location = _check_location(raw, "normalize_location")
     m = _SCHEME_RE.match(location)
@@ -262,15 +372,15 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
     Local options: ``profile`` ("auto", "local", "nfs", "lustre"), ``lock`` ("auto",
     "kernel", "lease"), ``fsync`` (bool); ``create`` makes the root directory.
     S3 options: ``storage_options`` (dict passed to s3fs) or s3fs keyword arguments directly,
-    ``endpoint_url``, ``connect_timeout``, ``read_timeout``, ``retries``.
+    ``endpoint_url``, ``connect_timeout``, ``read_timeout``, ``request_timeout``, ``retries``.
+
+    The location is checked first (`check_location`): a mangled URL (``s3:/bucket``) is
+    `InvalidLocation`, an unregistered scheme `UnknownScheme`. Opening makes no request;
+    `probe_store` asks whether the store can serve.
     """
-    url = _check_location(url, "open_store")
+    url = check_location(url)
     name, location = _split(url)
-    scheme = _registry.get(name)
-    if scheme is None:
-        raise UnknownScheme(
-            f"no store backend for scheme {name!r} in {url!r}; supported: {_supported()}"
-        )
+    scheme = _registry[name]
     missing = _missing(scheme)
     if missing:
         raise _missing_dependency(scheme, url, missing)
@@ -286,6 +396,24 @@ def open_store(url: str | os.PathLike[str], **options: Any) -> Store:
     if not isinstance(create, bool):
         raise TypeError(f"open_store: create must be True or False, got {create!r}")
     return opener(url, location, options, create=create)
+
+
+def probe_store(store: Store) -> None:
+    """Ask ``store`` once whether it can serve; return quietly when it can.
+
+    One cheap request for S3 (a one-key listing of the prefix), a look at the root
+    directory for a local store, nothing for memory. Raises `StoreMissing` (no such bucket,
+    no root directory), `StoreAccessDenied` (``AccessDenied`` and other refusals; also a
+    `PermissionError`) or `StoreUnavailable` (no answer within the store's bounds), each
+    naming the store's URL and the backend's own error. What `open_store` cannot tell
+    without a request, so a reader of a missing bucket is an error, not an empty listing.
+    """
+    name, _ = _split(store.url)
+    with _registry_lock:
+        scheme = _registry.get(name)
+    probe = None if scheme is None else scheme.resolve_probe()
+    if probe is not None:
+        probe(store)
 
 
 # The built-in schemes ----------------------------------------------------------------------
@@ -317,6 +445,21 @@ def _open_local(url: str, location: str, options: dict[str, Any], *, create: boo
     )
 
 
+def _probe_local(store: Store) -> None:
+    # A reader's question: is the root a directory this process may list? (A writer's
+    # open_store(create=True) has made it already.) One scandir, first entry only.
+    path = store.root
+    try:
+        with os.scandir(path) as entries:
+            next(entries, None)
+    except (FileNotFoundError, NotADirectoryError):
+        raise StoreMissing(f"store {store.url}: no directory at {path}") from None
+    except PermissionError as exc:
+        raise StoreAccessDenied(f"store {store.url}: {path} cannot be read ({exc})") from None
+    except OSError as exc:
+        raise StoreUnavailable(f"store {store.url}: {path} cannot be read ({exc})") from exc
+
+
 def _open_memory(url: str, location: str, options: dict[str, Any], *, create: bool) -> Store:
     # A name's table exists in this process as soon as it is named; nothing outlives it.
     from ._memory import MemoryStore
@@ -331,6 +474,17 @@ def _s3_options() -> frozenset[str]:
     return accepted_options() | {"storage_options"}
 
 
+def _check_s3(url: str, location: str) -> None:
+    bucket = location.split("/", 1)[0]
+    if not bucket:
+        rest = location.strip("/")
+        meant = f"s3://{rest}" if rest else "s3://bucket/prefix"
+        raise InvalidLocation(
+            f"S3 store URL needs a bucket: {url!r}; did you mean {meant}? "
+            "(expected s3://bucket/prefix)"
+        )
+
+
 def _open_s3(url: str, location: str, options: dict[str, Any], *, create: bool) -> Store:
     # Opening S3 makes no request (buckets are never created), whatever `create` says.
     from ._s3 import S3Store
@@ -338,8 +492,6 @@ def _open_s3(url: str, location: str, options: dict[str, Any], *, create: bool) 
     storage_options = dict(options.pop("storage_options", None) or {})
     storage_options.update(options)
     check_options("s3", storage_options, _s3_options() - {"storage_options"})
-    if not location.strip("/"):
-        raise ValueError(f"S3 store URL needs a bucket: {url!r} (expected s3://bucket/prefix)")
     return S3Store(url, location, storage_options)
 
 
@@ -348,6 +500,7 @@ register_scheme(
     _open_local,
     options={"profile", "lock", "fsync"},
     label="file (or a plain path)",
+    probe=_probe_local,
 )
 register_scheme(
     "s3",
@@ -355,5 +508,7 @@ register_scheme(
     options=_s3_options,
     requires=("s3fs",),
     install_hint="pip install 'vllm-neuron[s3]'",
+    probe="._s3:probe",
+    check=_check_s3,
 )
 register_scheme("memory", _open_memory)
