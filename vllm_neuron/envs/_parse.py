@@ -16,12 +16,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from vllm_neuron.backends import local_path_of, normalize_location
+from vllm_neuron.backends import check_location, local_path_of, normalize_location
 
 __all__ = [
     "ConfigError",
     "EnvVar",
     "bool_var",
+    "checked_location_var",
+    "choice_var",
     "environ_or_default",
     "expand_path",
     "forget_parsed_groups",
@@ -96,6 +98,20 @@ def parse_positive_float(name: str, raw_value: str) -> float:
     return value
 
 
+def choice_var(
+    environ: Mapping[str, str], name: str, choices: tuple[str, ...], default: str
+) -> str:
+    """One of ``choices`` (compared lower-cased), ``default`` when unset or blank; anything
+    else is a ConfigError naming the variable, the value as set and the choices."""
+    value = raw(environ, name)
+    if value is None:
+        return default
+    lowered = value.lower()
+    if lowered not in choices:
+        raise ConfigError(f"{name}={environ[name]!r} is not one of {', '.join(choices)}")
+    return lowered
+
+
 def bool_var(environ: Mapping[str, str], name: str, default: bool) -> bool:
     """A strict boolean variable, ``default`` when unset or blank."""
     # Errors quote the value exactly as set: a stray "\r" from a CRLF env file must show.
@@ -128,13 +144,34 @@ def location_var(environ: Mapping[str, str], name: str) -> str | None:
     return value
 
 
+def checked_location_var(environ: Mapping[str, str], name: str) -> str | None:
+    """A path-or-URL variable that `open_store` will accept, as set (stripped), or None.
+
+    Checked without opening anything (`check_location`): a mangled URL (``s3:/bucket``,
+    which would otherwise become a local directory named ``s3:``), a scheme nobody
+    registered (``bogus://x``) or ``s3://`` without a bucket is a ConfigError naming the
+    variable at start-up, not a warning at the first compile.
+    """
+    value = location_var(environ, name)
+    if value is not None:
+        try:
+            check_location(value)
+        except ValueError as exc:
+            raise ConfigError(f"{name}={environ[name]!r}: {exc}") from None
+    return value
+
+
 def normalize_location_var(environ: Mapping[str, str], name: str) -> str | None:
     """A path-or-URL variable as a setting keeps it: a local path made absolute (``~``
-    expanded with the HOME of ``environ``), a URL as given."""
+    expanded with the HOME of ``environ``), a URL as given. A mangled URL (``s3:/bucket``)
+    is a ConfigError naming the variable."""
     value = location_var(environ, name)
     if value is None:
         return None
-    return normalize_location(value, home=raw(environ, "HOME"))
+    try:
+        return normalize_location(value, home=raw(environ, "HOME"))
+    except ValueError as exc:
+        raise ConfigError(f"{name}={environ[name]!r}: {exc}") from None
 
 
 def _kind_of(path: str) -> str:
@@ -179,7 +216,10 @@ def require_local_directory(
 ) -> str:
     """``location`` (a path or URL), its local directory checked with `require_directory`
     when it has one; a store URL (``s3://``, ``memory://``) has none to look at."""
-    path = local_path_of(location, home=raw(environ, "HOME"))
+    try:
+        path = local_path_of(location, home=raw(environ, "HOME"))
+    except ValueError as exc:  # a mangled URL, which is no directory
+        raise ConfigError(f"{setting}: {exc}") from None
     if path is not None:
         require_directory(path, setting=setting, purpose=purpose)
     return location

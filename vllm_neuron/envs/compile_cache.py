@@ -16,9 +16,10 @@ from ._parse import (
     ConfigError,
     EnvVar,
     bool_var,
+    checked_location_var,
+    choice_var,
     environ_or_default,
     expand_path,
-    location_var,
     parse_positive_float,
     parsed_once,
     raw,
@@ -28,15 +29,22 @@ from ._parse import (
 
 __all__ = [
     "DEFAULT_COMPILATION_TIMEOUT",
+    "DEFAULT_COMPILE_RETRY_AFTER",
+    "DEFAULT_REMOTE_LEASE_SECONDS",
     "NEURON_LIBTORCH_COMPILATION_TIMEOUT",
     "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE",
     "NEURON_LIBTORCH_REMOTE_CACHE",
+    "REMOTE_WRITE_MODES",
     "TOOLCHAIN_NAMES",
     "VARIABLES",
     "VLLM_CACHE_ROOT",
+    "VLLM_NEURON_COMPILE_RETRY_AFTER",
     "VLLM_NEURON_DISABLE_WARMUP_COMPILE",
+    "VLLM_NEURON_REMOTE_LEASE_SECONDS",
+    "VLLM_NEURON_REMOTE_WRITE",
     "VLLM_NEURON_TOOLCHAIN",
     "CompileCacheSettings",
+    "RemoteWrite",
     "ToolchainName",
     "compile_cache_settings",
     "default_cache_root",
@@ -46,6 +54,8 @@ __all__ = [
 
 ToolchainName = Literal["auto", "host", "neuron"]
 TOOLCHAIN_NAMES: tuple[ToolchainName, ...] = ("auto", "host", "neuron")
+RemoteWrite = Literal["auto", "off"]
+REMOTE_WRITE_MODES: tuple[RemoteWrite, ...] = ("auto", "off")
 
 VLLM_CACHE_ROOT = "VLLM_CACHE_ROOT"
 NEURON_LIBTORCH_REMOTE_CACHE = "NEURON_LIBTORCH_REMOTE_CACHE"
@@ -53,8 +63,13 @@ NEURON_LIBTORCH_DISABLE_COMPILE_CACHE = "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE"
 NEURON_LIBTORCH_COMPILATION_TIMEOUT = "NEURON_LIBTORCH_COMPILATION_TIMEOUT"
 VLLM_NEURON_DISABLE_WARMUP_COMPILE = "VLLM_NEURON_DISABLE_WARMUP_COMPILE"
 VLLM_NEURON_TOOLCHAIN = "VLLM_NEURON_TOOLCHAIN"
+VLLM_NEURON_REMOTE_WRITE = "VLLM_NEURON_REMOTE_WRITE"
+VLLM_NEURON_REMOTE_LEASE_SECONDS = "VLLM_NEURON_REMOTE_LEASE_SECONDS"
+VLLM_NEURON_COMPILE_RETRY_AFTER = "VLLM_NEURON_COMPILE_RETRY_AFTER"
 
 DEFAULT_COMPILATION_TIMEOUT = 600.0
+DEFAULT_REMOTE_LEASE_SECONDS = 30.0
+DEFAULT_COMPILE_RETRY_AFTER = 300.0
 
 VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
@@ -67,7 +82,30 @@ VARIABLES: tuple[EnvVar, ...] = (
         NEURON_LIBTORCH_REMOTE_CACHE,
         "(unset)",
         "compile-cache",
-        "URL or path of the shared remote cache tier (NFS/FSx path, s3://...).",
+        "URL or path of the shared remote cache tier (NFS/FSx path, s3://...); a malformed "
+        "URL or an unknown scheme is refused at start-up.",
+    ),
+    EnvVar(
+        VLLM_NEURON_REMOTE_WRITE,
+        "auto",
+        "compile-cache",
+        "auto | off: auto promotes each compile to the remote tier and coordinates compiles "
+        "through remote leases; off reads the remote only (promote with save_cache or "
+        "`vllm-neuron cache promote`).",
+    ),
+    EnvVar(
+        VLLM_NEURON_REMOTE_LEASE_SECONDS,
+        "30",
+        "compile-cache",
+        "Seconds a remote compile lease lasts without renewal: the most a dead compiler "
+        "delays the other nodes.",
+    ),
+    EnvVar(
+        VLLM_NEURON_COMPILE_RETRY_AFTER,
+        "300",
+        "compile-cache",
+        "Seconds after a compile failed somewhere in the fleet during which other "
+        "processes raise its error instead of compiling the graph again.",
     ),
     EnvVar(
         NEURON_LIBTORCH_DISABLE_COMPILE_CACHE,
@@ -109,6 +147,11 @@ class CompileCacheSettings:
     variables are parsed, so the features that derive directories from the root (the local
     tier, the snapshot bundles) quote the environment this group was read from without
     reading it again. It describes the settings and is not one, so equality ignores it.
+
+    ``remote_write`` (VLLM_NEURON_REMOTE_WRITE), ``remote_lease_seconds``
+    (VLLM_NEURON_REMOTE_LEASE_SECONDS) and ``compile_retry_after``
+    (VLLM_NEURON_COMPILE_RETRY_AFTER) are how this process works with the rest of the fleet
+    through the remote tier (docs/compile-cache.md).
     """
 
     cache_root: str
@@ -118,6 +161,9 @@ class CompileCacheSettings:
     compilation_timeout: float = DEFAULT_COMPILATION_TIMEOUT
     disable_warmup_compile: bool = False
     toolchain: ToolchainName = "auto"
+    remote_write: RemoteWrite = "auto"
+    remote_lease_seconds: float = DEFAULT_REMOTE_LEASE_SECONDS
+    compile_retry_after: float = DEFAULT_COMPILE_RETRY_AFTER
     cache_root_setting: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -169,6 +215,10 @@ def _toolchain(env: Mapping[str, str]) -> ToolchainName:
     return cast(ToolchainName, lowered)
 
 
+def _positive_seconds(env: Mapping[str, str], name: str, default: float) -> float:
+    return default if raw(env, name) is None else parse_positive_float(name, env[name])
+
+
 def load_compile_cache_settings(environ: Mapping[str, str] | None = None) -> CompileCacheSettings:
     """Parse and validate the compile-cache variables from ``environ`` (default os.environ)."""
     env = environ_or_default(environ)
@@ -185,7 +235,7 @@ def load_compile_cache_settings(environ: Mapping[str, str] | None = None) -> Com
             purpose="vLLM's and this package's caches",
         )
 
-    remote = location_var(env, NEURON_LIBTORCH_REMOTE_CACHE)
+    remote = checked_location_var(env, NEURON_LIBTORCH_REMOTE_CACHE)
     if remote is not None:
         require_local_directory(
             remote, env,
@@ -202,6 +252,15 @@ def load_compile_cache_settings(environ: Mapping[str, str] | None = None) -> Com
     )
 
     toolchain = _toolchain(env)
+    remote_write = cast(
+        RemoteWrite, choice_var(env, VLLM_NEURON_REMOTE_WRITE, REMOTE_WRITE_MODES, "auto")
+    )
+    lease_seconds = _positive_seconds(
+        env, VLLM_NEURON_REMOTE_LEASE_SECONDS, DEFAULT_REMOTE_LEASE_SECONDS
+    )
+    retry_after = _positive_seconds(
+        env, VLLM_NEURON_COMPILE_RETRY_AFTER, DEFAULT_COMPILE_RETRY_AFTER
+    )
     disable_cache = bool_var(env, NEURON_LIBTORCH_DISABLE_COMPILE_CACHE, False)
     disable_warmup = bool_var(env, VLLM_NEURON_DISABLE_WARMUP_COMPILE, False)
     if disable_cache and disable_warmup:
@@ -223,6 +282,9 @@ def load_compile_cache_settings(environ: Mapping[str, str] | None = None) -> Com
         compilation_timeout=timeout,
         disable_warmup_compile=disable_warmup,
         toolchain=toolchain,
+        remote_write=remote_write,
+        remote_lease_seconds=lease_seconds,
+        compile_retry_after=retry_after,
         cache_root_setting=_cache_root_setting(env, cache_root, explicit),
     )
 
