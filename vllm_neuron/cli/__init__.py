@@ -2,6 +2,11 @@
 
 Each feature adds one sub-command module (`cache`, later `manifest`, `profile`); each
 module exposes `register(subparsers)` and its handlers return the process exit status.
+
+Exit status: 0 done, 1 a problem found (a corrupt entry, a failed check), 2 bad usage or
+something that cannot be used: a malformed setting or URL, a missing store, refused access,
+an unreachable endpoint, a missing optional package (every error the storage layer raises on
+purpose), with the reason on stderr.
 """
 
 from __future__ import annotations
@@ -10,6 +15,8 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+
+from vllm_neuron.backends import StoreError
 
 from . import cache as cache_cmd
 from . import demo as demo_cmd
@@ -41,7 +48,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         return int(args.handler(args))
-    except (ValueError, RuntimeError, OSError, KeyError) as exc:
+    except (ValueError, RuntimeError, OSError, KeyError, StoreError) as exc:
         print(f"vllm-neuron: error: {exc}", file=sys.stderr)
         return 2
 

@@ -1,11 +1,24 @@
-"""`vllm-neuron cache ls|stats|verify|promote|prune|explain`."""
+"""`vllm-neuron cache ls|stats|verify|promote|prune|explain`.
+
+Exit status (as every `vllm-neuron` command): 0 done, 1 a problem found (`verify`: a
+corrupt entry), 2 bad usage or a tier that cannot be used - a malformed URL
+(``s3:/bucket``), an unknown scheme, a missing local cache, a missing bucket, refused
+access, an endpoint that does not answer - with the reason on stderr. A tier given on the
+command line is probed before anything is read, so a missing bucket is never "0 entries".
+"""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
-from vllm_neuron.backends import local_root_missing, open_store
+from vllm_neuron.backends import (
+    Store,
+    check_location,
+    local_root_missing,
+    open_store,
+    probe_store,
+)
 from vllm_neuron.compile.cache import STAGING_MAX_AGE
 from vllm_neuron.compile.events import read_stats
 from vllm_neuron.compile.inventory import (
@@ -56,7 +69,7 @@ def register(sub: Any) -> None:
     verify.set_defaults(handler=cmd_verify)
 
     promote = cmds.add_parser("promote", help="copy entries to a remote tier (save_cache)")
-    promote.add_argument("--to", dest="to", default=remote_cache_url(),
+    promote.add_argument("--to", dest="to", default=None,
                          help="remote tier URL (default: $NEURON_LIBTORCH_REMOTE_CACHE)")
     which = promote.add_mutually_exclusive_group(required=True)
     which.add_argument("--key", action="append", help="an entry to promote (repeatable)")
@@ -81,11 +94,31 @@ def _cache_dir(args: argparse.Namespace) -> str:
     return args.cache_dir or _default_cache_dir()
 
 
-def _tier(args: argparse.Namespace) -> Any:
-    url = getattr(args, "url", None) or _cache_dir(args)
+def _tier(args: argparse.Namespace) -> Store:
+    """The tier a command reads: checked (a malformed URL is a ValueError), opened without
+    creating anything, and probed (a missing bucket, refused access or no answer is a
+    `StoreUnavailable`): either way exit 2 with the reason, never an empty listing."""
+    url = check_location(getattr(args, "url", None) or _cache_dir(args))
     if local_root_missing(url):
         raise ValueError(f"no compile cache at {url}")
-    return open_store(url, create=False)
+    store = open_store(url, create=False)
+    probe_store(store)
+    return store
+
+
+def _promotion_target(args: argparse.Namespace) -> str:
+    """`--to`, else NEURON_LIBTORCH_REMOTE_CACHE: checked and probed before any entry is
+    copied, errors naming where the URL came from."""
+    to = args.to or remote_cache_url()
+    if not to:
+        raise ValueError("promote needs --to URL (or NEURON_LIBTORCH_REMOTE_CACHE)")
+    origin = f"--to {to}" if args.to else f"NEURON_LIBTORCH_REMOTE_CACHE={to!r}"
+    try:
+        check_location(to)
+    except ValueError as exc:
+        raise ValueError(f"promote {origin}: {exc}") from None
+    probe_store(open_store(to))
+    return to
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -153,16 +186,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_promote(args: argparse.Namespace) -> int:
-    if not args.to:
-        raise ValueError("promote needs --to URL (or NEURON_LIBTORCH_REMOTE_CACHE)")
+    to = _promotion_target(args)
     cache_dir = _cache_dir(args)
     keys = args.key or [e.key for e in list_entries(_tier(args)) if e.problem is None]
     promoted = 0
     for key in keys:
-        published = save_cache(cache_dir, args.to, key, progress=ProgressBar(key[:12]))
+        published = save_cache(cache_dir, to, key, progress=ProgressBar(key[:12]))
         promoted += int(published)
         print(f"{key}: {'promoted' if published else 'already in the remote tier'}")
-    print(f"{promoted} of {len(keys)} entries promoted to {args.to}")
+    print(f"{promoted} of {len(keys)} entries promoted to {to}")
     return 0
 
 

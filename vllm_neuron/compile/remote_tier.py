@@ -1,21 +1,39 @@
 """The optional remote tier of the compile cache: reaching it, and fetching from it.
 
-The remote tier is best-effort: when it cannot be opened or a request fails, there is one
-warning and the node carries on with its local tier alone for `REMOTE_RETRY_AFTER`
-seconds (`RemoteTier`). A fetch copies a published remote entry into a local staging area
-with the storage layer's verified copy (every file checked as it is copied: BLAKE3 when
-recorded, else SHA-256), writes the record last and publishes (`fetch_entry`).
+The remote tier is best-effort (`RemoteTier`): it is opened and probed on first use (one
+cheap request: a missing bucket, refused access or an endpoint that does not answer is
+caught here, not read as an empty cache), and when it fails there is one warning per
+outage and the node carries on with its local tier alone. The remote is set aside for
+`REMOTE_RETRY_AFTER` seconds after the first failure, twice as long after each failed
+retry, up to `REMOTE_RETRY_MAX`, so a long warm-up against a dead endpoint pays its
+timeout a handful of times, not once a minute; a retry is a probe, and the first one that
+succeeds ends the outage (logged). A refused write makes the tier read-only for the
+process (`write_denied`), as ``VLLM_NEURON_REMOTE_WRITE=off`` does from the start.
+
+A fetch copies a published remote entry into a local staging area with the storage
+layer's verified copy (every file checked as it is copied: BLAKE3 when recorded, else
+SHA-256), writes the record last and publishes (`fetch_entry`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vllm_neuron.backends import IntegrityError, Record, Store, copy_verified, join, open_store
+from vllm_neuron.backends import (
+    IntegrityError,
+    Record,
+    Store,
+    copy_verified,
+    join,
+    open_store,
+    probe_store,
+)
 from vllm_neuron.backends.records import RecordError
+from vllm_neuron.envs.compile_cache import REMOTE_WRITE_MODES, RemoteWrite
 
 from .entry import ENTRY_RECORD, EntryProblem, EntryRecord, decode_record
 from .events import RemoteUnavailable
@@ -23,61 +41,135 @@ from .events import RemoteUnavailable
 logger = logging.getLogger("vllm_neuron.compile")
 
 REMOTE_RETRY_AFTER = 60.0
+"""Seconds the remote is set aside after the failure that starts an outage."""
+REMOTE_RETRY_MAX = 600.0
+"""The longest set-aside: each failed retry doubles it up to this."""
 
 
 class RemoteTier:
-    """The remote store, opened on first use and set aside for a while after a failure."""
+    """The remote store: opened and probed on first use, set aside after a failure.
+
+    ``store()`` is what every remote operation asks first; it makes a request only to open
+    the store (the probe) and, after an outage, once per set-aside to see whether the remote
+    is back. ``failed(exc)`` is how a caller reports a remote operation that failed.
+    ``clock`` is for tests (monotonic seconds).
+    """
 
     def __init__(
-        self, url: str | None, options: Mapping[str, Any], record: Callable[[Record], None]
+        self,
+        url: str | None,
+        options: Mapping[str, Any],
+        record: Callable[[Record], None],
+        *,
+        write: RemoteWrite = "auto",
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if write not in REMOTE_WRITE_MODES:
+            raise ValueError(
+                f"VLLM_NEURON_REMOTE_WRITE must be one of {', '.join(REMOTE_WRITE_MODES)}, "
+                f"got {write!r}"
+            )
         self.url = url
         self._options = dict(options)
         self._record = record
+        self._clock = clock
+        self._write: RemoteWrite = write
         self._store: Store | None = None
+        self._checked = False  # probed successfully since the last failure
         self._down_until = 0.0
-        self._warned = False
-        self._read_only = False
+        self._set_aside = 0.0  # the current outage's set-aside; 0 while the remote is up
+        self._outage_started = 0.0
+        self._denied: BaseException | None = None
+        # Reentrant: store() reports its own failures. Held while probing, so concurrent
+        # callers wait for one probe instead of each paying the endpoint's timeout.
+        self._lock = threading.RLock()
 
     def store(self) -> Store | None:
-        """The remote store, or None when unset or currently unreachable."""
-        if self.url is None or time.monotonic() < self._down_until:
+        """The remote store, or None when unset or set aside after a failure."""
+        if self.url is None:
             return None
-        if self._store is None:
+        with self._lock:
+            if self._set_aside and self._clock() < self._down_until:
+                return None
+            if self._store is not None and self._checked:
+                return self._store
             try:
-                self._store = open_store(self.url, **self._options)
+                if self._store is None:
+                    self._store = open_store(self.url, **self._options)
+                probe_store(self._store)
             except Exception as exc:  # noqa: BLE001 - the remote is best-effort
                 self.failed(exc)
                 return None
-        return self._store
+            self._checked = True
+            if self._set_aside:
+                logger.info(
+                    "compile cache: remote tier %s (NEURON_LIBTORCH_REMOTE_CACHE) is "
+                    "reachable again after %.0f s; using it again",
+                    self.url,
+                    self._clock() - self._outage_started,
+                )
+                self._set_aside = 0.0
+            return self._store
+
+    @property
+    def set_aside_seconds(self) -> float:
+        """How long the remote is left alone after the last failure (0 while it is up)."""
+        return self._set_aside
 
     def failed(self, exc: BaseException) -> None:
-        """The remote failed: record it, warn once, and leave it alone for a while."""
-        self._down_until = time.monotonic() + REMOTE_RETRY_AFTER
+        """A remote operation failed: warn once per outage, then leave the remote alone.
+
+        The first failure starts an outage: one warning, one ``remote_unavailable`` event,
+        `REMOTE_RETRY_AFTER` seconds set aside. A failure reported while the remote is set
+        aside (another thread's operation) changes nothing; the failure of the retry that
+        follows a set-aside doubles it, up to `REMOTE_RETRY_MAX`.
+        """
+        with self._lock:
+            now = self._clock()
+            self._checked = False
+            if self._set_aside and now < self._down_until:
+                return
+            first = not self._set_aside
+            if first:
+                self._set_aside = REMOTE_RETRY_AFTER
+                self._outage_started = now
+            else:
+                self._set_aside = min(self._set_aside * 2, REMOTE_RETRY_MAX)
+            self._down_until = now + self._set_aside
+        if not first:
+            logger.debug("compile cache: remote tier %s still unavailable (%s); next try in "
+                         "%.0f s", self.url, exc, self._set_aside)  # fmt: skip
+            return
         self._record(RemoteUnavailable(at=time.time(), remote=str(self.url), reason=str(exc)))
-        if not self._warned:
-            self._warned = True
-            logger.warning(
-                "compile cache: remote tier %s (NEURON_LIBTORCH_REMOTE_CACHE) failed: %s; "
-                "continuing with the local cache only",
-                self.url,
-                exc,
-            )
+        logger.warning(
+            "compile cache: remote tier %s (NEURON_LIBTORCH_REMOTE_CACHE) failed: %s; "
+            "continuing with the local cache only (next try in %.0f s)",
+            self.url,
+            exc,
+            REMOTE_RETRY_AFTER,
+        )
 
     @property
     def read_only(self) -> bool:
-        """True once a write was denied: the remote is then read from, never written."""
-        return self._read_only
+        """True when this process must not write to the remote: VLLM_NEURON_REMOTE_WRITE=off,
+        or a write was refused (`write_denied`). Reads go on either way."""
+        return self._write == "off" or self._denied is not None
 
     def write_denied(self, exc: BaseException) -> None:
-        """A write to the remote was refused (permissions): go on as with
-        VLLM_NEURON_REMOTE_WRITE=off, with one warning."""
-        if self._read_only:
+        """A write to the remote was refused (``PermissionError``; on S3 ``AccessDenied``,
+        `StoreAccessDenied`): from now on this process only reads the remote, as with
+        VLLM_NEURON_REMOTE_WRITE=off, with one warning. Not an outage: reads go on."""
+        with self._lock:
+            if self._denied is not None:
+                return
+            self._denied = exc
+            configured_off = self._write == "off"
+        if configured_off:
             return
-        self._read_only = True
         logger.warning(
-            "compile cache: the remote tier %s (NEURON_LIBTORCH_REMOTE_CACHE) refused a "
-            "write: %s; using it read-only, as with VLLM_NEURON_REMOTE_WRITE=off",
+            "compile cache: remote tier %s (NEURON_LIBTORCH_REMOTE_CACHE) refused a write: "
+            "%s; degrading to VLLM_NEURON_REMOTE_WRITE=off (read-only: promote with "
+            "save_cache or `vllm-neuron cache promote` from a node that may write)",
             self.url,
             exc,
         )
