@@ -55,6 +55,9 @@ def build_runtime() -> CompileRuntime:
         precompiled_only=settings.disable_warmup_compile,
         toolchain=toolchain.name,
         target=toolchain.target,
+        remote_write=settings.remote_write,
+        remote_lease_seconds=settings.remote_lease_seconds,
+        compile_retry_after=settings.compile_retry_after,
     )
     runtime = CompileRuntime(cache, toolchain)
     install_recorder(runtime, manifest_dir)

@@ -22,8 +22,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from vllm_neuron.backends import (
+    InvalidLocation,
     MissingDependency,
     Store,
+    StoreMissing,
     UnknownScheme,
     is_url,
     local_path_of,
@@ -229,7 +231,8 @@ def test_s3_create_makes_no_bucket(s3_server: str, s3_admin: Any) -> None:
     bucket = f"absent-{uuid.uuid4().hex[:12]}"
     for create in (False, True):
         store = open_store(f"s3://{bucket}/p", endpoint_url=s3_server, create=create)
-        assert store.read("k") is None
+        with pytest.raises(StoreMissing, match=bucket):  # never a silent "no such key"
+            store.read("k")
     names = [b["Name"] for b in s3_admin.list_buckets().get("Buckets", [])]
     assert bucket not in names
 
@@ -264,6 +267,11 @@ def test_is_url_means_scheme_colon_slash_slash_at_the_start(scheme: str, rest: s
 @settings(max_examples=300)
 @given(LOCATION)
 def test_normalize_location_properties(location: str) -> None:
+    scheme = location.split(":", 1)[0].lower() if ":" in location else None
+    if scheme in registered_schemes() and not location.split(":", 1)[1].startswith("//"):
+        with pytest.raises(InvalidLocation, match="did you mean"):  # s3:/b, FILE:x
+            normalize_location(location)
+        return
     normal = normalize_location(location)
     assert normalize_location(normal) == normal  # idempotent
     assert is_url(normal) == is_url(location)

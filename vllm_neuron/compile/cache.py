@@ -118,11 +118,8 @@ class TwoTierCache:
         )
         self.local_dir = self.local.url  # where the local tier is, for messages and tools
         self.remote_url = remote or None
-        self._remote = RemoteTier(self.remote_url, remote_options or {}, self._record)
-        if remote_write not in ("auto", "off"):
-            raise ValueError(
-                f"VLLM_NEURON_REMOTE_WRITE must be auto or off, got {remote_write!r}"
-            )
+        self._remote = RemoteTier(
+            self.remote_url, remote_options or {}, self._record, write=remote_write)
         self.remote_write: RemoteWrite = remote_write
         self._fleet = RemoteSingleFlight(
             self._remote, lease_seconds=remote_lease_seconds, retry_after=compile_retry_after,
@@ -309,7 +306,7 @@ class TwoTierCache:
                     f"compile cache miss for {key} in {where}, and "
                     "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 forbids compiling at runtime"
                 )
-            if self.remote_write == "off":
+            if self._remote.read_only:  # VLLM_NEURON_REMOTE_WRITE=off, or writes refused
                 return self._compile_and_publish(key, compile_fn, components)
             return self._fleet.run(
                 key,

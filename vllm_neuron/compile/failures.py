@@ -45,18 +45,18 @@ def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-def write_failure_note(store: Store, key: str, error: str) -> bool:
-    """Leave `error` for the waiters on `key`; False when the store refused the note.
+def write_failure_note(store: Store, key: str, error: str) -> Exception | None:
+    """Leave `error` for the waiters on `key`; the store's exception if it refused the note.
 
     Best-effort: a store that cannot take the note costs the waiters a compile, never the
-    failing process its real error.
+    failing process its real error, so the exception is returned, not raised.
     """
     note = FailureNote(at=time.time(), error=error, pid=os.getpid(), host=socket.gethostname())
     try:
         store.write(_note_key(key), encode(note))
-    except Exception:  # noqa: BLE001 - see above
-        return False
-    return True
+    except Exception as exc:  # noqa: BLE001 - see above
+        return exc
+    return None
 
 
 def recent_failure(store: Store, key: str, *, since: float) -> FailureNote | None:

@@ -175,9 +175,12 @@ class RemoteSingleFlight:
         except Exception as remote_error:  # noqa: BLE001 - the remote is best-effort
             self.tier.failed(remote_error)
             return
-        if not write_failure_note(remote, key, describe(exc)):
-            logger.warning("compile cache: could not record the failed compile of %s in %s",
-                           key, remote.url)
+        refused = write_failure_note(remote, key, describe(exc))
+        if isinstance(refused, PermissionError):
+            self.tier.write_denied(refused)
+        elif refused is not None:
+            logger.warning("compile cache: could not record the failed compile of %s in %s: "
+                           "%s", key, remote.url, refused)
 
     def _promote(
         self, remote: Store, lease: Lock, key: str, promote: Callable[[Store], object]

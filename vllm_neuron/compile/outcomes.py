@@ -1,5 +1,5 @@
-"""What the compile cache hands back and raises: the result of a lookup, the errors a
-caller can tell apart, and the remote-write setting's values.
+"""What the compile cache hands back and raises: the result of a lookup and the errors a
+caller can tell apart.
 
 Kept apart from `cache.py` so that the fleet protocol (`fleet.py`), which the cache uses,
 can raise the cache's own errors without importing the cache.
@@ -7,18 +7,13 @@ can raise the cache's own errors without importing the cache.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import msgspec
+
+from vllm_neuron.envs.compile_cache import RemoteWrite  # the setting's own type
 
 from .entry import EntryRecord
 
 __all__ = ["CacheResult", "CompileError", "PrecompiledOnlyMiss", "RemoteWrite"]
-
-RemoteWrite = Literal["auto", "off"]
-"""VLLM_NEURON_REMOTE_WRITE: "auto" compiles once per fleet (remote leases, promotion after
-a compile); "off" leaves the remote read-only (promotion is `save_cache`)."""
-
 
 class CompileError(RuntimeError):
     """The compile of a key failed (in this process or in the one we waited for)."""
