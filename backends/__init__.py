@@ -30,6 +30,13 @@ from .errors import (
 )
 from .eventlog import EventLog
 from .keys import join, validate_hex, validate_key
+from .locations import (
+    check_location,
+    is_url,
+    local_path_of,
+    local_root_missing,
+    normalize_location,
+)
 from .locks import KernelLock, LeaseLock, Lock
 from .records import (
     Decoded,
@@ -40,18 +47,8 @@ from .records import (
     encode_line,
     register_upcaster,
 )
-from .router import (
-    check_location,
-    is_url,
-    local_path_of,
-    local_root_missing,
-    normalize_location,
-    open_store,
-    probe_store,
-    register_scheme,
-    registered_schemes,
-    unregister_scheme,
-)
+from .router import open_store, probe_store
+from .schemes import register_scheme, registered_schemes, unregister_scheme
 from .store import Store
 from .transfer import CopyResult, Progress, copy_file, copy_tree
 from .verified_copy import copy_verified
