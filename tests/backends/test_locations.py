@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -166,15 +169,37 @@ def test_a_local_reader_probe_tells_a_missing_root_from_an_empty_one(tmp_path: P
         probe_store(open_store(str(tmp_path / "file"), create=False))
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any directory")
+_PROBE_LOCKED = """
+import sys
+from vllm_neuron.backends import StoreAccessDenied, open_store, probe_store
+try:
+    probe_store(open_store(sys.argv[1], create=False))
+except StoreAccessDenied as exc:
+    assert isinstance(exc, PermissionError) and sys.argv[1] in str(exc), exc
+    print("denied")
+"""
+
+
 def test_a_local_root_that_cannot_be_read_is_access_denied(tmp_path: Path) -> None:
+    """Root reads any directory, so as root (CI) the probe runs in a process without the
+    capabilities that bypass permissions (util-linux ``setpriv``), where mode 0 refuses."""
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0)
     try:
-        with pytest.raises(StoreAccessDenied) as info:
-            probe_store(open_store(str(locked), create=False))
-        assert isinstance(info.value, PermissionError) and str(locked) in str(info.value)
+        if os.geteuid() != 0:
+            with pytest.raises(StoreAccessDenied) as info:
+                probe_store(open_store(str(locked), create=False))
+            assert isinstance(info.value, PermissionError) and str(locked) in str(info.value)
+            return
+        setpriv = shutil.which("setpriv")
+        assert setpriv, "setpriv (util-linux) is needed to drop root's DAC override"
+        caps = "-dac_override,-dac_read_search"
+        done = subprocess.run(
+            [setpriv, f"--bounding-set={caps}", f"--inh-caps={caps}", sys.executable, "-c",
+             _PROBE_LOCKED, str(locked)],
+            capture_output=True, text=True, timeout=120, check=False)
+        assert (done.returncode, done.stdout.strip()) == (0, "denied"), done.stderr
     finally:
         locked.chmod(0o700)
 
