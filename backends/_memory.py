@@ -13,6 +13,7 @@ bug that only the slow backend would show cannot hide here.
 from __future__ import annotations
 
 import builtins
+import io
 import threading
 import time
 from typing import IO
@@ -114,8 +115,6 @@ class MemoryStore(Store):
             return super().delete_tree(prefix)
 
     def open_read(self, key: str) -> IO[bytes]:
-        import io
-
         data = self.read(key)
         if data is None:
             raise FileNotFoundError(f"{self.url}: no such key {key!r}")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import functools
+import inspect
 import os
 import threading
 import time
@@ -111,8 +112,7 @@ def accepted_options() -> frozenset[str]:
     s3fs hands unknown keyword arguments to fsspec, which ignores them; we refuse them
     instead, so a misspelt option is a `TypeError` rather than silence.
     """
-    import inspect
-
+    # Lazy: s3fs is heavy and optional; only this path needs it.
     import s3fs
 
     params = inspect.signature(s3fs.S3FileSystem.__init__).parameters
@@ -139,6 +139,7 @@ def _shared_session() -> Any:
     global _session
     with _session_lock:
         if _session is None:
+            # Lazy: aiobotocore (s3fs's) is heavy and optional; only this path needs it.
             import aiobotocore.session
 
             _session = aiobotocore.session.AioSession()
@@ -185,6 +186,7 @@ def _bounded_fs_class() -> type:
     its files' reads and writes, its listings page by page - goes through ``_call_s3``;
     the sync ``call_s3`` is rebuilt here because s3fs binds it to its own ``_call_s3``.
     """
+    # Lazy: s3fs is heavy and optional; only this path needs it.
     import s3fs
     from fsspec.asyn import sync_wrapper
 

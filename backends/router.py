@@ -30,6 +30,7 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
+from ._local import PROFILES, LocalStore
 from .errors import (
     InvalidLocation,
     MissingDependency,
@@ -38,6 +39,7 @@ from .errors import (
     StoreUnavailable,
 )
 from .locations import LOCAL_SCHEME, absolute_path, check_location, split_location
+from .mounts import profile_for
 from .schemes import Scheme, register_scheme, scheme_named
 from .store import Store
 
@@ -130,9 +132,6 @@ def probe_store(store: Store) -> None:
 
 
 def _open_local(url: str, location: str, options: dict[str, Any], *, create: bool) -> Store:
-    from ._local import PROFILES, LocalStore
-    from .mounts import profile_for
-
     path = absolute_path(location, None)
     profile = options.get("profile", "auto")
     lock = options.get("lock", "auto")

@@ -31,6 +31,7 @@ def register_backend() -> None:
     entry point, and registering here would make dynamo's own registration, right after,
     fail with "duplicate name".
     """
+    # Lazy: torch is heavy and optional; only this path needs it.
     from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
 
     current = _COMPILER_FNS.get(BACKEND_NAME)

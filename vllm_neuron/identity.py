@@ -102,6 +102,7 @@ def detect_ranks() -> RankInfo:
     else the launcher's ``RANK``/``VLLM_DP_RANK`` variables, else 0."""
     global_rank: int | None = None
     try:
+        # Lazy: torch is heavy and optional; only this path needs it.
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
@@ -113,12 +114,14 @@ def detect_ranks() -> RankInfo:
         global_rank = launcher.rank or 0
     tp_rank, dp_rank = global_rank, launcher.dp_rank or 0
     try:
+        # Lazy: vLLM is heavy and optional; only this path needs it.
         from vllm.distributed.parallel_state import get_tp_group
 
         tp_rank = int(get_tp_group().rank_in_group)
     except Exception:  # noqa: BLE001 - not inside vLLM, or its groups are not set up
         pass
     try:
+        # Lazy: vLLM is heavy and optional; only this path needs it.
         from vllm.distributed.parallel_state import get_dp_group
 
         dp_rank = int(get_dp_group().rank_in_group)

@@ -37,6 +37,7 @@ RESULT_PREFIX = "VLLM_NEURON_DEMO_RESULT "
 
 def build_model() -> torch.nn.Module:
     """A small two-block MLP with a residual and a norm: one graph, real weights."""
+    # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
     torch.manual_seed(0)

@@ -6,6 +6,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from .schema import ManifestConfig, Topology
 
 
@@ -18,6 +20,7 @@ def vllm_config_to_json(vllm_config: Any) -> dict[str, Any]:
     """The full resolved VllmConfig, JSON-coerced with vLLM's own recipe: pydantic's
     ``TypeAdapter`` of the config's class, dumped in JSON mode with ``str`` as the fallback."""
     try:
+        # Lazy: pydantic (vLLM's) is heavy and optional; only this path needs it.
         from pydantic import TypeAdapter
 
         dumped = TypeAdapter(type(vllm_config)).dump_python(vllm_config, mode="json", fallback=str)
@@ -84,6 +87,4 @@ def config_from_vllm(
 def config_from_mapping(values: Mapping[str, Any]) -> ManifestConfig:
     """A config supplied by the caller (no vLLM): the keys of the manifest's ``config``
     (docs/manifest.md), JSON-coerced."""
-    import msgspec
-
     return msgspec.convert(jsonable(dict(values)), ManifestConfig)

@@ -62,6 +62,7 @@ def configure_compilation(vllm_config: Any, *, requested_mode: Any, backend: str
     compiles. Returns whether the piecewise path is on (False when the user asked for
     another mode, e.g. ``--enforce-eager``, or LoRA switched compilation off).
     """
+    # Lazy: vLLM is heavy and optional; only this path needs it.
     from vllm.config import CompilationMode
 
     cc = vllm_config.compilation_config
@@ -220,6 +221,7 @@ def install_forward_publisher(model_runner: Any, vllm_config: Any) -> ForwardPub
 
 def _tp_group_ranks() -> list[int] | None:
     try:
+        # Lazy: vLLM is heavy and optional; only this path needs it.
         from vllm.distributed.parallel_state import get_tp_group
 
         return [int(r) for r in get_tp_group().ranks]

@@ -110,6 +110,7 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 def dtype_from_name(name: str) -> torch.dtype:
     """The torch dtype called ``name``; SnapshotEncodingError for anything else."""
+    # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
     value = getattr(torch, name, None) if name.isidentifier() else None
@@ -130,6 +131,7 @@ def _is_quantized_or_subbyte(name: str) -> bool:
 @functools.lru_cache(maxsize=1)
 def _safetensors_dtypes() -> frozenset[str]:
     try:
+        # Lazy: safetensors is heavy and optional; only this path needs it.
         import safetensors.torch as st
     except ImportError:
         return frozenset()
@@ -191,6 +193,7 @@ def _compact(t: torch.Tensor) -> torch.Tensor:
 
 def _numpy_view(t: torch.Tensor) -> np.ndarray:
     """A zero-copy numpy view of a compact tensor (raw bytes ``|V<n>`` for bf16/fp8)."""
+    # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
     name = dtype_name(t.dtype)
@@ -207,6 +210,7 @@ def write_tensor(t: torch.Tensor, fmt: SnapshotFormat, f: IO[bytes]) -> None:
     if fmt == "npy":
         np.lib.format.write_array(f, _numpy_view(t), allow_pickle=False)
     elif fmt == "pt":
+        # Lazy: torch is heavy and optional; only this path needs it.
         import torch
 
         torch.save(t, f)
@@ -225,6 +229,7 @@ def _write_safetensors(t: torch.Tensor, f: IO[bytes]) -> None:
     the installed safetensors names differently, or a big-endian host, goes through
     ``save``.
     """
+    # Lazy: safetensors is heavy and optional; only this path needs it.
     import safetensors.torch as st
     import torch
 
@@ -292,6 +297,7 @@ def decode_tensor(
     what: str = "tensor",
 ) -> torch.Tensor:
     """The tensor stored in ``data``; its dtype and shape must match the recorded ones."""
+    # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
     expected = dtype_from_name(dtype)
@@ -321,6 +327,7 @@ def decode_tensor(
             raise SnapshotEncodingError(f"{what}: .pt file holds {type(t).__name__}, not a tensor")
     elif fmt == "safetensors":
         try:
+            # Lazy: safetensors is heavy and optional; only this path needs it.
             import safetensors.torch as st
         except ImportError as exc:
             raise SnapshotEncodingError(

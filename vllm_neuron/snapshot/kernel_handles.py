@@ -169,6 +169,7 @@ def resolve_handles(args: Sequence[Any], graph_handles: dict[int, str]) -> dict[
 
 
 def _pointer_value(value: Any) -> int | None:
+    # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
     if isinstance(value, torch.Tensor) and value.dim() == 0 and value.dtype == torch.int64:

@@ -92,6 +92,7 @@ def restore_output_structure(result: Any, out_spec: str, expected_leaves: int) -
     output); a torch.compile backend must return exactly what the graph returns. The
     leaves are flattened, counted against the compile-time arity, and re-packed.
     """
+    # Lazy: torch is heavy and optional; only this path needs it.
     import torch.utils._pytree as pytree
 
     spec = pytree.treespec_loads(out_spec)

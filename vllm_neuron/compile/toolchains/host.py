@@ -64,6 +64,7 @@ class HostToolchain(Toolchain):
         self._inductor_configs = dict(inductor_configs or {})
 
     def versions(self) -> dict[str, str]:
+        # Lazy: torch is heavy and optional; only this path needs it.
         import torch
 
         features = [
@@ -82,6 +83,7 @@ class HostToolchain(Toolchain):
         return sorted(f"--{k}={v}" for k, v in self._inductor_configs.items())
 
     def compile(self, gm: Any, example_inputs: Sequence[Any], out_dir: str) -> CompiledArtifact:
+        # Lazy: torch is heavy and optional; only this path needs it.
         import torch
         import torch.utils._pytree as pytree
 
@@ -148,6 +150,7 @@ class HostToolchain(Toolchain):
 def _load_package(path: str) -> Any:
     """``aoti_load_package``, loading the kernel library the graph calls when it is missing
     (a graph traced inside vLLM calls vLLM's CPU kernels; see ``op_libraries``)."""
+    # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
     try:
@@ -172,6 +175,7 @@ class _ExportPlan:
 
 
 def _is_symbolic(value: Any) -> bool:
+    # Lazy: torch is heavy and optional; only this path needs it.
     from torch.fx.experimental.symbolic_shapes import is_symbolic
 
     return bool(is_symbolic(value))
@@ -192,6 +196,7 @@ def _hint(value: Any) -> int:
 
 def _export_plan(gm: Any, inputs: tuple[Any, ...]) -> _ExportPlan:
     """Concrete, exportable arguments for ``inputs``; unchanged when nothing is symbolic."""
+    # Lazy: torch is heavy and optional; only this path needs it.
     import torch
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.export import Dim
@@ -260,6 +265,7 @@ def _derive_integer_inputs(gm: Any, derived: Mapping[int, tuple[int, int]]) -> A
     rewrites change the compiled program but not the cache key: a change to them must
     also change a key component (e.g. a version in `HostToolchain.versions`).
     """
+    # Lazy: torch is heavy and optional; only this path needs it.
     import torch
     import torch.fx
 
@@ -297,6 +303,7 @@ def _derive_integer_inputs(gm: Any, derived: Mapping[int, tuple[int, int]]) -> A
 def _outside_tracing() -> Iterator[None]:
     """Leave the fake-tensor mode and tracing context of a caller that compiles while
     dynamo traces (vLLM compiles its pieces from inside the dynamo backend call)."""
+    # Lazy: torch is heavy and optional; only this path needs it.
     from torch._guards import tracing
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -306,6 +313,7 @@ def _outside_tracing() -> Iterator[None]:
 
 def _user_output_shapes(ep: Any) -> list[str]:
     """Shapes of the user-visible outputs, from the exported graph's fake values."""
+    # Lazy: torch is heavy and optional; only this path needs it.
     from torch.export.graph_signature import OutputKind
 
     output_node = next(n for n in ep.graph.nodes if n.op == "output")

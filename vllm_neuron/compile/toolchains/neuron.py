@@ -261,10 +261,12 @@ class NeuronToolchain(Toolchain):
         return list(self._extra_args)
 
     def compile(self, gm: Any, example_inputs: Sequence[Any], out_dir: str) -> CompiledArtifact:
+        # Lazy: torch is heavy and optional; only this path needs it.
         import torch.fx
         import torch.utils._pytree as pytree
 
         try:
+            # Lazy: torch-neuronx is heavy and optional; only this path needs it.
             from torch_neuronx.xla_impl.hlo_conversion import xla_trace
             from torch_neuronx.xla_impl.trace import hlo_metaneff, write_params
         except ImportError as exc:
@@ -314,6 +316,7 @@ class NeuronToolchain(Toolchain):
 
     def load(self, entry_dir: str, meta: CompiledArtifact) -> Callable[..., Any]:
         self.check_meta(meta)
+        # Lazy: torch is heavy and optional; only this path needs it.
         import torch
 
         try:

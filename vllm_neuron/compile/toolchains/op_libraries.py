@@ -76,6 +76,7 @@ def missing_schema(exc: BaseException) -> tuple[str, str] | None:
 
 
 def _registered(namespace: str, op: str) -> bool:
+    # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
     name = op.split(".", 1)[0]
