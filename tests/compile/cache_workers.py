@@ -177,6 +177,25 @@ def _rendezvous(rendezvous_dir: str, key: str, parties: int) -> None:
           >= parties, f"compiles of {parties} keys at once", timeout=SAFETY / 2)
 
 
+def wait_for(predicate: Any, what: str, procs: Any = ()) -> Any:
+    """Poll until `predicate()` is true and return its value; a worker exiting first (other
+    than one the test SIGKILLed), or a hang (`SAFETY`), fails the test."""
+    import signal
+
+    deadline = time.monotonic() + SAFETY
+    while True:
+        value = predicate()
+        if value:
+            return value
+        for p in procs:
+            if p.poll() is not None and p.returncode != -signal.SIGKILL:
+                out, err = p.communicate()
+                raise AssertionError(f"a worker exited while waiting for {what}:\n{out}\n{err}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
 def release_barrier(
     barrier_dir: str, parties: int, procs: list[Any], timeout: float = SAFETY
 ) -> float:

@@ -33,6 +33,7 @@ from cache_workers import (
     entry_is_right,
     finish_workers,
     release_barrier,
+    wait_for,
     worker_command,
     worker_env,
 )
@@ -193,29 +194,13 @@ def _started(markers: str) -> list[int]:
     return [int(n.split("-")[1]) for n in sorted(os.listdir(markers))]
 
 
-def _wait_for(predicate: Any, what: str, procs: list[Any] = ()) -> Any:
-    """Poll until `predicate()` is true; a worker exiting first, or a hang, fails the test."""
-    deadline = time.monotonic() + SAFETY
-    while True:
-        value = predicate()
-        if value:
-            return value
-        for p in procs:
-            if p.poll() is not None:
-                out, err = p.communicate()
-                raise AssertionError(f"a worker exited while waiting for {what}:\n{out}\n{err}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.01)
-
-
 def _hold_everyone(tmp_path: Any, procs: list[Any]) -> int:
     """Wait until one compile is held half-way and every worker is queued on the key's lock
     (the holder wrote its marker before it took the lock); returns the held worker's pid."""
     held = os.path.join(str(tmp_path / "hold"), HELD)
     waiting = str(tmp_path / "waiting")
-    pid = _wait_for(lambda: _read_pid(held), "a compile to be held half-way", procs)
-    _wait_for(lambda: len(_names(waiting, WAITING)) == len(procs),
+    pid = wait_for(lambda: _read_pid(held), "a compile to be held half-way", procs)
+    wait_for(lambda: len(_names(waiting, WAITING)) == len(procs),
               "every worker to queue on the lock", procs)
     return int(pid)
 

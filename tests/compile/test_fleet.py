@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from typing import Any
 
 import pytest
@@ -25,6 +24,8 @@ from cache_workers import (
     SAFETY,
     finish_workers,
     free_port,
+    release_barrier,
+    wait_for,
     worker_command,
     worker_env,
 )
@@ -74,29 +75,12 @@ def _spawn(tmp_path: Any, fleet: dict[str, Any], *, nodes: int, ranks: int,
 
 
 def _go(tmp_path: Any, procs: list[subprocess.Popen[str]]) -> None:
-    from cache_workers import release_barrier
-
     release_barrier(str(tmp_path / "barrier"), len(procs), procs)
 
 
 def _started(tmp_path: Any, marker: str = "markers") -> int:
     path = tmp_path / marker
     return len([n for n in os.listdir(path) if n.startswith("started-")]) if path.exists() else 0
-
-
-def _wait_for(predicate: Any, what: str, procs: list[subprocess.Popen[str]]) -> Any:
-    deadline = time.monotonic() + SAFETY
-    while True:
-        value = predicate()
-        if value:
-            return value
-        dead = [p for p in procs if p.poll() is not None and p.returncode != -signal.SIGKILL]
-        if dead:
-            out, err = dead[0].communicate()
-            raise AssertionError(f"a worker exited while waiting for {what}:\n{out}\n{err}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"gave up waiting for {what}")
-        time.sleep(0.02)
 
 
 def _fleet_waiters(tmp_path: Any) -> list[str]:
@@ -158,11 +142,11 @@ def test_a_killed_holder_costs_one_lease_and_a_successor_finishes(tmp_path, shar
     procs = _spawn(tmp_path, shared_remote, nodes=3, ranks=2, hold_dir=str(hold),
                    remote_lease_seconds=2)
     _go(tmp_path, procs)
-    holder_pid = int(_wait_for(lambda: (hold / HELD).exists() and (hold / HELD).read_text(),
+    holder_pid = int(wait_for(lambda: (hold / HELD).exists() and (hold / HELD).read_text(),
                                "a compile to stop half-way", procs))
     # Every other node polls the remote for the held compile (its second rank queues on
     # the node's lock): the kill lands while the fleet waits on the holder's lease.
-    _wait_for(lambda: len(_fleet_waiters(tmp_path)) >= 2, "the other nodes to wait", procs)
+    wait_for(lambda: len(_fleet_waiters(tmp_path)) >= 2, "the other nodes to wait", procs)
     os.kill(holder_pid, signal.SIGKILL)
 
     survivors = [p for p in procs if p.pid != holder_pid]
@@ -190,9 +174,9 @@ def test_a_late_holder_cannot_replace_what_its_successor_promoted(tmp_path):
     procs = _spawn(tmp_path, fleet, nodes=2, ranks=1, hold_dir=str(hold),
                    remote_lease_seconds=1)
     _go(tmp_path, procs)
-    late_pid = int(_wait_for(lambda: (hold / HELD).exists() and (hold / HELD).read_text(),
+    late_pid = int(wait_for(lambda: (hold / HELD).exists() and (hold / HELD).read_text(),
                              "a compile to stop half-way", procs))
-    _wait_for(lambda: _fleet_waiters(tmp_path), "the other node to wait", procs)
+    wait_for(lambda: _fleet_waiters(tmp_path), "the other node to wait", procs)
     os.kill(late_pid, signal.SIGSTOP)  # no more heartbeats: the lease runs out
     late = next(p for p in procs if p.pid == late_pid)
     successor = next(p for p in procs if p.pid != late_pid)
@@ -219,8 +203,8 @@ def test_a_failed_compile_reaches_every_node_at_once_and_later_starts_during_coo
     procs = _spawn(tmp_path, shared_remote, nodes=3, ranks=2, hold_dir=str(hold),
                    fail="the compiler crashed")
     _go(tmp_path, procs)
-    _wait_for(lambda: (hold / HELD).exists(), "a compile to stop half-way", procs)
-    _wait_for(lambda: len(_fleet_waiters(tmp_path)) >= 2, "the other nodes to wait", procs)
+    wait_for(lambda: (hold / HELD).exists(), "a compile to stop half-way", procs)
+    wait_for(lambda: len(_fleet_waiters(tmp_path)) >= 2, "the other nodes to wait", procs)
     (hold / RESUME).touch()
     results = finish_workers(procs)
 
@@ -274,8 +258,8 @@ def test_an_s3_outage_mid_wait_sends_every_node_on_alone_with_one_warning(tmp_pa
         fleet = {"remote": "s3://outage/cache", "remote_options": {"endpoint_url": endpoint}}
         procs = _spawn(tmp_path, fleet, nodes=3, ranks=2, hold_dir=str(hold))
         _go(tmp_path, procs)
-        _wait_for(lambda: (hold / HELD).exists(), "a compile to stop half-way", procs)
-        _wait_for(lambda: len(_fleet_waiters(tmp_path)) >= 2, "the other nodes to wait", procs)
+        wait_for(lambda: (hold / HELD).exists(), "a compile to stop half-way", procs)
+        wait_for(lambda: len(_fleet_waiters(tmp_path)) >= 2, "the other nodes to wait", procs)
         server.stop()
         stopped = True
         (hold / RESUME).touch()
