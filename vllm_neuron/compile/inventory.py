@@ -31,6 +31,7 @@ class EntryInfo:
     target: str
     compile_seconds: float
     problem: str | None = None
+    version: str | None = None  # the publication listed (`Publication.version`)
 
     @property
     def age_seconds(self) -> float:
@@ -38,22 +39,31 @@ class EntryInfo:
 
 
 def list_entries(store: Store) -> list[EntryInfo]:
-    """Every published entry of `store`, oldest first; unreadable ones carry a `problem`."""
+    """Every published entry of `store`, oldest first; unreadable ones carry a `problem`.
+
+    So do broken publications (a commit record that does not read or names a version
+    without files) and, alike on every backend, entries whose record is missing or does
+    not read: a listing never leaves out what a fetch would find defective.
+    """
     out = []
     for key in store.published_children(""):
         if not KEY_RE.fullmatch(key):
             continue
-        prefix = store.published(key)
-        if prefix is None:
+        found = store.publication(key)
+        if found.state == "absent":  # withdrawn since it was listed
             continue
-        data = store.read(join(prefix, ENTRY_RECORD))
-        if data is None:
-            out.append(EntryInfo(key, 0, 0, 0.0, "?", "?", 0.0, f"{ENTRY_RECORD} is missing"))
-            continue
-        try:
-            record = decode_record(data)
-        except Exception as exc:  # noqa: BLE001 - reported, not raised
-            out.append(EntryInfo(key, 0, 0, 0.0, "?", "?", 0.0, f"unreadable record: {exc}"))
+        problem, record = found.problem, None
+        if found.prefix is not None and problem is None:
+            data = store.read(join(found.prefix, ENTRY_RECORD))
+            if data is None:
+                problem = f"{ENTRY_RECORD} is missing"
+            else:
+                try:
+                    record = decode_record(data)
+                except Exception as exc:  # noqa: BLE001 - reported, not raised
+                    problem = f"unreadable record: {exc}"
+        if record is None:
+            out.append(EntryInfo(key, 0, 0, 0.0, "?", "?", 0.0, problem, found.version))
             continue
         out.append(
             EntryInfo(
@@ -64,6 +74,7 @@ def list_entries(store: Store) -> list[EntryInfo]:
                 toolchain=record.toolchain,
                 target=record.target,
                 compile_seconds=record.compile_seconds,
+                version=found.version,
             )
         )
     return sorted(out, key=lambda e: (e.created, e.key))
@@ -74,24 +85,32 @@ class VerifyResult:
     key: str
     ok: bool
     problem: str | None
+    version: str | None = None  # the publication judged: what a quarantine withdraws
 
 
-def verify_entry(store: Store, key: str, *, full: bool = True) -> str | None:
-    """The problem with the published entry `key` of `store`, or None if it is sound."""
-    prefix = store.published(key)
+def check_entry(store: Store, key: str, *, full: bool = True) -> VerifyResult:
+    """The published entry `key` of `store` checked, with the version that was judged."""
+    found = store.publication(key)
     try:
-        if prefix is None:
+        if found.state == "absent":
             raise EntryProblem(f"{store.url}/{key} was withdrawn while verifying")
-        data = store.read(join(prefix, ENTRY_RECORD))
+        if found.problem is not None or found.prefix is None:
+            raise EntryProblem(str(found.problem))
+        data = store.read(join(found.prefix, ENTRY_RECORD))
         if data is None:
             raise EntryProblem(f"{store.url}/{key}: {ENTRY_RECORD} is missing")
         record = decode_record(data)
         if record.key != key:
             raise EntryProblem(f"{store.url}/{key}: record names key {record.key}")
-        (check_checksums if full else check_sizes)(store, prefix, record)
+        (check_checksums if full else check_sizes)(store, found.prefix, record)
     except Exception as exc:  # noqa: BLE001 - collected, not raised
-        return str(exc)
-    return None
+        return VerifyResult(key, False, str(exc), found.version)
+    return VerifyResult(key, True, None, found.version)
+
+
+def verify_entry(store: Store, key: str, *, full: bool = True) -> str | None:
+    """The problem with the published entry `key` of `store`, or None if it is sound."""
+    return check_entry(store, key, full=full).problem
 
 
 def verify_entries(
@@ -100,18 +119,20 @@ def verify_entries(
     full: bool = True,
     quarantine: Callable[[str, str], None] | None = None,
 ) -> list[VerifyResult]:
-    """Check every entry (all checksums when `full`, sizes otherwise).
+    """Check every entry (all checksums when `full`, sizes otherwise), broken ones too.
 
-    `quarantine(key, problem)` is called for every entry that fails.
+    `quarantine(key, problem)` is called for every entry that fails; each result's
+    `version` is the publication judged.
     """
     results = []
     for info in list_entries(store):
-        problem = info.problem
-        if problem is None:
-            problem = verify_entry(store, info.key, full=full)
-        if problem is not None and quarantine is not None:
-            quarantine(info.key, problem)
-        results.append(VerifyResult(info.key, problem is None, problem))
+        if info.problem is not None:
+            result = VerifyResult(info.key, False, info.problem, info.version)
+        else:
+            result = check_entry(store, info.key, full=full)
+        if result.problem is not None and quarantine is not None:
+            quarantine(result.key, result.problem)
+        results.append(result)
     return results
 
 
@@ -146,8 +167,11 @@ class PrunePlan:
         return sum(e.size for e in self.delete)
 
     def execute(self) -> int:
-        """Withdraw every planned entry; returns how many were withdrawn."""
-        return sum(1 for e in self.delete if self.store.unpublish(e.key))
+        """Withdraw every planned entry; returns how many were withdrawn.
+
+        Each as the version that was planned: an entry published again since stays.
+        """
+        return sum(1 for e in self.delete if self.store.unpublish(e.key, version=e.version))
 
 
 def plan_prune(

@@ -6,6 +6,12 @@ having promoted the same key already is a no-op, so every node of a fleet may ca
 An entry is checked in full (every checksum) before it leaves the node: a corrupt local
 entry must not become everybody's corrupt entry.
 
+A remote entry that is there but defective - a broken publication (a commit record that
+does not read, or names a version without files), or an entry record that is missing, does
+not read or names another key - is not "already promoted": it is quarantined (withdrawn
+as the version judged, with a note and a warning) and this promotion publishes in its
+place. A valid entry is never replaced, whoever published it.
+
 `save_cache` takes the documented arguments (a local directory, a remote path or URL, a
 key; docs/compile-cache.md);
 `promote_entry` is the same protocol between any two stores (tests drive it with memory
@@ -22,9 +28,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from vllm_neuron.backends import Progress, Store, copy_tree, open_store, validate_hex
+from vllm_neuron.backends.publication import Publication
 
 from .entry import ENTRY_RECORD, EntryProblem, EntryRecord, check_checksums, read_record
 from .events import EVENTS_STREAM, Promoted
+from .quarantine import quarantine_entry
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -44,6 +52,22 @@ def _checked_entry(local: Store, hash_key: str) -> tuple[str, EntryRecord]:
     return prefix, record
 
 
+def _remote_problem(remote: Store, hash_key: str, there: Publication) -> str | None:
+    """Why the remote's publication of `hash_key` is defective; None when it is absent or
+    its record reads and names the key (its files are checked by every fetch)."""
+    if there.state == "absent":
+        return None
+    if there.problem is not None or there.prefix is None:
+        return str(there.problem)
+    try:
+        found = read_record(remote, there.prefix)
+    except EntryProblem as exc:
+        return str(exc)
+    if found.key != hash_key:
+        return f"{remote.url}/{hash_key}: record names key {found.key}"
+    return None
+
+
 def promote_entry(
     local: Store,
     remote: Store,
@@ -54,14 +78,19 @@ def promote_entry(
     """Publish `hash_key` from the `local` store's cache in the `remote` store.
 
     True if this call published it, False if the remote already had it (or another
-    promoter won the race). `RuntimeError` if the local entry is missing or corrupt.
+    promoter won the race); a defective remote entry is replaced. `RuntimeError` if the
+    local entry is missing or corrupt.
     """
     validate_hex(hash_key, length=32, what="hash_key")
     prefix, record = _checked_entry(local, hash_key)
-    if remote.published(hash_key) is not None:
+    there = remote.publication(hash_key)
+    problem = _remote_problem(remote, hash_key, there)
+    if there.state == "published" and problem is None:
         logger.info("compile cache: %s already in %s; nothing to promote", hash_key, remote.url)
         published = False
     else:
+        if problem is not None:  # defective: withdrawn as judged, then replaced
+            quarantine_entry(remote, hash_key, problem, version=there.version)
         with remote.stage(hash_key) as staging:
             copy_tree(local, prefix, staging, keys=[*record.files, ENTRY_RECORD],
                       progress=progress)

@@ -4,6 +4,12 @@ A quarantined entry is unpublished (atomically: it is a miss from then on) and a
 ``.quarantine/<key>.json`` (`QuarantineNote`, a record of the storage layer) says when and
 why, so an operator can tell a recompile caused by corruption from one caused by a new key.
 Notes written before records were tagged read as version 1.
+
+The withdrawal is of the publication that was judged: whoever found the defect passes its
+version (`Publication.version`, carried by a `PublicationProblem`), and an entry another
+node has published in its place meanwhile stays (the storage layer's conditional
+`Store.unpublish`). Only a caller holding the key's lock, which nobody can publish past,
+may leave the version out.
 """
 
 from __future__ import annotations
@@ -11,9 +17,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from typing import Any
 
 from vllm_neuron.backends import Store, join
 from vllm_neuron.backends.records import Record, RecordCodec, Untagged, encode
+
+from .entry import EntryProblem
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -34,8 +43,29 @@ QUARANTINE_NOTES = RecordCodec(
 )
 
 
-def quarantine_entry(store: Store, key: str, reason: str) -> bool:
-    """Unpublish `key` from `store` and note why; True if this call withdrew it."""
+class PublicationProblem(EntryProblem):
+    """An `EntryProblem` of one publication of an entry: `version` is the one judged
+    (`Publication.version`), the one a quarantine withdraws; None when unknown."""
+
+    def __init__(self, message: str, *, version: str | None) -> None:
+        super().__init__(message)
+        self.version = version
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_problem, (str(self), self.version)
+
+
+def _rebuild_problem(message: str, version: str | None) -> PublicationProblem:
+    return PublicationProblem(message, version=version)
+
+
+def quarantine_entry(store: Store, key: str, reason: str, *, version: str | None = None) -> bool:
+    """Unpublish `key` from `store` and note why; True if this call withdrew it.
+
+    `version`: the publication judged (`Publication.version`); one published in its place
+    since is left alone (False). None withdraws whatever is published (a caller under the
+    key's lock).
+    """
     logger.warning(
         "compile cache entry %s/%s failed verification (%s); quarantined, treating as a miss",
         store.url,
@@ -46,7 +76,7 @@ def quarantine_entry(store: Store, key: str, reason: str) -> bool:
         note = QuarantineNote(key=key, at=time.time(), reason=reason)
         store.write(join(QUARANTINE_DIR, f"{key}.json"), encode(note))
     try:
-        return store.unpublish(key)
+        return store.unpublish(key, version=version)
     except Exception as exc:  # noqa: BLE001 - a failed withdrawal is reported, not fatal
         logger.warning("compile cache: could not withdraw %s/%s: %s", store.url, key, exc)
         return False

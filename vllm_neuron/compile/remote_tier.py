@@ -35,8 +35,9 @@ from vllm_neuron.backends import (
 from vllm_neuron.backends.records import RecordError
 from vllm_neuron.envs.compile_cache import REMOTE_WRITE_MODES, RemoteWrite
 
-from .entry import ENTRY_RECORD, EntryProblem, EntryRecord, decode_record
+from .entry import ENTRY_RECORD, EntryRecord, decode_record
 from .events import RemoteUnavailable
+from .quarantine import PublicationProblem
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -178,29 +179,38 @@ class RemoteTier:
 def fetch_entry(remote: Store, key: str, local: Store) -> EntryRecord | None:
     """Publish the remote entry `key` in `local`, every file verified as it is copied.
 
-    None when the remote has no such entry. `EntryProblem`: the remote entry is defective
-    (the caller quarantines it). `FileNotFoundError`: it was withdrawn while being copied.
-    Anything else: the remote (or the local disk) failed.
+    None when the remote has no such entry. `PublicationProblem` (an `EntryProblem`): the
+    remote entry is defective - a broken publication (a commit record that does not read
+    or names a version without files), a missing or unreadable record, a file that fails
+    its check - and its `version` is the one judged (the caller quarantines that one).
+    `FileNotFoundError`: it was withdrawn while being copied. Anything else: the remote
+    (or the local disk) failed.
     """
-    prefix = remote.published(key)
-    if prefix is None:
+    found = remote.publication(key)
+    if found.state == "absent":
         return None
+    if found.problem is not None or found.prefix is None:
+        raise PublicationProblem(str(found.problem), version=found.version)
+    prefix = found.prefix
     record_bytes = remote.read(join(prefix, ENTRY_RECORD))
     if record_bytes is None:
-        raise EntryProblem(f"{remote.url}/{key}: {ENTRY_RECORD} is missing")
+        raise PublicationProblem(f"{remote.url}/{key}: {ENTRY_RECORD} is missing",
+                                 version=found.version)  # fmt: skip
     try:
         record = decode_record(record_bytes, source=f"{remote.url}/{key}/{ENTRY_RECORD}")
     except RecordError as exc:
-        raise EntryProblem(f"{exc.source} is unreadable: {exc.problem}") from exc
+        raise PublicationProblem(f"{exc.source} is unreadable: {exc.problem}",
+                                 version=found.version) from exc  # fmt: skip
     if record.key != key:
-        raise EntryProblem(f"{remote.url}/{key}: record names key {record.key}")
+        raise PublicationProblem(f"{remote.url}/{key}: record names key {record.key}",
+                                 version=found.version)  # fmt: skip
     with local.stage(key) as staging:
         try:
             copy_verified(remote, prefix, staging, record.files)
         except IntegrityError as exc:
-            if remote.published(key) != prefix:
+            if remote.publication(key).version != found.version:
                 raise FileNotFoundError(f"{remote.url}/{key} was withdrawn") from None
-            raise EntryProblem(str(exc)) from None
+            raise PublicationProblem(str(exc), version=found.version) from None
         staging.write(ENTRY_RECORD, record_bytes)
         staging.commit()
     return record
