@@ -140,8 +140,8 @@ def publication(store: ByteStore, final: str) -> Publication:
         return Publication("broken", None, version, problem)
     prefix = join(final, VERSIONS_DIR, version)
     if not record.empty and not store.list_dir(prefix):
-        problem = f"{where(store, join(final, COMMIT_RECORD))} names version {version}, " \
-                  "which has no files"  # fmt: skip
+        record_at = where(store, join(final, COMMIT_RECORD))
+        problem = f"{record_at} names version {version}, which has no files"
         return Publication("broken", prefix, version, problem)
     return Publication("published", prefix, version)
 
