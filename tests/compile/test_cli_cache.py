@@ -74,6 +74,27 @@ def test_stats_folds_the_events(capsys, cache_dir):
     assert code == 0 and "compiles" in out and "time saved" in out
 
 
+def test_stats_count_hits_by_tier_and_a_fetch_is_a_remote_hit(capsys, tmp_path, compile_fn):
+    remote, node = str(tmp_path / "remote"), str(tmp_path / "node")
+    TwoTierCache(str(tmp_path / "builder"), remote=remote).get_or_compile(
+        KEY_A, compile_fn(KEY_A))  # compiled there, promoted to the remote (auto)
+    first = TwoTierCache(node, remote=remote)
+    assert first.get_or_compile(KEY_A, compile_fn(KEY_A)).source == "remote"
+    assert first.get_or_compile(KEY_A, compile_fn(KEY_A)).source == "memory"
+    assert TwoTierCache(node).get_or_compile(KEY_A, compile_fn(KEY_A)).source == "local"
+
+    code, out, _ = run(capsys, "cache", "--cache-dir", node, "stats", "--json")
+    stats = json.loads(out)
+    assert code == 0
+    assert stats["hits_by_tier"] == {"remote": 1, "memory": 1, "local": 1}
+    assert (stats["hits"], stats["misses"], stats["compiles"], stats["fetches"]) == (3, 0, 0, 1)
+    assert (stats["lease_waits"], stats["lease_takeovers"]) == (0, 0)
+    code, out, _ = run(capsys, "cache", "--cache-dir", node, "stats")
+    assert code == 0
+    assert "3 (local 1, memory 1, remote 1)" in out
+    assert "fleet lease waits" in out and "lease takeovers" in out
+
+
 def test_verify_exit_status_and_quarantine(capsys, cache_dir):
     assert run(capsys, "cache", "--cache-dir", cache_dir, "verify")[0] == 0
     alter(os.path.join(cache_dir, KEY_B, "graph.bin"))

@@ -141,8 +141,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if args.json:
         print_json(stats)
         return 0
+    by_tier = ", ".join(f"{tier} {n}" for tier, n in sorted(stats.hits_by_tier.items()))
     rows = [
-        ("hits", stats.hits),
+        ("hits", f"{stats.hits} ({by_tier})" if by_tier else stats.hits),
         ("misses", stats.misses),
         ("compiles", f"{stats.compiles} ({stats.compile_seconds:.1f} s)"),
         ("compile failures", stats.compile_failures),
@@ -151,6 +152,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ("verification failures", stats.verification_failures),
         ("remote outages", stats.remote_outages),
         ("lock wait", f"{stats.lock_wait_seconds:.1f} s"),
+        ("fleet lease waits", f"{stats.lease_waits} ({stats.lease_wait_seconds:.1f} s)"),
+        ("lease takeovers", stats.lease_takeovers),
         ("time saved", f"{stats.time_saved_seconds:.1f} s"),
     ]
     print(table(["", "VALUE"], rows))
