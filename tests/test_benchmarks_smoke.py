@@ -35,6 +35,10 @@ RATIO_LINES: dict[str, list[str]] = {
         r"compute_cache_key, \d+-node dynamo graph",
     ],
     "bench_eventlog": [rf"ratio \(best/best\) {RATIO}"],
+    "bench_fleet_cold_start": [
+        rf"baseline wall / fleet wall {RATIO} \(",
+        r"compiles == unique graphs in every fleet: met",
+    ],
     "bench_manifest_emit": [rf"ratio: median of per-round ratios {RATIO}"],
     "bench_manifest_ledger": [rf"ratio: median of per-round ratios {RATIO}"],
     "bench_snapshot_overhead": [r"capture off .* overhead [+-]\d+ ns/call"],
