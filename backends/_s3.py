@@ -282,8 +282,11 @@ class S3Store(Store):
 
     @_translated
     def read(self, key: str) -> bytes | None:
+        # One GET: with max_concurrency > 1, s3fs first asks the size (a HEAD, plus a
+        # LIST when the key is missing) to split big objects; whole-object reads are small
+        # here (records, notes, commit records; artifacts are streamed with open_read).
         try:
-            return bytes(self.fs.cat_file(self._path(validate_key(key))))
+            return bytes(self.fs.cat_file(self._path(validate_key(key)), max_concurrency=1))
         except (FileNotFoundError, IsADirectoryError):
             return None
 

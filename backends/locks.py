@@ -77,6 +77,12 @@ class Lock(ABC):
         (a holder that died); None when the lock was free. Kernel locks cannot tell."""
         return None
 
+    def seconds_until_free(self) -> float:
+        """After a failed `acquire`: how long the holder seen then is sure to hold on (its
+        lease's expiry), so a waiter need not ask again sooner. 0 when it cannot tell (a
+        kernel lock: asking again is one local system call)."""
+        return 0.0
+
     def check(self) -> None:  # noqa: B027 - kernel locks cannot be lost while held
         """Raise `LeaseLost` if this holder no longer owns the lock."""
 
@@ -138,6 +144,7 @@ class LeaseLock(Lock):
         self._held = False
         self._lost = False
         self._took_over_from: str | None = None
+        self._seen_expires = 0.0  # the holder's expiry seen by the last failed try
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -170,6 +177,7 @@ class LeaseLock(Lock):
         while True:
             latest, record = self._latest()
             free = latest == 0 or (record is not None and record.free(time.time()))
+            self._seen_expires = 0.0 if record is None or record.released else record.expires
             if free and self.store.create(self._key(latest + 1), self._record(latest + 1)):
                 self._took_over_from = None
                 if record is not None and not record.released:  # expired, not let go
@@ -246,3 +254,8 @@ class LeaseLock(Lock):
     @property
     def took_over_from(self) -> str | None:
         return self._took_over_from
+
+    def seconds_until_free(self) -> float:
+        # A holder renews its lease every third of it, so a holder that is alive never
+        # lets the expiry seen here pass; one that died is found free right after it.
+        return max(0.0, min(self._seen_expires - time.time(), self.lease_duration))

@@ -105,6 +105,7 @@ class RemoteSingleFlight:
         wait_start = time.perf_counter()
         waited = False
         delay = 0.05
+        next_lease_try = 0.0  # monotonic; the lease is asked again only once it may be free
         while True:
             try:
                 since = min(started, time.time() - self.retry_after)
@@ -112,10 +113,11 @@ class RemoteSingleFlight:
                 if note is not None:
                     self._waited(key, wait_start, waited, "failed-elsewhere")
                     raise FleetCompileError(failure_message(key, note, remote))
-                lease.acquire(timeout=0)
-                break
+                if time.monotonic() >= next_lease_try:
+                    lease.acquire(timeout=0)
+                    break
             except LockTimeout:
-                pass
+                next_lease_try = time.monotonic() + lease.seconds_until_free()
             except FleetCompileError:
                 raise
             except PermissionError as exc:  # a read-only remote: fetch from it, write nothing
