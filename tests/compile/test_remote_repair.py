@@ -172,3 +172,21 @@ def test_prune_withdraws_the_version_it_planned(tmp_path, compile_fn, capsys, re
     assert plan.execute() == 0
     assert store.publication(KEY).state == "published"
     assert os.path.isdir(builder)
+
+
+def test_verify_quarantines_the_version_it_judged(tmp_path, compile_fn, remote):
+    builder = _promoted(tmp_path, compile_fn, remote)
+    store = open_store(remote)
+    _break(store, "garbage record")
+    withdrawn: list[bool] = []
+
+    def quarantine(key: str, problem: str, version: str | None) -> None:
+        # Judged broken; meanwhile another node withdraws it and publishes a sound entry.
+        assert store.unpublish(key) is True
+        assert save_cache(builder, remote, key) is True
+        withdrawn.append(quarantine_entry(store, key, problem, version=version))
+
+    [result] = verify_entries(store, quarantine=quarantine)
+    assert not result.ok and result.version is not None
+    assert withdrawn == [False]  # the stale judgement withdrew nothing
+    assert [(r.key, r.ok) for r in verify_entries(store)] == [(KEY, True)]

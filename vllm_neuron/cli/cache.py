@@ -165,9 +165,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_verify(args: argparse.Namespace) -> int:
     store = _tier(args)
 
-    def quarantine(key: str, problem: str) -> None:
+    def quarantine(key: str, problem: str, version: str | None) -> None:
         if not store.capabilities.kernel_locks:
-            quarantine_entry(store, key, problem)
+            # Only the version judged: one another node has published since stays.
+            quarantine_entry(store, key, problem, version=version)
             return
         # A local tier: withdraw under the key's lock, after a re-check, so an entry that a
         # running process has just compiled in place of the corrupt one is never withdrawn.

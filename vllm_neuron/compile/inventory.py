@@ -117,12 +117,12 @@ def verify_entries(
     store: Store,
     *,
     full: bool = True,
-    quarantine: Callable[[str, str], None] | None = None,
+    quarantine: Callable[[str, str, str | None], None] | None = None,
 ) -> list[VerifyResult]:
     """Check every entry (all checksums when `full`, sizes otherwise), broken ones too.
 
-    `quarantine(key, problem)` is called for every entry that fails; each result's
-    `version` is the publication judged.
+    `quarantine(key, problem, version)` is called for every entry that fails; `version`
+    is the publication judged, for `quarantine_entry(..., version=version)`.
     """
     results = []
     for info in list_entries(store):
@@ -131,7 +131,7 @@ def verify_entries(
         else:
             result = check_entry(store, info.key, full=full)
         if result.problem is not None and quarantine is not None:
-            quarantine(result.key, result.problem)
+            quarantine(result.key, result.problem, result.version)
         results.append(result)
     return results
 
