@@ -42,6 +42,7 @@ from __future__ import annotations
 
 from ..testing_ops import published_files
 from .contract import StoreContractTests
+from .contract_withdrawal import CommitRecordContractTests
 from .handshakes import HANG, lease_record, wait_until_blocked
 from .samples import BAD_KEYS, BAD_PREFIXES, BINARY, ContractEvent, OtherEvent, all_files
 
@@ -49,6 +50,7 @@ __all__ = [
     "BAD_KEYS",
     "BAD_PREFIXES",
     "BINARY",
+    "CommitRecordContractTests",
     "HANG",
     "ContractEvent",
     "OtherEvent",

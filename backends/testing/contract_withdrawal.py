@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from .. import publication
 from ..errors import StoreError
 from ..keys import join
 from ..layout import COMMIT_RECORD, VERSIONS_DIR
@@ -79,11 +80,6 @@ def _inside_withdrawal(store: Store) -> PauseAt:
     if store.capabilities.atomic_rename:
         return PauseAt(store, "_dir_version", lambda key: key.startswith(".trash/"))
     return PauseAt(store, "read", lambda key: key.endswith(COMMIT_RECORD))
-
-
-def _needs_commit_records(store: Store) -> None:
-    if store.capabilities.atomic_rename:
-        pytest.skip("publication is a rename here: there is no commit record to break")
 
 
 class WithdrawalContractTests:
@@ -171,11 +167,18 @@ class WithdrawalContractTests:
         assert stale.release() is False
         assert published_files(store, "e") == {"a": b"v3" if won else b"v2"}
 
-    # ------------------------------------------------------------ broken records
+
+
+class CommitRecordContractTests:
+    """Broken commit records (garbage, or naming a missing version): detected, withdrawn by
+    their version, repaired by the next commit, never replacing a valid one. For the
+    backends that publish with commit records (memory, S3); a rename store has no record
+    to break. Subclasses supply a ``store`` fixture."""
+
     def test_garbage_commit_record_is_broken_and_the_next_commit_repairs_it(
         self, store: Store
     ) -> None:
-        _needs_commit_records(store)
+        assert not store.capabilities.atomic_rename
         publish(store, "e", {"a": b"old"})
         store.write(join("e", COMMIT_RECORD), b"\x00garbage{")
         assert store.published("e") is None  # the hot path: unpublished
@@ -190,7 +193,7 @@ class WithdrawalContractTests:
         assert store.publication("e").state == "published"
 
     def test_commit_record_naming_a_missing_version_is_repaired(self, store: Store) -> None:
-        _needs_commit_records(store)
+        assert not store.capabilities.atomic_rename
         prefix = publish(store, "e", {"a": b"old"})
         store.delete_tree(prefix)
         broken = store.publication("e")
@@ -202,7 +205,7 @@ class WithdrawalContractTests:
         assert published_files(store, "e") == {"a": b"new"}
 
     def test_garbage_commit_record_is_withdrawn_by_its_version(self, store: Store) -> None:
-        _needs_commit_records(store)
+        assert not store.capabilities.atomic_rename
         store.write(join("e", COMMIT_RECORD), b"not json")
         version = store.publication("e").version
         assert version is not None
@@ -211,7 +214,7 @@ class WithdrawalContractTests:
         assert store.publication("e").state == "absent" and store.list("") == []
 
     def test_repair_never_replaces_a_valid_commit(self, store: Store) -> None:
-        _needs_commit_records(store)
+        assert not store.capabilities.atomic_rename
         store.write(join("e", COMMIT_RECORD), b"garbage")
         repairer = store.stage("e")
         repairer.write("a", b"repairer")
@@ -225,7 +228,7 @@ class WithdrawalContractTests:
         assert published_files(store, "e") == {"a": b"other"}
 
     def test_racing_repairers_publish_exactly_once(self, store: Store) -> None:
-        _needs_commit_records(store)
+        assert not store.capabilities.atomic_rename
         store.write(join("e", COMMIT_RECORD), b"garbage")
         barrier = threading.Barrier(4)
         results: dict[int, bool] = {}
@@ -248,9 +251,7 @@ class WithdrawalContractTests:
     def test_a_killed_withdrawal_holds_its_version_and_is_a_leftover(
         self, store: Store, monkeypatch: pytest.MonkeyPatch
     ) -> None:
-        _needs_commit_records(store)
-        from .. import publication
-
+        assert not store.capabilities.atomic_rename
         monkeypatch.setattr(publication, "REPAIR_ATTEMPTS", 2)
         store.write(join("e", COMMIT_RECORD), b"garbage")
         version = store.publication("e").version

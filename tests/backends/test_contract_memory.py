@@ -7,10 +7,10 @@ import pytest
 
 from vllm_neuron.backends import Store, open_store
 from vllm_neuron.backends._memory import forget_memory_store
-from vllm_neuron.backends.testing import StoreContractTests
+from vllm_neuron.backends.testing import CommitRecordContractTests, StoreContractTests
 
 
-class TestMemoryStore(StoreContractTests):
+class TestMemoryStore(StoreContractTests, CommitRecordContractTests):
     @pytest.fixture
     def store(self) -> Store:
         return open_store("memory://")  # anonymous: a fresh table every time

@@ -3,10 +3,10 @@
 import pytest
 
 from vllm_neuron.backends import Store, open_store
-from vllm_neuron.backends.testing import StoreContractTests
+from vllm_neuron.backends.testing import CommitRecordContractTests, StoreContractTests
 
 
-class TestS3Store(StoreContractTests):
+class TestS3Store(StoreContractTests, CommitRecordContractTests):
     lease_duration = 1.0  # moto answers ~150 requests/s: give heartbeats room
 
     @pytest.fixture
