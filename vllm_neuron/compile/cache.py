@@ -67,10 +67,10 @@ from .failures import (
     write_failure_note,
 )
 from .fleet import RemoteSingleFlight
-from .inventory import verify_entry
+from .inventory import find_leftovers, remove_leftovers, verify_entry
 from .outcomes import CacheResult, CompileError, PrecompiledOnlyMiss, RemoteWrite
 from .promote import promote_entry
-from .quarantine import quarantine_entry
+from .quarantine import PublicationProblem, quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
 
 __all__ = [
@@ -198,12 +198,15 @@ class TwoTierCache:
         return CacheResult(key, local.local_dir_of(prefix), record, "local",
                            time.perf_counter() - start, prefix)
 
-    def quarantine(self, store: Store, key: str, reason: str, *, tier: str) -> None:
-        """Withdraw a defective entry (it becomes a miss) and say so once."""
+    def quarantine(
+        self, store: Store, key: str, reason: str, *, tier: str, version: str | None = None
+    ) -> None:
+        """Withdraw a defective entry (it becomes a miss) and say so once; with `version`,
+        only that publication (one another node published since stays)."""
         self._record(VerificationFailed(key=key, at=time.time(), tier=tier, reason=reason))
         if store is self.local:
             self._loaded.pop(key, None)
-        quarantine_entry(store, key, reason)
+        quarantine_entry(store, key, reason, version=version)
 
     # ------------------------------------------------------------- remote
     @property
@@ -219,6 +222,9 @@ class TwoTierCache:
         start = time.perf_counter()
         try:
             record = fetch_entry(remote, key, self.local)
+        except PublicationProblem as exc:  # judged: withdraw that version only
+            self.quarantine(remote, key, str(exc), tier="remote", version=exc.version)
+            return None
         except EntryProblem as exc:
             self.quarantine(remote, key, str(exc), tier="remote")
             return None
@@ -365,16 +371,10 @@ class TwoTierCache:
 
     # --------------------------------------------------------------- hygiene
     def _collect_stale_staging(self) -> None:
-        """Remove what processes killed mid-compile or mid-fetch left behind.
-
-        Staging areas (and, on POSIX, trash) untouched for `STAGING_MAX_AGE`: never visible
-        as entries, but they must not pile up. Best-effort: a failure here never stops
-        the cache from starting.
-        """
+        """Remove what killed processes left behind (`STAGING_MAX_AGE`); best-effort."""
         try:
-            for leftover in self.local.leftovers(STAGING_MAX_AGE):
-                self.local.delete_tree(leftover.prefix)
-        except Exception as exc:  # noqa: BLE001 - hygiene is best-effort
+            remove_leftovers(self.local, find_leftovers(self.local, older_than=STAGING_MAX_AGE))
+        except Exception as exc:  # noqa: BLE001 - hygiene never stops the cache from starting
             logger.debug("compile cache: could not collect stale staging: %s", exc)
 
     def entries(self) -> list[str]:
