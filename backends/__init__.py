@@ -38,6 +38,7 @@ from .locations import (
     normalize_location,
 )
 from .locks import KernelLock, LeaseLock, Lock
+from .publication import Publication
 from .records import (
     Decoded,
     Record,
@@ -101,4 +102,5 @@ __all__ = [
     "unregister_scheme",
     "validate_hex",
     "validate_key",
+    "Publication",
 ]

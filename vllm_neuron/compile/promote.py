@@ -27,8 +27,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_neuron.backends import Progress, Store, copy_tree, open_store, validate_hex
-from vllm_neuron.backends.publication import Publication
+from vllm_neuron.backends import Progress, Publication, Store, copy_tree, open_store, validate_hex
 
 from .entry import ENTRY_RECORD, EntryProblem, EntryRecord, check_checksums, read_record
 from .events import EVENTS_STREAM, Promoted
