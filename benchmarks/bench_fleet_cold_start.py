@@ -34,19 +34,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import logging
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any
+
+from vllm_neuron.backends.testing import moto_s3_server
 
 from ._harness import machine, smoke
 from .fleet_worker import GO_FIFO, RESULT
@@ -89,29 +89,6 @@ class Remote:
     env: dict[str, str] = field(default_factory=dict)
 
 
-def _make_moto_conditional_puts_atomic() -> Any:
-    """Serialise moto's conditional PUTs, as S3 itself decides them atomically (moto 5.2.5
-    checks ``If-None-Match``/``If-Match`` and stores later, unlocked; see tests/conftest.py).
-    Returns the undo."""
-    from moto.s3.responses import S3Response
-
-    original = S3Response.put_object
-    lock = threading.Lock()
-
-    def put_object(self: Any) -> Any:
-        if "If-None-Match" in self.headers or "If-Match" in self.headers:
-            with lock:
-                return original(self)
-        return original(self)
-
-    S3Response.put_object = put_object  # type: ignore[method-assign]
-
-    def undo() -> None:
-        S3Response.put_object = original  # type: ignore[method-assign]
-
-    return undo
-
-
 S3_REQUESTS = itertools.count()
 """Requests the moto server has handled (`next` of it: one more than the count so far)."""
 
@@ -120,48 +97,12 @@ def s3_requests() -> int:
     return next(S3_REQUESTS)
 
 
-def _count_requests() -> Any:
-    """Count every request the moto server handles (see `s3_requests`). Returns the undo."""
-    from moto.server import DomainDispatcherApplication
-
-    original = DomainDispatcherApplication.__call__
-
-    def call(self: Any, environ: Any, start_response: Any) -> Any:
-        next(S3_REQUESTS)
-        return original(self, environ, start_response)
-
-    DomainDispatcherApplication.__call__ = call  # type: ignore[method-assign]
-
-    def undo() -> None:
-        DomainDispatcherApplication.__call__ = original  # type: ignore[method-assign]
-
-    return undo
-
-
-@contextmanager
-def moto_server() -> Iterator[str]:
-    """moto's S3 HTTP API on 127.0.0.1, in this process's threads; yields its endpoint.
+def moto_server() -> AbstractContextManager[str]:
+    """moto's S3 HTTP API on 127.0.0.1, in this process's threads, counting its requests.
 
     Its CPU time is this process's (the benchmark itself only waits meanwhile), which is
     how each group reports what the server used."""
-    import socket
-
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
-    undo = _make_moto_conditional_puts_atomic()
-    uncount = _count_requests()
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = int(s.getsockname()[1])
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.stop()
-        uncount()
-        undo()
+    return moto_s3_server(on_request=lambda: next(S3_REQUESTS))
 
 
 def new_remote(kind: str, root: str, endpoint: str | None) -> Remote:

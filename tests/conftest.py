@@ -11,12 +11,9 @@ of the suite uses it unless ``--hypothesis-profile`` names another.
 
 from __future__ import annotations
 
-import logging
 import os
-import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -27,13 +24,16 @@ import pytest
 from hypothesis import settings
 from hypothesis_profiles import CI, register_profiles  # tests/hypothesis_profiles.py
 
+from vllm_neuron.backends.testing import moto_s3_server
+
 register_profiles()
 settings.load_profile(CI)  # the plugin loads --hypothesis-profile, if given, after this
 
 _S3_ENV = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
-    # Not region_name in client_kwargs: bucket creation then fails (FACTS.md).
+    # The region here, not region_name in client_kwargs: with the latter, creating a bucket
+    # fails with InvalidLocationConstraint.
     "AWS_DEFAULT_REGION": "us-east-1",
     "AWS_EC2_METADATA_DISABLED": "true",
 }
@@ -46,55 +46,16 @@ _S3_ENV_UNSET = (
 )
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _make_moto_conditional_puts_atomic(mp: pytest.MonkeyPatch) -> None:
-    """Serialize moto's conditional PUTs, as S3 itself makes them atomic.
-
-    moto 5.2.5 (`S3Response.put_object`) checks ``If-None-Match: *`` / ``If-Match`` and
-    stores the object later in the same handler, with no lock in between, and its server
-    runs one thread per request: two racing creates can both pass the check. Real S3
-    decides conditional writes atomically; without this, a race test on moto could see
-    two winners that S3 would never produce.
-    """
-    from moto.s3.responses import S3Response
-
-    original = S3Response.put_object
-    lock = threading.Lock()
-
-    def put_object(self: Any) -> Any:
-        if "If-None-Match" in self.headers or "If-Match" in self.headers:
-            with lock:
-                return original(self)
-        return original(self)
-
-    mp.setattr(S3Response, "put_object", put_object)
-
-
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """The endpoint URL of a moto S3 server on loopback, with test credentials in the env."""
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one log line per request
     with pytest.MonkeyPatch.context() as mp:
-        _make_moto_conditional_puts_atomic(mp)
         for name, value in _S3_ENV.items():
             mp.setenv(name, value)
         for name in _S3_ENV_UNSET:
             mp.delenv(name, raising=False)
-        port = free_port()
-        server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-        server.start()
-        try:
-            yield f"http://127.0.0.1:{port}"
-        finally:
-            server.stop()
+        with moto_s3_server() as endpoint:
+            yield endpoint
 
 
 @pytest.fixture(scope="session")

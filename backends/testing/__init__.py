@@ -44,6 +44,7 @@ from ..testing_ops import published_files
 from .contract import StoreContractTests
 from .contract_withdrawal import CommitRecordContractTests
 from .handshakes import HANG, lease_record, wait_until_blocked
+from .moto_server import conditional_puts_made_atomic, free_port, moto_s3_server
 from .samples import BAD_KEYS, BAD_PREFIXES, BINARY, ContractEvent, OtherEvent, all_files
 
 __all__ = [
@@ -56,7 +57,10 @@ __all__ = [
     "OtherEvent",
     "StoreContractTests",
     "all_files",
+    "conditional_puts_made_atomic",
+    "free_port",
     "lease_record",
+    "moto_s3_server",
     "published_files",
     "wait_until_blocked",
 ]

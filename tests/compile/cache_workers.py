@@ -363,15 +363,6 @@ def parse_result(stdout: str) -> dict[str, Any]:
     raise AssertionError(f"no result line in worker output:\n{stdout}")
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def worker_env(**extra: str) -> dict[str, str]:
     """The test's environment without the cache settings a developer may have exported."""
     env = dict(os.environ)

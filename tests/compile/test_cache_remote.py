@@ -12,9 +12,10 @@ import time
 import uuid
 
 import pytest
-from cache_workers import entry_is_right, free_port, parse_result, release_barrier, worker_command
+from cache_workers import entry_is_right, parse_result, release_barrier, worker_command
 
 from vllm_neuron.backends import open_store
+from vllm_neuron.backends.testing import free_port
 from vllm_neuron.compile import save_cache
 from vllm_neuron.compile.cache import PrecompiledOnlyMiss, TwoTierCache
 from vllm_neuron.compile.events import read_stats

@@ -23,7 +23,6 @@ from cache_workers import (
     RESUME,
     SAFETY,
     finish_workers,
-    free_port,
     release_barrier,
     wait_for,
     worker_command,
@@ -31,6 +30,7 @@ from cache_workers import (
 )
 
 from vllm_neuron.backends import open_store
+from vllm_neuron.backends.testing import free_port
 from vllm_neuron.compile.entry import ENTRY_RECORD
 from vllm_neuron.compile.events import read_stats
 from vllm_neuron.compile.inventory import verify_entries

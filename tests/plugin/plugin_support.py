@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import time
 import urllib.error
 import urllib.request
@@ -18,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from vllm_neuron.backends.testing import free_port
 from vllm_neuron.profiling.lifecycle import ServerExited, ServerProcess
 
 HERE = Path(__file__).resolve().parent
@@ -40,12 +40,6 @@ _STRIP = (
     "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "VLLM_NEURON_RUN_ID", "ONEDNN_MAX_CPU_ISA",
 )
 SNAPSHOT_PREFIX = "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def server_env(overrides: Mapping[str, str]) -> dict[str, str]:

@@ -18,7 +18,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from profiling_support import FAKE_VLLM, ROOT, free_port  # noqa: E402
+from profiling_support import FAKE_VLLM, ROOT  # noqa: E402
+
+from vllm_neuron.backends.testing import free_port  # noqa: E402
 
 
 @pytest.fixture

@@ -3,7 +3,6 @@ has its own conftest.py, so tests import helpers from here, never from ``conftes
 
 from __future__ import annotations
 
-import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,12 +11,6 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 DATA = HERE / "data"
 FAKE_VLLM = HERE / "fake_vllm.py"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def group_alive(pgid: int) -> list[int]:
