@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from vllm_neuron.backends import Leftover, Store, join
+from vllm_neuron.envs.compile_cache import parse_size as parse_size_setting
 
 from .entry import ENTRY_RECORD, EntryProblem, check_checksums, check_sizes, decode_record
 
@@ -221,7 +222,6 @@ def remove_leftovers(store: Store, leftovers: list[Leftover]) -> int:
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
 
 
 def parse_duration(text: str) -> float:
@@ -234,10 +234,6 @@ def parse_duration(text: str) -> float:
 
 
 def parse_size(text: str) -> int:
-    """'500', '500M', '10G', '1.5GiB' -> bytes (powers of 1024)."""
-    match = _SIZE.match(text)
-    if not match:
-        raise ValueError(f"--max-size: cannot parse size {text!r} (e.g. 500M, 10G)")
-    unit = (match.group(2) or "").lower().rstrip("b").rstrip("i")
-    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit]
-    return int(float(match.group(1)) * scale)
+    """'500', '500M', '10G', '1.5GiB' -> bytes (powers of 1024): the rules of
+    VLLM_NEURON_CACHE_MAX_SIZE (`vllm_neuron.envs.compile_cache.parse_size`)."""
+    return parse_size_setting(text, what="--max-size")

@@ -8,6 +8,7 @@ default root is on NFS) is the compile feature's decision, in
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, cast
@@ -38,6 +39,7 @@ __all__ = [
     "TOOLCHAIN_NAMES",
     "VARIABLES",
     "VLLM_CACHE_ROOT",
+    "VLLM_NEURON_CACHE_MAX_SIZE",
     "VLLM_NEURON_COMPILE_RETRY_AFTER",
     "VLLM_NEURON_DISABLE_WARMUP_COMPILE",
     "VLLM_NEURON_REMOTE_LEASE_SECONDS",
@@ -46,9 +48,11 @@ __all__ = [
     "CompileCacheSettings",
     "RemoteWrite",
     "ToolchainName",
+    "cache_max_size",
     "compile_cache_settings",
     "default_cache_root",
     "load_compile_cache_settings",
+    "parse_size",
     "remote_cache_url",
 ]
 
@@ -66,6 +70,7 @@ VLLM_NEURON_TOOLCHAIN = "VLLM_NEURON_TOOLCHAIN"
 VLLM_NEURON_REMOTE_WRITE = "VLLM_NEURON_REMOTE_WRITE"
 VLLM_NEURON_REMOTE_LEASE_SECONDS = "VLLM_NEURON_REMOTE_LEASE_SECONDS"
 VLLM_NEURON_COMPILE_RETRY_AFTER = "VLLM_NEURON_COMPILE_RETRY_AFTER"
+VLLM_NEURON_CACHE_MAX_SIZE = "VLLM_NEURON_CACHE_MAX_SIZE"
 
 DEFAULT_COMPILATION_TIMEOUT = 600.0
 DEFAULT_REMOTE_LEASE_SECONDS = 30.0
@@ -106,6 +111,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         "compile-cache",
         "Seconds after a compile failed somewhere in the fleet during which other "
         "processes raise its error instead of compiling the graph again.",
+    ),
+    EnvVar(
+        VLLM_NEURON_CACHE_MAX_SIZE,
+        "(unset: no bound)",
+        "compile-cache",
+        "Size bound of the local tier (500M, 50G; powers of 1024): after a publish and at "
+        "start-up the least recently used entries are evicted, never a pinned one or one "
+        "whose key's lock is held.",
     ),
     EnvVar(
         NEURON_LIBTORCH_DISABLE_COMPILE_CACHE,
@@ -164,6 +177,7 @@ class CompileCacheSettings:
     remote_write: RemoteWrite = "auto"
     remote_lease_seconds: float = DEFAULT_REMOTE_LEASE_SECONDS
     compile_retry_after: float = DEFAULT_COMPILE_RETRY_AFTER
+    cache_max_size: int | None = None  # VLLM_NEURON_CACHE_MAX_SIZE in bytes; None: no bound
     cache_root_setting: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -192,6 +206,38 @@ def remote_cache_url(environ: Mapping[str, str] | None = None) -> str | None:
     and repairing caches must start even when another compile-cache variable is malformed.
     """
     return raw(environ_or_default(environ), NEURON_LIBTORCH_REMOTE_CACHE)
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?i?b?)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str, *, what: str = "size") -> int:
+    """'500', '500M', '10G', '1.5GiB' -> bytes (powers of 1024); `what` names the setting
+    or option in the ValueError. One set of rules for `VLLM_NEURON_CACHE_MAX_SIZE` and
+    `vllm-neuron cache prune --max-size`."""
+    match = _SIZE.match(text)
+    if not match:
+        raise ValueError(f"{what}: cannot parse size {text!r} (e.g. 500M, 10G)")
+    unit = (match.group(2) or "").lower().rstrip("b").rstrip("i")
+    scale = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}[unit]
+    return int(float(match.group(1)) * scale)
+
+
+def cache_max_size(environ: Mapping[str, str] | None = None) -> int | None:
+    """VLLM_NEURON_CACHE_MAX_SIZE in bytes, None when unset or blank; `ConfigError` naming
+    the variable and the value when it is not a size above 0."""
+    env = environ_or_default(environ)
+    value = raw(env, VLLM_NEURON_CACHE_MAX_SIZE)
+    if value is None:
+        return None
+    setting = f"{VLLM_NEURON_CACHE_MAX_SIZE}={env[VLLM_NEURON_CACHE_MAX_SIZE]!r}"
+    try:
+        size = parse_size(value, what=setting)
+    except ValueError as exc:
+        raise ConfigError(f"{exc}; unset it for no bound") from None
+    if size <= 0:
+        raise ConfigError(f"{setting}: the bound must be above 0 bytes; unset it for no bound")
+    return size
 
 
 def _cache_root_setting(env: Mapping[str, str], root: str, explicit: bool) -> str:
@@ -285,6 +331,7 @@ def load_compile_cache_settings(environ: Mapping[str, str] | None = None) -> Com
         remote_write=remote_write,
         remote_lease_seconds=lease_seconds,
         compile_retry_after=retry_after,
+        cache_max_size=cache_max_size(env),
         cache_root_setting=_cache_root_setting(env, cache_root, explicit),
     )
 
