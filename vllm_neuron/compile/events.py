@@ -92,6 +92,16 @@ class LeaseTakenOver(Record, frozen=True, tag="lease_takeover"):
     remote: str
 
 
+class Evicted(Record, frozen=True, tag="evict"):
+    """A local entry withdrawn to keep the tier within its bound (`compile/eviction.py`)."""
+
+    key: str
+    at: float
+    size: int
+    last_used: float  # the recency it was chosen by (epoch seconds)
+    reason: str = "size"  # "size" (VLLM_NEURON_CACHE_MAX_SIZE, prune --max-size)
+
+
 class RemoteUnavailable(Record, frozen=True, tag="remote_unavailable"):
     at: float
     remote: str
@@ -110,6 +120,7 @@ CACHE_EVENTS: tuple[type[Record], ...] = (
     RemoteUnavailable,
     LeaseWaited,
     LeaseTakenOver,
+    Evicted,
 )
 
 
@@ -137,6 +148,8 @@ class CacheStats:
     lease_waits: int = 0
     lease_wait_seconds: float = 0.0
     lease_takeovers: int = 0
+    evictions: int = 0
+    evicted_bytes: int = 0
     fetch_seconds: float = 0.0
     time_saved_seconds: float = 0.0
     skipped_lines: int = 0
@@ -170,6 +183,9 @@ class CacheStats:
             self.lease_wait_seconds += event.seconds
         elif isinstance(event, LeaseTakenOver):
             self.lease_takeovers += 1
+        elif isinstance(event, Evicted):
+            self.evictions += 1
+            self.evicted_bytes += event.size
         return self
 
     def _hit(self, tier: str) -> None:
