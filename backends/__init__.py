@@ -29,6 +29,7 @@ from .errors import (
     UnknownScheme,
 )
 from .eventlog import EventLog
+from .faults import fault_point
 from .keys import join, validate_hex, validate_key
 from .locations import (
     check_location,
@@ -88,6 +89,7 @@ __all__ = [
     "encode",
     "encode_into",
     "encode_line",
+    "fault_point",
     "check_location",
     "is_url",
     "join",

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 import filelock
 
 from .errors import LeaseLost, LockTimeout
+from .faults import fault_point
 from .keys import join
 from .records import Record, RecordCodec, RecordError, Untagged, encode
 
@@ -183,6 +184,7 @@ class LeaseLock(Lock):
                 if record is not None and not record.released:  # expired, not let go
                     self._took_over_from = record.owner or "an unreadable lease"
                 self._on_acquired(latest + 1)
+                fault_point("lease.acquired")
                 return
             if deadline is not None and time.monotonic() >= deadline:
                 raise LockTimeout(
@@ -214,6 +216,7 @@ class LeaseLock(Lock):
                     self._lost = True
                     return
                 self.store.write(self._key(self._generation), self._record(self._generation))
+                fault_point("lease.renewed")
             except Exception:  # noqa: BLE001 - a missed beat only shortens the lease
                 continue
 

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from .faults import fault_point
 from .keys import join, validate_prefix
 from .staging import Staging
 from .store import Store
@@ -80,6 +81,7 @@ def copy_tree(
         for size in pool.map(one, keys):
             copied += size
             done += size
+            fault_point("promote.mid-upload")
             if progress is not None:
                 progress(done, total)
     return CopyResult(files=len(keys), bytes=copied)

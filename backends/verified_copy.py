@@ -30,6 +30,7 @@ from blake3 import blake3 as Blake3
 from ._kernel_copy import KERNEL_COPY_STEP, PIPELINE_MIN, SourceShrank, copy_and_hash
 from .digests import Expected
 from .errors import IntegrityError
+from .faults import fault_point
 from .keys import join
 from .operations import where as where_of
 from .staging import Staging
@@ -163,9 +164,11 @@ def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[
     if workers == 1:
         for key, rel, expected, pipelined in jobs:
             _copy_one(src, key, dst, rel, expected, where, pipelined)
+            fault_point("fetch.mid-copy")
         return
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(_copy_one, src, key, dst, rel, expected, where, pipelined)
                    for key, rel, expected, pipelined in jobs]
         for future in futures:
             future.result()
+            fault_point("fetch.mid-copy")

@@ -19,6 +19,7 @@ from vllm_neuron.compile.toolchains.select import select_toolchain
 from vllm_neuron.envs import (
     check_snapshot_root,
     compile_cache_settings,
+    fault_settings,
     host_mode_settings,
     manifest_settings,
 )
@@ -37,6 +38,7 @@ def build_runtime() -> CompileRuntime:
     remote tier, manifest dir or snapshot root with a regular file in the way included)
     ends a plain ``torch.compile`` in a `ConfigError` naming the variable and its value.
     """
+    fault_settings()  # VLLM_NEURON_FAULT (crash tests) armed before anything is written
     settings = compile_cache_settings()
     local_dir = get_neuron_compile_cache_dir()
     manifest_dir = manifest_settings().manifest_dir

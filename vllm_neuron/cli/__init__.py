@@ -17,8 +17,10 @@ import sys
 from collections.abc import Sequence
 
 from vllm_neuron.backends import StoreError
+from vllm_neuron.envs import fault_settings
 
 from . import cache as cache_cmd
+from . import debug as debug_cmd
 from . import demo as demo_cmd
 from . import manifest as manifest_cmd
 from . import profile as profile_cmd
@@ -32,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
     cache_cmd.register(sub)
+    debug_cmd.register(sub)
     demo_cmd.register(sub)
     manifest_cmd.register(sub)
     profile_cmd.register(sub)
@@ -47,6 +50,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     try:
+        fault_settings()  # VLLM_NEURON_FAULT (crash tests): a bad name is exit 2
         return int(args.handler(args))
     except (ValueError, RuntimeError, OSError, KeyError, StoreError) as exc:
         print(f"vllm-neuron: error: {exc}", file=sys.stderr)

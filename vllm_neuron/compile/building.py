@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vllm_neuron.backends import Store, open_store
+from vllm_neuron.backends import Store, fault_point, open_store
 
 from .entry import ENTRY_RECORD, EntryRecord, build_record, encode_record
 
@@ -50,13 +50,16 @@ def compile_and_publish(
             record = build_record(key=key, components=components, toolchain=toolchain,
                                   target=target, compile_seconds=seconds,
                                   files=staging.digests(), meta=meta)
+            fault_point("compile.staging-written")
         except BaseException as exc:
             staging.abort()
             if isinstance(exc, Exception):
                 on_failure(exc)
             raise
         staging.write(ENTRY_RECORD, encode_record(record))
+        fault_point("compile.record-written")
         staging.commit()
+        fault_point("compile.published")
     return record, seconds
 
 

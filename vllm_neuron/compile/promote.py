@@ -27,7 +27,15 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_neuron.backends import Progress, Publication, Store, copy_tree, open_store, validate_hex
+from vllm_neuron.backends import (
+    Progress,
+    Publication,
+    Store,
+    copy_tree,
+    fault_point,
+    open_store,
+    validate_hex,
+)
 
 from .entry import ENTRY_RECORD, EntryProblem, EntryRecord, check_checksums, read_record
 from .events import EVENTS_STREAM, Promoted
@@ -93,7 +101,9 @@ def promote_entry(
         with remote.stage(hash_key) as staging:
             copy_tree(local, prefix, staging, keys=[*record.files, ENTRY_RECORD],
                       progress=progress)
+            fault_point("promote.uploaded")
             published = staging.commit()
+        fault_point("promote.committed")
     event = Promoted(key=hash_key, at=time.time(), remote=remote.url,
                      published=published, size=record.total_size)
     try:

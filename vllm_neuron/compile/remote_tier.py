@@ -28,6 +28,7 @@ from vllm_neuron.backends import (
     Record,
     Store,
     copy_verified,
+    fault_point,
     join,
     open_store,
     probe_store,
@@ -212,5 +213,6 @@ def fetch_entry(remote: Store, key: str, local: Store) -> EntryRecord | None:
                 raise FileNotFoundError(f"{remote.url}/{key} was withdrawn") from None
             raise PublicationProblem(str(exc), version=found.version) from None
         staging.write(ENTRY_RECORD, record_bytes)
+        fault_point("fetch.copied")
         staging.commit()
     return record

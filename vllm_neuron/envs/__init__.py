@@ -19,6 +19,7 @@ a snapshot rule selects) is decided in that feature, from the parsed group.
 - :mod:`.host_mode` - the vLLM plugin's host mode;
 - :mod:`.profiling` - profile capture;
 - :mod:`.identity` - cores, ranks and user (read at each use, never cached);
+- :mod:`.faults` - the fault point crash tests kill a process at (arms the registry);
 - :mod:`._parse` - the shared primitives.
 
 Conventions shared by every variable:
@@ -31,7 +32,7 @@ Conventions shared by every variable:
 
 from __future__ import annotations
 
-from . import compile_cache, host_mode, identity, manifest, profiling, run, snapshot
+from . import compile_cache, faults, host_mode, identity, manifest, profiling, run, snapshot
 from ._parse import (
     ConfigError,
     EnvVar,
@@ -49,6 +50,7 @@ from .compile_cache import (
     load_compile_cache_settings,
     remote_cache_url,
 )
+from .faults import FaultSettings, fault_settings, load_fault_settings
 from .host_mode import HostModeSettings, host_mode_settings, load_host_mode_settings
 from .identity import IdentitySettings, load_identity_settings
 from .manifest import ManifestSettings, load_manifest_settings, manifest_settings
@@ -71,6 +73,7 @@ __all__ = [
     "CompileCacheSettings",
     "ConfigError",
     "EnvVar",
+    "FaultSettings",
     "HostModeSettings",
     "IdentitySettings",
     "ManifestSettings",
@@ -81,8 +84,10 @@ __all__ = [
     "check_snapshot_root",
     "compile_cache_settings",
     "default_cache_root",
+    "fault_settings",
     "host_mode_settings",
     "load_compile_cache_settings",
+    "load_fault_settings",
     "load_host_mode_settings",
     "load_identity_settings",
     "load_manifest_settings",
@@ -108,6 +113,7 @@ ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (
     + profiling.VARIABLES
     + host_mode.VARIABLES
     + identity.VARIABLES
+    + faults.VARIABLES
 )
 
 # Every variable this package reads: the documented ones, vLLM's VLLM_USE_AOT_COMPILE
@@ -126,3 +132,4 @@ def reset_for_tests() -> None:
     re-reads os.environ. The snapshot capture budget is the snapshot feature's state, not
     a setting: ``vllm_neuron.snapshot.reset_snapshot_config`` resets both."""
     forget_parsed_groups()
+    faults.disarm_faults()

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends import Store, join, open_store
+from vllm_neuron.backends import Store, fault_point, join, open_store
 from vllm_neuron.backends.records import Document, RecordCodec
 from vllm_neuron.compile.entry import ENTRY_RECORD, ENTRY_SCHEMA_VERSION, ENTRY_TAG
 from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
@@ -206,7 +206,9 @@ def emit_manifest(
         graphs=enriched,
         environment=dict(environment if environment is not None else environment_snapshot()),
     )
+    fault_point("emit.before-write")
     store.write(join(prefix, MANIFEST_FILE), encode_manifest(manifest))
+    fault_point("emit.after-write")
     if cleanup:
         store.delete_tree(join(LEDGER_DIR, prefix))
     return manifest

@@ -21,7 +21,7 @@ import weakref
 from collections.abc import Sequence
 from typing import Any
 
-from vllm_neuron.backends import EventLog, Record, Store, encode_into, join, open_store
+from vllm_neuron.backends import EventLog, Record, Store, encode_into, fault_point, join, open_store
 from vllm_neuron.envs import run_id
 from vllm_neuron.identity import get_server_prefix
 
@@ -182,6 +182,7 @@ class LedgerWriter:
             if log is None:
                 log = self._current = self._log()
             log.append(entry)
+            fault_point("ledger.appended")
             fd = log.descriptor()
             if fd >= 0 and self._owner == -1:
                 self._fd, self._owner = fd, _thread()

@@ -37,6 +37,7 @@ from vllm_neuron.envs import (
     ConfigError,
     check_snapshot_root,
     compile_cache_settings,
+    fault_settings,
     host_mode_settings,
     load_host_mode_settings,
     load_run_id,
@@ -122,6 +123,7 @@ def resolve_settings() -> None:
 
     Raises :class:`vllm_neuron.envs.ConfigError` naming the variable and its value.
     """
+    fault_settings()  # VLLM_NEURON_FAULT (crash tests): armed before anything is written
     compile_cache_settings()
     get_neuron_compile_cache_dir()  # a regular file in the way of the local cache
     manifest_settings()

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from vllm_neuron.backends import Store, join
+from vllm_neuron.backends import Store, fault_point, join
 
 from .capture_spec import CaptureSpec, SnapshotCaptureError
 from .context import SnapshotForwardContext
@@ -195,6 +195,7 @@ class BundleWriter:
                 created=time.time(),
                 pid=os.getpid(),
             )
+            fault_point("snapshot.before-meta")
             write_call_meta(store, prefix, meta)
         except Exception as exc:
             self._cleanup(store, prefix)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from vllm_neuron.backends import Store, join
+from vllm_neuron.backends import Store, fault_point, join
 
 from .capture_spec import SnapshotCaptureError
 from .encoding import SnapshotFormat, write_tensor
@@ -61,6 +61,7 @@ class HostTensorWriter:
         for name, tensor in items:
             with store.open_write(join(prefix, name)) as f:
                 write_tensor(tensor, fmt, f)
+            fault_point("snapshot.mid-tensors")
 
 
 def neuron_serialize_op() -> Callable[..., Any] | None:

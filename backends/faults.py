@@ -1,0 +1,128 @@
+"""Named fault points: the steps where a crash test makes a process die by SIGKILL.
+
+Every step that writes or coordinates (a compile staged, a promotion half uploaded, a
+lease just taken, a manifest written but its ledger not yet removed, ...) calls
+``fault_point("<name>")``. Nothing happens unless the process was armed with that name
+(``VLLM_NEURON_FAULT=<name>``, parsed by ``vllm_neuron.envs.faults``, which calls `arm`
+when the settings are loaded); then the process kills itself with SIGKILL right there, as
+a power cut or the OOM killer would, with no ``finally`` block, no ``atexit`` and no
+flush. The crash matrix (tests/test_crash_matrix.py) uses that to check that every such
+death heals without a manual step.
+
+Why here, in the lowest layer: several points are inside the storage layer (a tree copy,
+a verified copy, a lease), and the layer cannot import the settings; the settings arm the
+registry instead. `POINTS` is the one list of names: arming an unknown one is refused, so
+a typo in the variable is a start-up error, not a test that silently crashes nowhere.
+
+Cost when unarmed: one global read and a comparison with None per call (none of the
+points is on a per-graph hot path: a cache hit and a ledger line pass none of them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from dataclasses import dataclass
+
+__all__ = ["POINTS", "FaultPoint", "arm", "armed", "fault_point"]
+
+
+@dataclass(frozen=True)
+class FaultPoint:
+    """One point: where it is (file:function) and what a crash there leaves behind."""
+
+    name: str
+    where: str
+    description: str
+
+
+def _points(*points: FaultPoint) -> dict[str, FaultPoint]:
+    return {p.name: p for p in points}
+
+
+POINTS: dict[str, FaultPoint] = _points(
+    # Compile (the local tier)
+    FaultPoint(
+        "compile.staging-written", "vllm_neuron/compile/building.py:compile_and_publish",
+        "a compile's output is staged and digested; its entry record is not written"),
+    FaultPoint(
+        "compile.record-written", "vllm_neuron/compile/building.py:compile_and_publish",
+        "the entry record is staged (last); the entry is not yet published"),
+    FaultPoint(
+        "compile.published", "vllm_neuron/compile/building.py:compile_and_publish",
+        "the entry is published in the local tier; not yet logged or promoted"),
+    # Promotion (local tier -> remote tier)
+    FaultPoint(
+        "promote.mid-upload", "backends/transfer.py:copy_tree",
+        "the first file of a promotion is in the remote's staging area, the rest not all"),
+    FaultPoint(
+        "promote.uploaded", "vllm_neuron/compile/promote.py:promote_entry",
+        "every file of a promotion is uploaded; the remote publication is not committed"),
+    FaultPoint(
+        "promote.committed", "vllm_neuron/compile/promote.py:promote_entry",
+        "the entry is published on the remote; the promotion event is not logged"),
+    # Fetch (remote tier -> local tier)
+    FaultPoint(
+        "fetch.mid-copy", "backends/verified_copy.py:copy_verified",
+        "the first file of a fetch is copied and verified into local staging, the rest not all"),
+    FaultPoint(
+        "fetch.copied", "vllm_neuron/compile/remote_tier.py:fetch_entry",
+        "a fetch staged every file and the entry record locally; not yet published"),
+    # Leases (stores without kernel locks: NFS, Lustre without flock, S3)
+    FaultPoint(
+        "lease.acquired", "backends/locks.py:LeaseLock.acquire",
+        "a lease was just taken (its generation record created); it is never released"),
+    FaultPoint(
+        "lease.renewed", "backends/locks.py:LeaseLock._beat",
+        "the holder's heartbeat just renewed its lease, between two renewals"),
+    # Manifest
+    FaultPoint(
+        "ledger.appended", "vllm_neuron/manifest/ledger.py:LedgerWriter._append",
+        "a process wrote its first ledger line; its run will never emit"),
+    FaultPoint(
+        "emit.before-write", "vllm_neuron/manifest/emit.py:emit_manifest",
+        "the ledger is folded; manifest.json is not written"),
+    FaultPoint(
+        "emit.after-write", "vllm_neuron/manifest/emit.py:emit_manifest",
+        "manifest.json is written; the engine's ledger is not yet removed"),
+    # Snapshot capture
+    FaultPoint(
+        "snapshot.mid-tensors", "vllm_neuron/snapshot/tensor_writers.py:HostTensorWriter.write",
+        "the first tensor file of a bundle is written, the others not"),
+    FaultPoint(
+        "snapshot.before-meta", "vllm_neuron/snapshot/bundle_writer.py:BundleWriter.capture_call",
+        "every input and output tensor of a bundle is written; meta.json is not"),
+    # Collection (cache gc, size-bound eviction)
+    FaultPoint(
+        "gc.mid-delete", "vllm_neuron/compile (cache gc)",
+        "cache gc removed the first of several things it collects, not the rest"),
+    FaultPoint(
+        "evict.mid-delete", "vllm_neuron/compile (size-bound eviction)",
+        "eviction removed the first of several entries it evicts, not the rest"),
+)
+
+_armed: str | None = None
+
+
+def fault_point(name: str) -> None:
+    """Die here by SIGKILL if this process was armed with `name`; otherwise nothing."""
+    if _armed is None:
+        return
+    if name == _armed:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def arm(point: str | None) -> None:
+    """Make `point` kill this process when it is reached (None: disarm).
+
+    ``ValueError`` for a name that is not in `POINTS`, listing them.
+    """
+    global _armed
+    if point is not None and point not in POINTS:
+        raise ValueError(f"unknown fault point {point!r}; the points are: {', '.join(POINTS)}")
+    _armed = point
+
+
+def armed() -> str | None:
+    """The point this process dies at, or None."""
+    return _armed

@@ -1,0 +1,70 @@
+"""VLLM_NEURON_FAULT: the named step at which this process kills itself (crash tests).
+
+The points are the storage layer's registry (`vllm_neuron.backends.faults.POINTS`, listed
+by ``vllm-neuron debug faults``); this group parses the variable and arms the registry when
+the process loads its settings (`fault_settings`: the compile runtime's build, the CLI,
+the vLLM plugin's start). An unknown name is a ConfigError naming the variable and listing
+the points: a typo must not make a crash test pass because nothing ever crashed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from vllm_neuron.backends.faults import POINTS, arm
+
+from ._parse import ConfigError, EnvVar, environ_or_default, parsed_once, raw
+
+__all__ = [
+    "VARIABLES",
+    "VLLM_NEURON_FAULT",
+    "FaultSettings",
+    "disarm_faults",
+    "fault_settings",
+    "load_fault_settings",
+]
+
+VLLM_NEURON_FAULT = "VLLM_NEURON_FAULT"
+
+VARIABLES: tuple[EnvVar, ...] = (
+    EnvVar(
+        VLLM_NEURON_FAULT,
+        "(unset)",
+        "testing",
+        "For crash tests only: the name of a fault point (vllm-neuron debug faults lists "
+        "them); a process reaching it kills itself with SIGKILL.",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class FaultSettings:
+    """The fault point this process dies at, or None (the normal case)."""
+
+    point: str | None = None
+
+
+def load_fault_settings(environ: Mapping[str, str] | None = None) -> FaultSettings:
+    """VLLM_NEURON_FAULT, one of the registered points (pure: nothing is armed)."""
+    env = environ_or_default(environ)
+    point = raw(env, VLLM_NEURON_FAULT)
+    if point is not None and point not in POINTS:
+        raise ConfigError(
+            f"{VLLM_NEURON_FAULT}={env[VLLM_NEURON_FAULT]!r} is not a fault point; the points "
+            f"are: {', '.join(POINTS)}"
+        )
+    return FaultSettings(point=point)
+
+
+@parsed_once
+def fault_settings() -> FaultSettings:
+    """The process's fault setting, parsed from os.environ on first use, and armed."""
+    settings = load_fault_settings()
+    arm(settings.point)
+    return settings
+
+
+def disarm_faults() -> None:
+    """Disarm the registry (``reset_for_tests``): the next `fault_settings` re-reads."""
+    arm(None)
