@@ -60,6 +60,7 @@ def build_runtime() -> CompileRuntime:
         remote_write=settings.remote_write,
         remote_lease_seconds=settings.remote_lease_seconds,
         compile_retry_after=settings.compile_retry_after,
+        max_size=settings.cache_max_size,
     )
     runtime = CompileRuntime(cache, toolchain)
     install_recorder(runtime, manifest_dir)

@@ -190,20 +190,21 @@ def test_prune_dry_run_deletes_nothing_then_prune_does(capsys, cache_dir):
     code, out, _ = run(capsys, "cache", "--cache-dir", cache_dir, "prune", "--max-size", "20K",
                        "--dry-run")
     assert code == 0
-    assert f"would delete {KEY_A}" in out  # the oldest goes first
-    assert KEY_B not in out
+    # The least recently used goes first: B, compiled after A, but A was hit since.
+    assert f"would delete {KEY_B}" in out
+    assert KEY_A not in out
     assert "dry run: 1 entries" in out
     assert sorted(os.listdir(cache_dir)) == before
 
     code, out, _ = run(capsys, "cache", "--cache-dir", cache_dir, "prune", "--max-size", "20K")
     assert code == 0 and "1 entries deleted" in out
-    assert not os.path.exists(os.path.join(cache_dir, KEY_A))
-    assert entry_is_right(os.path.join(cache_dir, KEY_B), KEY_B) is None
+    assert not os.path.exists(os.path.join(cache_dir, KEY_B))
+    assert entry_is_right(os.path.join(cache_dir, KEY_A), KEY_A) is None
 
     code, out, _ = run(capsys, "cache", "--cache-dir", cache_dir, "prune", "--older-than", "0s",
                        "--dry-run")
-    assert code == 0 and f"would delete {KEY_B}" in out
-    assert os.path.isdir(os.path.join(cache_dir, KEY_B))
+    assert code == 0 and f"would delete {KEY_A}" in out
+    assert os.path.isdir(os.path.join(cache_dir, KEY_A))
 
 
 def test_prune_needs_a_policy_and_parses_its_values(capsys, cache_dir):

@@ -79,7 +79,11 @@ def register(sub: Any) -> None:
     prune = cmds.add_parser("prune", help="delete old entries or shrink a tier")
     prune.add_argument("url", nargs="?", help="a tier to prune (default: the local cache)")
     prune.add_argument("--older-than", help="e.g. 30m, 12h, 7d")
-    prune.add_argument("--max-size", help="e.g. 500M, 10G")
+    prune.add_argument("--max-size", help="least recently used first, e.g. 500M, 10G")
+    prune.add_argument("--incompatible", action="store_true",
+                       help="entries this environment could never hit (see `cache compat`)")
+    prune.add_argument("--keep-manifest", action="append", default=[], metavar="MANIFEST",
+                       help="never delete a graph this manifest lists (repeatable)")
     prune.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
     prune.set_defaults(handler=cmd_prune)
 
@@ -88,6 +92,10 @@ def register(sub: Any) -> None:
     explain.add_argument("key_b")
     explain.add_argument("url", nargs="?", help="the tier holding both (default: local)")
     explain.set_defaults(handler=cmd_explain)
+
+    from . import cache_warm  # warm, compat, pin, unpin (it imports this module's helpers)
+
+    cache_warm.register(cmds)
 
 
 def _cache_dir(args: argparse.Namespace) -> str:
@@ -204,11 +212,15 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
+    from .cache_warm import event_recorder, evicted_event, incompatible_here, manifest_keys
+
     store = _tier(args)
     plan = plan_prune(
         store,
         older_than=None if args.older_than is None else parse_duration(args.older_than),
         max_size=None if args.max_size is None else parse_size(args.max_size),
+        incompatible=incompatible_here(store) if args.incompatible else None,
+        keep=manifest_keys(args.keep_manifest),
     )
     # Always collected too: what processes killed mid-write left behind (invisible, but it
     # would pile up on a shared tier that no compiling process ever cleans).
@@ -219,11 +231,15 @@ def cmd_prune(args: argparse.Namespace) -> int:
     for left in leftovers:
         print(f"{'would remove' if args.dry_run else 'remove'} abandoned {left.prefix} "
               f"{human_size(left.size)} ({human_age(left.age_seconds)} old)")
+    for key, why in plan.kept.items():
+        print(f"keep {key} ({why})")
     if args.dry_run:
         print(f"dry run: {len(plan.delete)} entries, {human_size(plan.freed_bytes)} would be freed"
               + (f"; {len(leftovers)} abandoned staging areas" if leftovers else ""))
         return 0
-    removed = plan.execute()
+    removed = plan.execute(None if args.url else evicted_event(event_recorder(store)))
+    for key, why in plan.stayed.items():
+        print(f"kept {key} ({why})")
     swept = remove_leftovers(store, leftovers)
     print(f"{removed} entries deleted, {human_size(plan.freed_bytes)} freed"
           + (f"; {swept} abandoned staging areas removed" if swept else ""))

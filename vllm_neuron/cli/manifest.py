@@ -8,7 +8,13 @@ from typing import Any
 import msgspec
 
 from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
-from vllm_neuron.manifest.inspect import check_manifest, diff_manifests, load_manifest
+from vllm_neuron.manifest.inspect import (
+    check_manifest,
+    check_startup,
+    diff_manifests,
+    load_manifest,
+)
+from vllm_neuron.manifest.schema import Manifest
 
 from .format import human_size, print_json, table
 
@@ -34,6 +40,8 @@ def register(sub: Any) -> None:
     check.add_argument("location")
     check.add_argument("--cache-dir", default=None,
                        help="compile cache root (default: $VLLM_CACHE_ROOT/neuron/compile_cache)")
+    check.add_argument("--remote", default=None,
+                       help="also the remote tier: would the deployment start without compiling")
     check.set_defaults(handler=cmd_check)
 
 
@@ -85,6 +93,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     if cache_dir is None:
         cache_dir = get_neuron_compile_cache_dir()
     where, manifest = load_manifest(args.location)
+    if args.remote:
+        return _check_startup(args, where, manifest, cache_dir)
     problems = check_manifest(manifest, cache_dir)
     for problem in problems:
         print(f"FAIL {problem}")
@@ -93,4 +103,31 @@ def cmd_check(args: argparse.Namespace) -> int:
         return 1
     print(f"{where}: ok ({len(manifest.graphs)} graphs, "
           f"world size {manifest.config.topology.world_size})")
+    return 0
+
+
+def _check_startup(args: argparse.Namespace, where: str, manifest: Manifest,
+                   cache_dir: str) -> int:
+    """`manifest check --remote URL`: partial deployments, and whether every graph is in the
+    local tier or the remote (exit 1 naming the ones that would be compiled)."""
+    from vllm_neuron.backends import local_root_missing, open_store
+
+    from .cache_warm import open_remote
+
+    remote = open_remote(args.remote, f"--remote {args.remote}")  # exit 2 when unusable
+    local = None if local_root_missing(cache_dir) else open_store(cache_dir, create=False)
+    problems = check_manifest(manifest, None)  # partial deployments (no artifact checks)
+    found = check_startup(manifest, local, remote)
+    problems += [f"graph {key}: {why}: it would be compiled at start-up"
+                 for key, why in found.missing.items()]
+    for problem in problems:
+        print(f"FAIL {problem}")
+    local_n = sum(1 for s in found.sources.values() if s == "local")
+    remote_n = len(found.sources) - local_n
+    if problems:
+        print(f"{where}: {len(problems)} problem(s); {local_n} graphs local, {remote_n} in "
+              f"{remote.url}, {len(found.missing)} in neither")
+        return 1
+    print(f"{where}: would start without compiling ({local_n} graphs local, {remote_n} to "
+          f"fetch from {remote.url})")
     return 0

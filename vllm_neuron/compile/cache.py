@@ -58,6 +58,7 @@ from .events import (
     LockWaited,
     VerificationFailed,
 )
+from .eviction import Evictor
 from .failures import (
     FAILURES_DIR,
     FailureNote,
@@ -106,6 +107,7 @@ class TwoTierCache:
         remote_write: RemoteWrite = "auto",
         remote_lease_seconds: float = 30.0,
         compile_retry_after: float = 300.0,
+        max_size: int | None = None,
     ) -> None:
         if disabled and precompiled_only:
             raise ValueError(
@@ -139,6 +141,10 @@ class TwoTierCache:
         )
         self._events_broken = False
         self._collect_stale_staging()
+        # VLLM_NEURON_CACHE_MAX_SIZE: least recently used entries go (eviction.py)
+        self._evictor = (Evictor(self.local, max_size, record=self._record)
+                         if max_size and not disabled else None)  # fmt: skip
+        self.keep_within_bound()
 
     # ------------------------------------------------------------- events
     def _record(self, event: Record) -> None:
@@ -266,6 +272,8 @@ class TwoTierCache:
             return hit
         result = self._locked_miss(key, compile_fn, components or {})
         self._loaded[key] = result
+        if result.source in ("compiled", "remote"):  # published: the tier grew
+            self.keep_within_bound()
         return result
 
     def _locked_miss(
@@ -376,6 +384,12 @@ class TwoTierCache:
             remove_leftovers(self.local, find_leftovers(self.local, older_than=STAGING_MAX_AGE))
         except Exception as exc:  # noqa: BLE001 - hygiene never stops the cache from starting
             logger.debug("compile cache: could not collect stale staging: %s", exc)
+
+    def keep_within_bound(self) -> None:
+        """Evict the least recently used entries above the bound, never one this process
+        has loaded (its artifact is loaded from the entry); best-effort (eviction.py)."""
+        if self._evictor is not None:
+            self._evictor.run(protect=self._loaded.keys())
 
     def entries(self) -> list[str]:
         """Keys of every published local entry."""

@@ -129,3 +129,40 @@ def _missing_artifacts(graph: GraphEntry, cache: Store | None, cache_root: str |
     if graph.neff_path is None:
         out.append(f"graph {graph.graph_hash}: no artifact recorded (enrichment failed)")
     return out
+
+
+@dataclass(frozen=True)
+class StartupCheck:
+    """Would a deployment start without compiling: where each graph would come from
+    (``local`` or ``remote``) and what no tier holds (graph -> why)."""
+
+    sources: dict[str, str] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def complete(self) -> bool:
+        return not self.missing
+
+
+def check_startup(manifest: Manifest, local: Store | None, remote: Store | None) -> StartupCheck:
+    """Where each graph of `manifest` would be served from when the engine starts.
+
+    A graph is ``local`` when the local tier holds its entry whole (every file at its
+    recorded size, as a cache hit checks it), ``remote`` when the remote has it published
+    (a fetch then verifies every checksum), and missing otherwise: that engine would
+    compile it (or, in pre-compiled-only mode, fail).
+    """
+    from vllm_neuron.compile.inventory import KEY_RE, check_entry
+
+    out = StartupCheck()
+    for key in dict.fromkeys(g.graph_hash for g in manifest.graphs):
+        if not KEY_RE.fullmatch(key):
+            out.missing[key] = "not a compile-cache key"
+        elif local is not None and check_entry(local, key, full=False).ok:
+            out.sources[key] = "local"
+        elif remote is not None and remote.publication(key).state == "published":
+            out.sources[key] = "remote"
+        else:
+            where = " or the remote" if remote is not None else ""
+            out.missing[key] = f"in neither the local tier{where}"
+    return out

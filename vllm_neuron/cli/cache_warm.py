@@ -1,0 +1,260 @@
+"""`vllm-neuron cache warm|compat|pin|unpin`: readying a node, upgrading, keeping entries.
+
+* ``warm MANIFEST [--remote URL] [--jobs N]``: fetch every graph the manifest lists into
+  the local tier (`compile/warm.py`); exit 1 listing what the remote lacks (or holds
+  defective), 2 for a remote that is malformed, missing or unreachable.
+* ``compat [URL] [--json]``: per entry, would this environment hit it, and if not which
+  key component differs (`compile/compat.py`); exit 1 when any entry could never be hit.
+* ``pin [KEY ...] [--manifest M] [--note TEXT]``, ``unpin (KEY ... | --manifest M | --all)``:
+  entries that neither the size bound nor ``prune`` ever removes (`compile/eviction.py`);
+  ``pin`` alone lists the pins.
+
+Registered by `cli/cache.py` (`register`), whose helpers (`_tier`, `_cache_dir`) they use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+from vllm_neuron.backends import Record, Store, check_location, open_store, probe_store
+from vllm_neuron.compile.events import EVENTS_STREAM
+from vllm_neuron.envs import remote_cache_url
+
+from .format import human_size, print_json, table
+
+
+def register(cmds: Any) -> None:
+    warm = cmds.add_parser("warm", help="fetch every graph of a manifest into the local tier")
+    warm.add_argument("manifest", help="manifest.json, an engine directory, or a URL")
+    warm.add_argument("--remote", default=None,
+                      help="the tier to fetch from (default: $NEURON_LIBTORCH_REMOTE_CACHE)")
+    warm.add_argument("--jobs", type=int, default=None,
+                      help="entries fetched at once (default: 4)")
+    warm.set_defaults(handler=cmd_warm)
+
+    compat = cmds.add_parser(
+        "compat", help="would this environment hit each entry; which key component differs")
+    compat.add_argument("url", nargs="?", help="a tier to check (default: the local cache)")
+    compat.add_argument("--json", action="store_true")
+    compat.set_defaults(handler=cmd_compat)
+
+    pin = cmds.add_parser("pin", help="keep entries whatever the size bound; alone: list pins")
+    pin.add_argument("keys", nargs="*", metavar="KEY")
+    pin.add_argument("--manifest", action="append", default=[],
+                     help="pin every graph this manifest lists (repeatable)")
+    pin.add_argument("--note", default="", help="why (shown by `cache pin`)")
+    pin.set_defaults(handler=cmd_pin)
+
+    unpin = cmds.add_parser("unpin", help="let pinned entries be evicted again")
+    unpin.add_argument("keys", nargs="*", metavar="KEY")
+    unpin.add_argument("--manifest", action="append", default=[],
+                       help="unpin every graph this manifest lists (repeatable)")
+    unpin.add_argument("--all", action="store_true", help="remove every pin")
+    unpin.set_defaults(handler=cmd_unpin)
+
+
+# ----------------------------------------------------------------- helpers
+def open_remote(url: str, origin: str) -> Store:
+    """A remote tier named on the command line (`origin` says where the URL came from):
+    checked (a malformed URL is a ValueError naming it), opened without creating anything,
+    probed (a missing bucket, refused access or no answer is a `StoreUnavailable`)."""
+    try:
+        check_location(url)
+    except ValueError as exc:
+        raise ValueError(f"{origin}: {exc}") from None
+    store = open_store(url, create=False)
+    probe_store(store)
+    return store
+
+
+def manifest_keys(locations: list[str]) -> list[str]:
+    """The graph keys of every manifest in `locations`, in order, without repeats."""
+    from vllm_neuron.manifest.inspect import load_manifest  # the manifest feature
+
+    keys: dict[str, None] = {}
+    for location in locations:
+        _, manifest = load_manifest(location)
+        keys.update(dict.fromkeys(g.graph_hash for g in manifest.graphs))
+    return list(keys)
+
+
+def event_recorder(store: Store) -> Any:
+    """Append records to this process's segment of the tier's events (best-effort)."""
+    log = store.log(EVENTS_STREAM, writer=f"{socket.gethostname()}-{os.getpid()}")
+
+    def record(event: Record) -> None:
+        with contextlib.suppress(Exception):  # statistics never fail a command
+            log.append(event)
+
+    return record
+
+
+def evicted_event(record: Any) -> Any:
+    """`PrunePlan.execute`'s callback: an ``evict`` event per entry withdrawn."""
+    from vllm_neuron.compile.events import Evicted
+
+    def note(info: Any, last_used: float, reason: str) -> None:
+        record(Evicted(key=info.key, at=time.time(), size=info.size, last_used=last_used,
+                       reason=reason))
+
+    return note
+
+
+def incompatible_here(store: Store) -> dict[str, str]:
+    """{key: why} of the entries of `store` this environment could never hit."""
+    from vllm_neuron.compile.compat import current_toolchain, environment_of, incompatible_entries
+
+    return incompatible_entries(store, environment_of(current_toolchain()))
+
+
+class _Progress:
+    """A progress bar by bytes on stderr (rich), only when stderr is a terminal."""
+
+    def __init__(self, label: str) -> None:
+        self._bar: Any = None
+        self._task: Any = None
+        self._label = label
+
+    def __enter__(self) -> _Progress:
+        if sys.stderr.isatty():
+            from rich.console import Console
+            from rich.progress import (
+                BarColumn,
+                DownloadColumn,
+                Progress,
+                TimeRemainingColumn,
+                TransferSpeedColumn,
+            )
+
+            self._bar = Progress("{task.description}", BarColumn(), DownloadColumn(),
+                                 TransferSpeedColumn(), TimeRemainingColumn(),
+                                 console=Console(stderr=True), transient=False)
+            self._bar.__enter__()
+        return self
+
+    def total(self, n: int) -> None:
+        if self._bar is not None:
+            self._task = self._bar.add_task(self._label, total=n)
+
+    def advance(self, n: int) -> None:
+        if self._bar is not None and self._task is not None:
+            self._bar.advance(self._task, n)
+
+    def __exit__(self, *exc: object) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(None, None, None)
+
+
+# ------------------------------------------------------------------- warm
+def cmd_warm(args: argparse.Namespace) -> int:
+    from vllm_neuron.compile.eviction import Evictor
+    from vllm_neuron.compile.warm import DEFAULT_JOBS, warm_keys
+    from vllm_neuron.envs.compile_cache import cache_max_size
+
+    from .cache import _cache_dir
+
+    jobs = DEFAULT_JOBS if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise ValueError(f"--jobs must be 1 or more, got {jobs}")
+    url = args.remote or remote_cache_url()
+    if not url:
+        raise ValueError("warm needs --remote URL (or NEURON_LIBTORCH_REMOTE_CACHE)")
+    origin = f"--remote {url}" if args.remote else f"NEURON_LIBTORCH_REMOTE_CACHE={url!r}"
+    keys = manifest_keys([args.manifest])
+    bound = cache_max_size()  # a malformed VLLM_NEURON_CACHE_MAX_SIZE: exit 2, named
+    remote = open_remote(url, origin)
+    local = open_store(_cache_dir(args))
+    record = event_recorder(local)
+    with _Progress(f"warm {len(keys)} graphs") as bar:
+        result = warm_keys(local, remote, keys, jobs=jobs, on_total=bar.total,
+                           on_bytes=bar.advance, record=record)  # fmt: skip
+    if bound is not None:  # the warmed graphs are what this node is about to serve
+        Evictor(local, bound, record=record).run(protect=set(keys))
+    for key in result.missing:
+        print(f"MISSING   {key} (not in {remote.url})")
+    for key, why in result.defective.items():
+        print(f"DEFECTIVE {key}: {why}")
+    for key, why in result.errors.items():
+        print(f"FAILED    {key}: {why}")
+    print(f"{len(keys)} graphs: {len(result.fetched)} fetched "
+          f"({human_size(result.fetched_bytes)} in {result.seconds:.1f} s), "
+          f"{len(result.present)} already local, {len(result.missing)} missing, "
+          f"{len(result.defective)} defective, {len(result.errors)} failed")
+    if result.errors:
+        return 2
+    return 0 if result.complete else 1
+
+
+# ----------------------------------------------------------------- compat
+def cmd_compat(args: argparse.Namespace) -> int:
+    from vllm_neuron.compile.compat import check_compat, current_toolchain, environment_of
+
+    from .cache import _tier
+
+    store = _tier(args)
+    env = environment_of(current_toolchain())
+    results = check_compat(store, env)
+    if args.json:
+        print_json({
+            "environment": env,
+            "entries": [{**r.__dict__, "reason": r.reason} for r in results],
+        })
+    else:
+        print(f"this environment: toolchain {env.toolchain}, target {env.target}, "
+              f"versions {', '.join(f'{k}={v}' for k, v in sorted(env.versions.items()))}"
+              + (f", flags {' '.join(env.compiler_args)}" if env.compiler_args else ""))
+        word = {True: "hit", False: "NEVER", None: "unknown"}
+        rows = [(r.key, word[r.compatible], r.toolchain, r.target, human_size(r.size), r.reason)
+                for r in results]
+        print(table(["KEY", "HIT", "TOOLCHAIN", "TARGET", "SIZE", "WHY NOT"], rows))
+        never = [r for r in results if r.compatible is False]
+        print(f"{len(results)} entries: {len(results) - len(never)} usable here, "
+              f"{len(never)} never hit here ({human_size(sum(r.size for r in never))})")
+    return 1 if any(r.compatible is False for r in results) else 0
+
+
+# -------------------------------------------------------------------- pins
+def _pin_tier(args: argparse.Namespace) -> Store:
+    from .cache import _cache_dir
+
+    return open_store(check_location(_cache_dir(args)))
+
+
+def cmd_pin(args: argparse.Namespace) -> int:
+    from vllm_neuron.compile.eviction import pin, read_pins
+
+    store = _pin_tier(args)
+    keys = list(dict.fromkeys([*args.keys, *manifest_keys(args.manifest)]))
+    if not keys:
+        pins = read_pins(store)
+        rows = [(key, "?" if p is None else p.by, "?" if p is None else p.note,
+                 "yes" if store.published(key) is not None else "no")
+                for key, p in pins.items()]
+        print(table(["KEY", "BY", "NOTE", "IN TIER"], rows))
+        print(f"{len(pins)} pinned entries in {store.url}")
+        return 0
+    for key in keys:
+        new = pin(store, key, note=args.note)
+        here = "" if store.published(key) is not None else " (not in the tier yet)"
+        print(f"{'pinned' if new else 'already pinned'} {key}{here}")
+    return 0
+
+
+def cmd_unpin(args: argparse.Namespace) -> int:
+    from vllm_neuron.compile.eviction import pinned_keys, unpin
+
+    store = _pin_tier(args)
+    keys = list(dict.fromkeys([*args.keys, *manifest_keys(args.manifest)]))
+    if args.all:
+        keys = sorted(pinned_keys(store))
+    elif not keys:
+        raise ValueError("unpin needs KEY ..., --manifest M or --all")
+    removed = sum(1 for key in keys if unpin(store, key))
+    print(f"{removed} of {len(keys)} pins removed")
+    return 0
