@@ -22,7 +22,14 @@ import sys
 import time
 from typing import Any
 
-from vllm_neuron.backends import Record, Store, check_location, open_store, probe_store
+from vllm_neuron.backends import (
+    Record,
+    Store,
+    StoreError,
+    check_location,
+    open_store,
+    probe_store,
+)
 from vllm_neuron.compile.events import EVENTS_STREAM
 from vllm_neuron.envs import remote_cache_url
 
@@ -68,8 +75,11 @@ def open_remote(url: str, origin: str) -> Store:
         check_location(url)
     except ValueError as exc:
         raise ValueError(f"{origin}: {exc}") from None
-    store = open_store(url, create=False)
-    probe_store(store)
+    try:
+        store = open_store(url, create=False)
+        probe_store(store)
+    except (StoreError, OSError) as exc:  # exit 2, naming where the URL came from
+        raise ValueError(f"{origin}: {exc}") from exc
     return store
 
 
