@@ -42,6 +42,7 @@ from ._atomic import (
     write_temp,
 )
 from .base import Appender, Capabilities, FileInfo
+from .debris import Seen
 from .digests import Expected, FileDigest, file_digest
 from .errors import IntegrityError
 from .keys import GOOD_KEYS, remember_good, validate_key, validate_prefix
@@ -309,6 +310,31 @@ class LocalStore(Store):
                 size += st.st_size
                 newest = max(newest, st.st_mtime)
         return size, newest
+
+    def _walk(self, prefix: str = "") -> builtins.list[Seen]:
+        # One scandir walk, symbolic links not followed; directories too (a staging area
+        # just created for old files is in use), and writers' temp files, flagged.
+        out: list[Seen] = []
+        base = validate_prefix(prefix)
+        stack = [(self._path(base), base)]
+        while stack:
+            path, rel = stack.pop()
+            try:
+                entries = list(os.scandir(path))
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for entry in entries:
+                key = f"{rel}/{entry.name}" if rel else entry.name
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISDIR(st.st_mode):
+                    out.append(Seen(key, 0, st.st_mtime, directory=True))
+                    stack.append((entry.path, key))
+                elif stat.S_ISREG(st.st_mode):
+                    out.append(Seen(key, st.st_size, st.st_mtime, temp=is_temp(entry.name)))
+        return out
 
     # ---------------------------------------------------------- publication
     # Inside a staging directory nothing needs a temp file: the directory is published

@@ -21,6 +21,7 @@ from typing import IO
 from fsspec.implementations.memory import MemoryFileSystem
 
 from .base import Appender, Capabilities, FileInfo, SegmentAppender
+from .debris import Seen
 from .keys import validate_key
 from .store import Store
 
@@ -122,6 +123,21 @@ class MemoryStore(Store):
 
     def open_appender(self, key: str, *, truncate: bool) -> Appender:
         return SegmentAppender(self, validate_key(key), truncate)
+
+    def _walk(self, prefix: str = "") -> builtins.list[Seen]:
+        with self._mutex:
+            base = self._path(prefix)
+            try:
+                found = self.fs.find(base, withdirs=False, detail=True)
+            except FileNotFoundError:
+                return []
+            out = []
+            for path, details in found.items():
+                rel = self._rel(path)
+                if rel and details.get("type") == "file" and rel != prefix.strip("/"):
+                    out.append(Seen(rel, int(details.get("size", 0)),
+                                    self._mtimes.get(str(path), 0.0)))  # fmt: skip
+            return out
 
     def set_mtime(self, key: str, mtime: float) -> None:
         """Back door for tests of age-based policies (prune, staging garbage collection)."""

@@ -37,6 +37,7 @@ from typing import IO, Any, TypeVar
 
 from . import operations
 from .base import Appender, Capabilities, FileInfo, SegmentAppender
+from .debris import Seen, Upload
 from .digests import Expected
 from .errors import MissingDependency, StoreAccessDenied, StoreMissing, StoreUnavailable
 from .keys import validate_key, validate_prefix
@@ -379,6 +380,63 @@ class S3Store(Store):
             if details.get("type", "file") == "file" and str(path).startswith(base + "/"):
                 sizes[str(path)[len(base) + 1:]] = int(details.get("size", 0))
         operations.compare_sizes(self, prefix, files, sizes)
+
+    @_translated
+    def _walk(self, prefix: str = "") -> builtins.list[Seen]:
+        """One paginated listing (a request per 1,000 keys), sizes and times included."""
+        base = self._path(prefix)
+        try:
+            found = self.fs.find(base, withdirs=False, detail=True)
+        except FileNotFoundError:
+            return []
+        out = []
+        for path, details in found.items():
+            rel = self._rel(path)
+            if not rel or details.get("type", "file") != "file" or rel == prefix.strip("/"):
+                continue
+            modified = details.get("LastModified")
+            mtime = modified.timestamp() if isinstance(modified, datetime) else 0.0
+            out.append(Seen(rel, int(details.get("size", 0)), mtime))
+        return out
+
+    @_translated
+    def _unfinished_uploads(self) -> builtins.list[Upload]:
+        """The multipart uploads under the prefix (a request per 1,000); each one's time is
+        its initiation or, when later, its newest part's (a request per upload listed), so
+        a long upload still sending parts is active."""
+        bucket, _, prefix = self.root.partition("/")
+        ask: dict[str, Any] = {"Bucket": bucket, "Prefix": f"{prefix}/" if prefix else ""}
+        out = []
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", **ask)
+            for upload in page.get("Uploads", []):
+                key, upload_id = str(upload["Key"]), str(upload["UploadId"])
+                started = upload.get("Initiated")
+                active = started.timestamp() if isinstance(started, datetime) else 0.0
+                try:
+                    parts = self.fs.call_s3("list_parts", Bucket=bucket, Key=key,
+                                            UploadId=upload_id)  # fmt: skip
+                except FileNotFoundError:  # completed or aborted meanwhile
+                    continue
+                for part in parts.get("Parts", []):
+                    modified = part.get("LastModified")
+                    if isinstance(modified, datetime):
+                        active = max(active, modified.timestamp())
+                out.append(Upload(key[len(prefix) + 1:] if prefix else key, upload_id, active))
+            if not page.get("IsTruncated"):
+                return out
+            ask["KeyMarker"] = page.get("NextKeyMarker", "")
+            ask["UploadIdMarker"] = page.get("NextUploadIdMarker", "")
+
+    @_translated
+    def _abort_upload(self, key: str, upload_id: str) -> bool:
+        """Abort an unfinished multipart upload; False when it is gone already."""
+        bucket, _, path = self._path(validate_key(key)).partition("/")
+        try:
+            self.fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=path, UploadId=upload_id)
+        except FileNotFoundError:  # NoSuchUpload: completed or aborted meanwhile
+            return False
+        return True
 
 
 def probe(store: Store) -> None:

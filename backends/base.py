@@ -46,9 +46,10 @@ from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import IO, TYPE_CHECKING, Any
 
-from . import operations, publication
+from . import debris, operations, publication
 from ._atomic import replacing
 from .appenders import Appender, SegmentAppender
+from .debris import Debris, Removal, Seen, Survey, Upload
 from .digests import Expected, FileDigest, digest_stream
 from .errors import StoreError
 from .keys import join, validate_key, validate_prefix
@@ -385,3 +386,32 @@ class StoreBase(ABC):
         on local disk; elsewhere a copy of each file, then `src` deleted (not atomic).
         """
         return operations.rename(self, src, dst)
+
+    # ------------------------------------------- what is there (garbage collection)
+    def survey(
+        self, *, older_than: float, lease_grace: float = 600.0, now: float | None = None
+    ) -> Survey:
+        """Everything under the root from one walk (`debris.py`): the publications
+        directly under it, what nobody will use again (`Debris`) untouched for
+        `older_than` seconds (leases: released or expired `lease_grace` seconds ago), what
+        was looked at and kept, and every other file with its size and time."""
+        return debris.survey(self, older_than=older_than, lease_grace=lease_grace, now=now)
+
+    def remove_debris(self, item: Debris) -> Removal:
+        """Remove one `Debris` of `survey`, unless it changed since (then "changed")."""
+        return debris.remove(self, item)
+
+    def _walk(self, prefix: str = "") -> builtins.list[Seen]:
+        """Every file under `prefix` with size and time (local disk: directories too)."""
+        return debris.generic_walk(self, prefix)
+
+    def _unfinished_uploads(self) -> builtins.list[Upload]:
+        """Multipart uploads under the root never completed nor aborted (S3)."""
+        return []
+
+    def _abort_upload(self, key: str, upload_id: str) -> bool:
+        raise StoreError(f"{self.url} has no multipart uploads")
+
+    def _remove_empty_dir(self, prefix: str) -> None:
+        """Remove the directory of `prefix` if it is empty (stores with directories)."""
+        debris.remove_empty_dir(self.local_path(prefix))

@@ -96,6 +96,8 @@ def register(sub: Any) -> None:
     from . import cache_warm  # warm, compat, pin, unpin (it imports this module's helpers)
 
     cache_warm.register(cmds)
+    from . import cache_gc  # gc (it imports _tier from this module)
+    cache_gc.register(cmds)
 
 
 def _cache_dir(args: argparse.Namespace) -> str:

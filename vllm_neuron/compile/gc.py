@@ -1,0 +1,283 @@
+"""Garbage collection of a compile-cache tier: nothing lost, nothing left behind.
+
+`plan_gc` looks (one walk of the tier through `Store.survey`, plus a read of each note)
+and returns a `GcPlan`; `GcPlan.execute` removes what was planned, re-checking each item
+first, so `vllm-neuron cache gc --dry-run` shows exactly what `cache gc` would remove.
+
+What is collected (`GcItem.what`):
+
+- what killed writers left, untouched for `older_than` (default `STAGING_MAX_AGE`, 6 h):
+  staging areas, withdrawn directories never finished deleting, versions never committed,
+  withdrawal tombstones, unfinished multipart uploads, writers' temp files
+  (`backends/debris.py` has the details);
+- leases whose latest generation was released, or expired, more than `lease_grace`
+  (10 minutes) ago: never one that is held;
+- failure notes (``.failures/<key>.json``) older than the compile retry cool-down
+  (``VLLM_NEURON_COMPILE_RETRY_AFTER``, 300 s): past it no process raises them any more;
+- quarantine notes (``.quarantine/<key>.json``) older than `older_than` and at least
+  `QUARANTINE_NOTE_MIN_AGE` (7 days): an operator may still want to read why;
+- with `keep` (the graph hashes a live deployment's manifests name): every published
+  entry no one of them names, published longer than `older_than` ago (which the caller
+  must give: `--older-than` is required with `--keep-manifest`).
+
+Never touched: a published entry (unless `keep` is given, and then only the unreferenced
+and old ones, each withdrawn as the version planned, and on a tier with kernel locks only
+while its key's lock is free); a lease that is held; a kernel lock file; anything younger
+than its bound; event segments (``.events/``: `cache stats` reads them); pins. An item
+that changed since the plan (written to, committed, taken again) is left, and said so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+from vllm_neuron.backends import LockTimeout, Store, fault_point
+from vllm_neuron.backends.debris import Debris, Seen, Survey
+from vllm_neuron.backends.records import RecordError
+from vllm_neuron.envs.compile_cache import DEFAULT_COMPILE_RETRY_AFTER
+
+from .cache import STAGING_MAX_AGE
+from .failures import FAILURE_NOTES, FAILURES_DIR
+from .quarantine import QUARANTINE_DIR, QUARANTINE_NOTES
+
+LEASE_GRACE = 600.0
+"""Seconds past its release or expiry that a lease's records are kept."""
+QUARANTINE_NOTE_MIN_AGE = 7 * 86400.0
+"""Seconds a quarantine note is kept at least, whatever the bound."""
+
+_KEY = re.compile(r"[0-9a-f]{32}")
+_NOTE = re.compile(r"([0-9a-f]{32})\.json")
+
+WHAT = {
+    "staging": "abandoned staging",
+    "trash": "unfinished withdrawal",
+    "orphan-version": "uncommitted version",
+    "tombstone": "withdrawal tombstone",
+    "upload": "unfinished upload",
+    "partial": "partial write",
+    "lease": "expired lease",
+    "failure-note": "expired failure note",
+    "quarantine-note": "old quarantine note",
+    "entry": "unreferenced entry",
+}
+"""How each kind is named in the plan (`GcItem.what`)."""
+
+
+@dataclass(frozen=True)
+class GcItem:
+    """One thing the plan removes (or, in `GcPlan.kept`, looked at and left).
+
+    `kind`: a key of `WHAT`; `where`: its key or prefix in the tier; `reason`: why it goes
+    (or stays). `version` is what a removal re-checks: an entry's publication, a note's
+    time.
+    """
+
+    kind: str
+    where: str
+    age_seconds: float
+    size: int
+    reason: str
+    version: str | None = None
+    debris: Debris | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def what(self) -> str:
+        return WHAT.get(self.kind, self.kind)
+
+    def as_dict(self) -> dict[str, object]:
+        """For `--json`: kind, where, age, size and reason (and `what`, for a planned one)."""
+        return {"kind": self.kind, "what": self.what, "where": self.where,
+                "age_seconds": round(self.age_seconds, 3), "size": self.size,
+                "reason": self.reason}  # fmt: skip
+
+
+@dataclass
+class GcOutcome:
+    """What `GcPlan.execute` did: removed, left because it changed since the plan (with
+    why), and could not remove (with the error)."""
+
+    removed: list[GcItem] = field(default_factory=list)
+    stayed: list[tuple[GcItem, str]] = field(default_factory=list)
+    failed: list[tuple[GcItem, str]] = field(default_factory=list)
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(item.size for item in self.removed)
+
+
+@dataclass(frozen=True)
+class GcPlan:
+    """What a collection would remove from `store`; nothing happens until `execute()`.
+
+    `kept`: what was looked at and left, with why (held, younger than its bound,
+    referenced). `missing`: the keys `keep` names that the tier has no entry for.
+    `bounds`: the bounds used, in seconds, by name.
+    """
+
+    store: Store
+    items: tuple[GcItem, ...]
+    kept: tuple[GcItem, ...] = ()
+    missing: tuple[str, ...] = ()
+    bounds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def planned_bytes(self) -> int:
+        return sum(item.size for item in self.items)
+
+    def execute(self) -> GcOutcome:
+        """Remove every planned item that has not changed since the plan."""
+        outcome = GcOutcome()
+        for item in self.items:
+            try:
+                why = _remove(self.store, item)
+            except Exception as exc:  # noqa: BLE001 - reported, and the exit status says so
+                outcome.failed.append((item, f"{type(exc).__name__}: {exc}"))
+                continue
+            if why is None:
+                outcome.removed.append(item)
+                fault_point("gc.mid-delete")  # crash tests: killed with the rest to do
+            else:
+                outcome.stayed.append((item, why))
+        return outcome
+
+
+def plan_gc(
+    store: Store,
+    *,
+    older_than: float | None = None,
+    lease_grace: float = LEASE_GRACE,
+    failure_max_age: float = DEFAULT_COMPILE_RETRY_AFTER,
+    keep: Collection[str] | None = None,
+    now: float | None = None,
+) -> GcPlan:
+    """Plan a collection of `store` (see the module's notes); `now` for tests."""
+    if keep is not None and older_than is None:
+        raise ValueError("removing unreferenced entries needs an age bound (--older-than)")
+    bound = STAGING_MAX_AGE if older_than is None else float(older_than)
+    now = time.time() if now is None else now
+    found: Survey = store.survey(older_than=bound, lease_grace=lease_grace, now=now)
+    items = [
+        GcItem(d.kind, d.prefix, d.age_seconds, d.size, _debris_reason(d, bound, lease_grace),
+               debris=d)  # fmt: skip
+        for d in found.debris
+    ]
+    kept = [GcItem(k.kind, k.prefix, k.age_seconds, 0, k.reason) for k in found.kept]
+    note_bound = max(bound, QUARANTINE_NOTE_MIN_AGE)
+    for seen in found.files:
+        kind, limit = _note_kind(seen.key, failure_max_age, note_bound)
+        if kind is None:
+            continue
+        at, version = _note_time(store, seen, kind)
+        if at is None:
+            continue  # gone since the walk
+        age = now - at
+        (items if age > limit else kept).append(GcItem(
+            kind, seen.key, age, seen.size,
+            f"older than {_span(limit)}" if age > limit else f"younger than {_span(limit)}",
+            version=version,
+        ))  # fmt: skip
+    missing: tuple[str, ...] = ()
+    if keep is not None:
+        wanted = set(keep)
+        entries = {n: p for n, p in found.published.items() if _KEY.fullmatch(n)}
+        missing = tuple(sorted(k for k in wanted if k not in entries))
+        for name, pub in sorted(entries.items()):
+            age = now - pub.committed
+            if name in wanted:
+                kept.append(GcItem("entry", name, age, pub.size, "referenced by a manifest"))
+            elif age <= bound:
+                kept.append(GcItem("entry", name, age, pub.size, f"younger than {_span(bound)}"))
+            else:
+                items.append(GcItem("entry", name, age, pub.size,
+                                    f"no manifest names it; published {_span(age)} ago",
+                                    version=pub.version))  # fmt: skip
+    bounds = {"older_than": bound, "lease_grace": lease_grace,
+              "failure_notes": failure_max_age, "quarantine_notes": note_bound}  # fmt: skip
+    return GcPlan(store, tuple(items), tuple(kept), missing, bounds)
+
+
+def _debris_reason(d: Debris, bound: float, grace: float) -> str:
+    if d.kind == "lease":
+        return f"{d.detail}; free for {_span(d.age_seconds)} (grace {_span(grace)})"
+    text = f"untouched for {_span(d.age_seconds)} (bound {_span(bound)})"
+    return f"{d.detail}; {text}" if d.detail else text
+
+
+def _note_kind(key: str, failure_max_age: float, note_bound: float) -> tuple[str | None, float]:
+    directory, _, name = key.partition("/")
+    if "/" in name or not _NOTE.fullmatch(name):
+        return None, 0.0
+    if directory == FAILURES_DIR:
+        return "failure-note", failure_max_age
+    if directory == QUARANTINE_DIR:
+        return "quarantine-note", note_bound
+    return None, 0.0
+
+
+def _note_time(store: Store, seen: Seen, kind: str) -> tuple[float | None, str | None]:
+    """When the note says it was written (its file's time if it does not read), and the
+    version a removal re-checks (a digest of its bytes)."""
+    data = store.read(seen.key)
+    if data is None:
+        return None, None
+    codec = FAILURE_NOTES if kind == "failure-note" else QUARANTINE_NOTES
+    try:
+        at = float(codec.decode(data, source=seen.key).at)
+    except RecordError:
+        at = seen.mtime
+    return at, _fingerprint(data)
+
+
+def _fingerprint(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _remove(store: Store, item: GcItem) -> str | None:
+    """Remove one planned item; None when removed (or gone already), else why it stayed."""
+    if item.debris is not None:
+        done = store.remove_debris(item.debris)
+        return "changed since the plan (in use)" if done == "changed" else None
+    if item.kind in ("failure-note", "quarantine-note"):
+        data = store.read(item.where)
+        if data is None:
+            return None
+        if _fingerprint(data) != item.version:
+            return "rewritten since the plan"
+        store.delete(item.where)
+        return None
+    if item.kind == "entry":
+        return _withdraw(store, item)
+    raise ValueError(f"cannot remove a {item.kind!r}")
+
+
+def _withdraw(store: Store, item: GcItem) -> str | None:
+    if not store.capabilities.kernel_locks:
+        if store.unpublish(item.where, version=item.version):
+            return None
+        return "withdrawn or republished since the plan"
+    # A tier whose processes share a kernel: a key whose lock is held is in use (being
+    # compiled, fetched or verified); while this holds it, nothing republishes the key.
+    lock = store.lock(item.where)
+    try:
+        lock.acquire(0)
+    except LockTimeout:
+        return "in use (its lock is held)"
+    try:
+        if store.unpublish(item.where, version=item.version):
+            return None
+        return "withdrawn or republished since the plan"
+    finally:
+        lock.release()
+
+
+def _span(seconds: float) -> str:
+    """'45s', '12.0m', '6.0h', '30.0d' (as `cli.format.human_age`, which this layer
+    cannot import)."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
