@@ -371,6 +371,26 @@ def test_prune_max_size_on_s3_orders_by_creation_and_keeps_its_pins(tmp_path, ca
     assert read_stats(d).evictions == 0  # a remote's withdrawals are not this node's
 
 
+def test_prune_of_s3_never_removes_an_entry_whose_lease_is_held(tmp_path, capsys, compile_fn,
+                                                                s3_env, s3_store_url):
+    d = str(tmp_path / "cache")
+    cache = TwoTierCache(d)
+    for key in KEYS[:2]:
+        cache.get_or_compile(key, compile_fn(key))
+    assert run(capsys, "cache", "--cache-dir", d, "promote", "--to", s3_store_url,
+               "--all")[0] == 0
+    lease = open_store(s3_store_url).lock(KEYS[0], lease_duration=60)
+    lease.acquire(timeout=10)  # a node re-promoting KEYS[0] right now
+    try:
+        code, out, _ = run(capsys, "cache", "prune", s3_store_url, "--max-size", "1")
+        assert code == 0 and f"kept {KEYS[0]} (in use)" in out and "1 entries deleted" in out
+        assert present(s3_store_url) == [KEYS[0]]
+    finally:
+        lease.release()
+    assert run(capsys, "cache", "prune", s3_store_url, "--max-size", "1")[0] == 0
+    assert present(s3_store_url) == []
+
+
 # ------------------------------------------------------------------ the property
 def _publish(store: Any, key: str, size: int) -> None:
     def compile_fn(out: str) -> dict[str, Any]:

@@ -230,23 +230,22 @@ def plan_to_fit(order: Sequence[Candidate], total: int, max_size: int) -> list[C
 def withdraw(store: Store, info: EntryInfo) -> str | None:
     """Withdraw the listed version of `info`; None when done, else why it stays.
 
-    On a tier with kernel locks the key's lock is taken without waiting: held means in
-    use (`IN_USE`). The pin is looked at again under it (`PINNED`): one added since the
-    listing counts. A version republished or withdrawn since stays (`CHANGED`).
+    The key's lock is taken without waiting (a kernel lock on local disk, a lease
+    elsewhere): held means in use (`IN_USE`), and while it is held here nothing compiles,
+    fetches or verifies the key. The pin is looked at again under it (`PINNED`): one added
+    since the listing counts. A version republished or withdrawn since stays (`CHANGED`).
     """
-    lock = store.lock(info.key) if store.capabilities.kernel_locks else None
-    if lock is not None:
-        try:
-            lock.acquire(timeout=0)
-        except LockTimeout:
-            return IN_USE
+    lock = store.lock(info.key)
+    try:
+        lock.acquire(timeout=0)
+    except LockTimeout:
+        return IN_USE
     try:
         if is_pinned(store, info.key):
             return PINNED
         return None if store.unpublish(info.key, version=info.version) else CHANGED
     finally:
-        if lock is not None:
-            lock.release()
+        lock.release()
 
 
 @dataclass
