@@ -513,3 +513,14 @@ def test_a_gc_killed_mid_delete_is_finished_by_the_next(tmp_path, local_tier):
     assert code == 0
     assert tier.survey(older_than=6 * HOURS, lease_grace=600.0).debris == []
     all_verify(tier, [KEY_A, KEY_B, KEY_C])
+
+
+def test_keep_never_removes_a_pinned_entry(tier, source):
+    from vllm_neuron.compile.eviction import pin
+
+    for key in (KEY_B, KEY_C):
+        assert promote_entry(source, tier, key)
+    assert pin(tier, KEY_C)
+    plan = plan_gc(tier, older_than=1.0, keep={KEY_A}, now=time.time() + 10)
+    assert kinds(plan.items) == [("entry", KEY_B)]
+    assert [(i.where, i.reason) for i in plan.kept] == [(KEY_C, "pinned")]

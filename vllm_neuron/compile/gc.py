@@ -23,8 +23,9 @@ What is collected (`GcItem.what`):
 Never touched: a published entry (unless `keep` is given, and then only the unreferenced
 and old ones, each withdrawn as the version planned, and on a tier with kernel locks only
 while its key's lock is free); a lease that is held; a kernel lock file; anything younger
-than its bound; event segments (``.events/``: `cache stats` reads them); pins. An item
-that changed since the plan (written to, committed, taken again) is left, and said so.
+than its bound; event segments (``.events/``: `cache stats` reads them); pins and pinned
+entries (``cache pin``). An item that changed since the plan (written to, committed,
+taken again) is left, and said so.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from vllm_neuron.backends.records import RecordError
 from vllm_neuron.envs.compile_cache import DEFAULT_COMPILE_RETRY_AFTER
 
 from .cache import STAGING_MAX_AGE
+from .eviction import PINS_DIR
 from .failures import FAILURE_NOTES, FAILURES_DIR
 from .quarantine import QUARANTINE_DIR, QUARANTINE_NOTES
 
@@ -183,12 +185,16 @@ def plan_gc(
     missing: tuple[str, ...] = ()
     if keep is not None:
         wanted = set(keep)
+        pinned = {n[: -len(".json")] for n in (s.key[len(PINS_DIR) + 1:] for s in found.files
+                                                if s.key.startswith(PINS_DIR + "/"))}  # fmt: skip
         entries = {n: p for n, p in found.published.items() if _KEY.fullmatch(n)}
         missing = tuple(sorted(k for k in wanted if k not in entries))
         for name, pub in sorted(entries.items()):
             age = now - pub.committed
             if name in wanted:
                 kept.append(GcItem("entry", name, age, pub.size, "referenced by a manifest"))
+            elif name in pinned:
+                kept.append(GcItem("entry", name, age, pub.size, "pinned"))
             elif age <= bound:
                 kept.append(GcItem("entry", name, age, pub.size, f"younger than {_span(bound)}"))
             else:
