@@ -82,8 +82,8 @@ def test_a_bad_bound_is_a_start_up_error_naming_the_variable_and_value(value: st
 
 
 # ------------------------------------------------------------ automatic eviction
-def test_a_publish_above_the_bound_evicts_the_least_recently_used(tmp_path, compile_fn,
-                                                                  no_grace):
+def test_a_publish_above_the_bound_evicts_the_least_recently_used(tmp_path, capsys,
+                                                                  compile_fn, no_grace):
     d = str(tmp_path / "cache")
     builder = TwoTierCache(d)
     for key in KEYS[:3]:  # A, B, C compiled in that order
@@ -98,6 +98,8 @@ def test_a_publish_above_the_bound_evicts_the_least_recently_used(tmp_path, comp
         assert entry_is_right(os.path.join(d, key), key) is None
     stats = read_stats(d)
     assert (stats.evictions, stats.evicted_bytes) == (1, ENTRY)
+    code, out, _ = run(capsys, "cache", "--cache-dir", d, "stats")
+    assert code == 0 and "evictions              1 (16.0 KiB)" in out
     events = open_store(d).log(EVENTS_STREAM).read([Evicted]).records
     assert [(e.key, e.reason) for e in events] == [(KEYS[1], "size")]
 
@@ -225,6 +227,8 @@ def test_without_events_the_oldest_entry_goes_first(tmp_path, compile_fn):
 # ------------------------------------------------------------------------- pins
 def test_pin_and_unpin_from_the_command_line(tmp_path, capsys, compile_fn):
     d = str(tmp_path / "cache")
+    code, _, err = run(capsys, "cache", "--cache-dir", d, "pin")  # no tier: nothing to list
+    assert code == 2 and "no compile cache" in err and not os.path.exists(d)
     cache = TwoTierCache(d)
     for key in KEYS[:3]:
         cache.get_or_compile(key, compile_fn(key))

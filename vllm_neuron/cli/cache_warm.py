@@ -230,17 +230,24 @@ def cmd_compat(args: argparse.Namespace) -> int:
 
 
 # -------------------------------------------------------------------- pins
-def _pin_tier(args: argparse.Namespace) -> Store:
+def _pin_tier(args: argparse.Namespace, *, create: bool) -> Store:
+    """The tier the pins are in (`--cache-dir`, default the local tier); created only to
+    write a pin (a deployment's graphs may be pinned before the node has a cache)."""
+    from vllm_neuron.backends import local_root_missing
+
     from .cache import _cache_dir
 
-    return open_store(check_location(_cache_dir(args)))
+    url = check_location(_cache_dir(args))
+    if not create and local_root_missing(url):
+        raise ValueError(f"no compile cache at {url}")
+    return open_store(url, create=create)
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
     from vllm_neuron.compile.eviction import pin, read_pins
 
-    store = _pin_tier(args)
     keys = list(dict.fromkeys([*args.keys, *manifest_keys(args.manifest)]))
+    store = _pin_tier(args, create=bool(keys))
     if not keys:
         pins = read_pins(store)
         rows = [(key, "?" if p is None else p.by, "?" if p is None else p.note,
@@ -259,7 +266,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 def cmd_unpin(args: argparse.Namespace) -> int:
     from vllm_neuron.compile.eviction import pinned_keys, unpin
 
-    store = _pin_tier(args)
+    store = _pin_tier(args, create=False)
     keys = list(dict.fromkeys([*args.keys, *manifest_keys(args.manifest)]))
     if args.all:
         keys = sorted(pinned_keys(store))
