@@ -355,6 +355,24 @@ def test_an_entry_whose_lock_a_live_process_holds_is_never_evicted(tmp_path, cap
     assert code == 0 and "1 entries deleted" in out and present(d) == []
 
 
+def test_a_pass_killed_mid_delete_leaves_whole_entries_and_the_next_one_finishes(
+        tmp_path, capsys, compile_fn):
+    d = str(tmp_path / "cache")
+    for key in KEYS[:3]:
+        TwoTierCache(d).get_or_compile(key, compile_fn(key))
+    env = {**os.environ, "VLLM_NEURON_FAULT": "evict.mid-delete"}
+    proc = subprocess.run([sys.executable, "-m", "vllm_neuron.cli", "cache", "--cache-dir", d,
+                           "prune", "--max-size", "1"], env=env, capture_output=True,
+                          timeout=SAFETY)
+    assert proc.returncode == -9, proc.stderr  # SIGKILL after the first withdrawal
+    left = present(d)
+    assert left == sorted(KEYS[1:3])  # the least recently used went, whole; the rest stay
+    for key in left:
+        assert entry_is_right(os.path.join(d, key), key) is None
+    code, out, _ = run(capsys, "cache", "--cache-dir", d, "prune", "--max-size", "1")
+    assert code == 0 and "2 entries deleted" in out and present(d) == []
+
+
 # ---------------------------------------------------------------- a remote tier
 def test_prune_max_size_on_s3_orders_by_creation_and_keeps_its_pins(tmp_path, capsys,
                                                                      compile_fn, s3_env,
