@@ -53,7 +53,7 @@ POINTS: dict[str, FaultPoint] = _points(
         "the entry is published in the local tier; not yet logged or promoted"),
     # Promotion (local tier -> remote tier)
     FaultPoint(
-        "promote.mid-upload", "backends/transfer.py:copy_tree",
+        "promote.mid-upload", "backends/transfer.py:copy_file",
         "the first file of a promotion is in the remote's staging area, the rest not all"),
     FaultPoint(
         "promote.uploaded", "vllm_neuron/compile/promote.py:promote_entry",
@@ -63,7 +63,7 @@ POINTS: dict[str, FaultPoint] = _points(
         "the entry is published on the remote; the promotion event is not logged"),
     # Fetch (remote tier -> local tier)
     FaultPoint(
-        "fetch.mid-copy", "backends/verified_copy.py:copy_verified",
+        "fetch.mid-copy", "backends/verified_copy.py:_copy_one",
         "the first file of a fetch is copied and verified into local staging, the rest not all"),
     FaultPoint(
         "fetch.copied", "vllm_neuron/compile/remote_tier.py:fetch_entry",
@@ -92,13 +92,13 @@ POINTS: dict[str, FaultPoint] = _points(
     FaultPoint(
         "snapshot.before-meta", "vllm_neuron/snapshot/bundle_writer.py:BundleWriter.capture_call",
         "every input and output tensor of a bundle is written; meta.json is not"),
-    # Collection (cache gc, size-bound eviction)
+    # Collection (cache gc; the size bound's eviction and cache prune)
     FaultPoint(
-        "gc.mid-delete", "vllm_neuron/compile (cache gc)",
-        "cache gc removed the first of several things it collects, not the rest"),
+        "gc.mid-delete", "vllm_neuron/compile/gc.py:GcPlan.execute",
+        "cache gc removed the first item of its plan, not the rest"),
     FaultPoint(
-        "evict.mid-delete", "vllm_neuron/compile (size-bound eviction)",
-        "eviction removed the first of several entries it evicts, not the rest"),
+        "evict.mid-delete", "vllm_neuron/compile/eviction.py:withdraw_entries",
+        "an eviction or prune withdrew its first entry, not the rest"),
 )
 
 _armed: str | None = None

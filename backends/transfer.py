@@ -41,6 +41,7 @@ def copy_file(src: Store, src_key: str, dst: Store | Staging, dst_key: str) -> i
     if src_path is not None:
         size = os.stat(src_path).st_size
         dst.put_file(dst_key, src_path)
+        fault_point("promote.mid-upload")  # in the copying thread: the others are mid-way
         return size
     with src.open_read(src_key) as reader:
         return dst.write_from(dst_key, reader)
@@ -81,7 +82,6 @@ def copy_tree(
         for size in pool.map(one, keys):
             copied += size
             done += size
-            fault_point("promote.mid-upload")
             if progress is not None:
                 progress(done, total)
     return CopyResult(files=len(keys), bytes=copied)

@@ -138,8 +138,10 @@ def _copy_one(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Ex
         src_path, dst_path = src.local_path(src_key), dst.store.local_path(dst.key(rel))
         if src_path is not None and dst_path is not None:
             _kernel_copy(src_path, dst_path, rel, expected, where, pipelined=pipelined)
+            fault_point("fetch.mid-copy")  # in the copying thread: the others are mid-way
             return
     _stream(src, src_key, dst, rel, expected, where)
+    fault_point("fetch.mid-copy")
 
 
 def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[str, Expected],
@@ -164,11 +166,9 @@ def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[
     if workers == 1:
         for key, rel, expected, pipelined in jobs:
             _copy_one(src, key, dst, rel, expected, where, pipelined)
-            fault_point("fetch.mid-copy")
         return
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(_copy_one, src, key, dst, rel, expected, where, pipelined)
                    for key, rel, expected, pipelined in jobs]
         for future in futures:
             future.result()
-            fault_point("fetch.mid-copy")

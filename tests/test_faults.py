@@ -27,9 +27,6 @@ from vllm_neuron.cli import main
 from vllm_neuron.envs import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
-# Points whose calls are inserted by the features being built alongside (cache gc, the
-# size bound): registered so that their authors and the matrix agree on the names.
-NOT_YET_CALLED = {"gc.mid-delete", "evict.mid-delete"}
 
 
 def test_a_point_is_parsed_and_blank_means_unset() -> None:
@@ -62,29 +59,34 @@ def test_loading_arms_and_reset_disarms(monkeypatch: pytest.MonkeyPatch) -> None
     assert faults.armed() is None
 
 
-def _calls_in_source() -> dict[str, list[str]]:
-    """Every ``fault_point("<name>")`` call in the package and the storage layer."""
-    found: dict[str, list[str]] = {}
+def _calls_in_source() -> dict[str, set[str]]:
+    """Every ``fault_point("<name>")`` call in the package and the storage layer, as the
+    registry names its place: ``path:Class.function``."""
+    found: dict[str, set[str]] = {}
     files = [p for p in (ROOT / "vllm_neuron").rglob("*.py")
              if p.relative_to(ROOT).parts[1] != "backends"]  # fmt: skip
     for path in sorted(files + list((ROOT / "backends").rglob("*.py"))):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "fault_point"
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "fault_point"
                     and node.args and isinstance(node.args[0], ast.Constant)):
-                where = f"{path.relative_to(ROOT).as_posix()}:{node.lineno}"
-                found.setdefault(str(node.args[0].value), []).append(where)
+                continue
+            names, current = [], parents.get(node)
+            while current is not None:
+                if isinstance(current, ast.FunctionDef | ast.ClassDef):
+                    names.append(current.name)
+                current = parents.get(current)
+            where = f"{path.relative_to(ROOT).as_posix()}:{'.'.join(reversed(names))}"
+            found.setdefault(str(node.args[0].value), set()).add(where)
     return found
 
 
 def test_every_point_is_called_where_the_registry_says_and_no_call_is_unregistered() -> None:
     calls = _calls_in_source()
-    assert set(calls) <= set(POINTS), set(calls) - set(POINTS)
-    assert set(POINTS) - set(calls) <= NOT_YET_CALLED, set(POINTS) - set(calls)
+    assert set(calls) == set(POINTS), set(calls) ^ set(POINTS)
     for name, wheres in calls.items():
-        if ":" not in POINTS[name].where:  # not pinned to a function yet (gc, eviction)
-            continue
-        registered_file = POINTS[name].where.split(":")[0]
-        assert all(w.startswith(registered_file + ":") for w in wheres), (name, wheres)
+        assert wheres == {POINTS[name].where}, (name, wheres)
 
 
 def test_unarmed_cost_is_a_global_read() -> None:
