@@ -85,6 +85,11 @@ def read_local_file(path: str) -> bytes | None:
         os.close(fd)
 
 
+def _dir_identity(st: os.stat_result) -> str:
+    """A directory's version (`LocalStore._dir_version`): device, inode, mtime."""
+    return f"{st.st_dev:x}-{st.st_ino:x}-{st.st_mtime_ns:x}"
+
+
 class _FdAppender(Appender):
     """O_APPEND descriptor; each `write` is one `os.write`, so lines survive `os._exit()`."""
 
@@ -330,7 +335,8 @@ class LocalStore(Store):
                 except FileNotFoundError:
                     continue
                 if stat.S_ISDIR(st.st_mode):
-                    out.append(Seen(key, 0, st.st_mtime, directory=True))
+                    version = "" if rel else _dir_identity(st)  # saves a stat per entry
+                    out.append(Seen(key, 0, st.st_mtime, directory=True, version=version))
                     stack.append((entry.path, key))
                 elif stat.S_ISREG(st.st_mode):
                     out.append(Seen(key, st.st_size, st.st_mtime, temp=is_temp(entry.name)))
@@ -370,7 +376,7 @@ class LocalStore(Store):
             return None
         if not stat.S_ISDIR(st.st_mode):
             return None
-        return f"{st.st_dev:x}-{st.st_ino:x}-{st.st_mtime_ns:x}"
+        return _dir_identity(st)
 
     def _rename_dir(self, src: str, dst: str, *, publish: bool = False) -> bool:
         src_path, dst_path = self._path(src), self._path(dst)

@@ -86,6 +86,7 @@ class Seen(NamedTuple):
     mtime: float
     directory: bool = False
     temp: bool = False  # a writer's temp file (`_atomic.is_temp`): never a key
+    version: str = ""  # a directory directly under the root: `_dir_version`, when known
 
 
 class Upload(NamedTuple):
@@ -198,6 +199,7 @@ def survey(
     commits: dict[str, Seen] = {}
     tops: dict[str, _Group] = {}  # rename stores: the published directories' content
     leases: dict[str, list[tuple[int, Seen]]] = {}
+    idents: dict[str, str] = {}  # rename stores: a published directory's version, if walked
     out = Survey()
 
     for seen in store._walk(""):
@@ -209,7 +211,7 @@ def survey(
             continue
         if rename and head in (STAGING_DIR, TRASH_DIR):
             if len(parts) >= 2:
-                groups.setdefault(join(head, parts[1]), _Group()).add(seen)
+                _group(groups, f"{head}/{parts[1]}").add(seen)
             continue
         if head == LOCKS_DIR:
             if not seen.directory and len(parts) >= 3 and parts[-1].isdigit():
@@ -217,18 +219,20 @@ def survey(
             continue  # kernel lock files, empty lease directories: never debris
         if seen.directory:
             if rename and len(parts) == 1 and not head.startswith("."):
-                tops.setdefault(head, _Group()).add(seen)
+                _group(tops, head).add(seen)
+                if seen.version:
+                    idents[head] = seen.version
             continue
         if not rename and VERSIONS_DIR in parts[1:-1]:
             i = parts.index(VERSIONS_DIR, 1)
             name = "/".join(parts[:i])
-            versions.setdefault(name, {}).setdefault(parts[i + 1], _Group()).add(seen)
+            _group(versions.setdefault(name, {}), parts[i + 1]).add(seen)
             continue
         if not rename and len(parts) >= 2 and parts[-1] == COMMIT_RECORD:
             commits["/".join(parts[:-1])] = seen
             continue
         if rename and len(parts) >= 2 and not head.startswith("."):
-            tops.setdefault(head, _Group()).add(seen)
+            _group(tops, head).add(seen)
             continue
         out.files.append(seen)
 
@@ -237,7 +241,7 @@ def survey(
         _judge(out, kind, prefix, group, now, older_than, "")
     if rename:
         for name, group in sorted(tops.items()):
-            version = store._dir_version(name)
+            version = idents.get(name) or store._dir_version(name)
             if version is not None:
                 out.published[name] = Published(name, version, group.newest, group.size,
                                                 group.files)  # fmt: skip
@@ -246,6 +250,13 @@ def survey(
         _commit_record_names(store, commits, versions, live, now, older_than, out)
     _leases(store, leases, now, lease_grace, out)
     return out
+
+
+def _group(groups: dict[str, _Group], prefix: str) -> _Group:
+    group = groups.get(prefix)
+    if group is None:
+        group = groups[prefix] = _Group()
+    return group
 
 
 def _one(seen: Seen) -> _Group:

@@ -35,6 +35,8 @@ RATIO_LINES: dict[str, list[str]] = {
         r"compute_cache_key, \d+-node dynamo graph",
     ],
     "bench_eventlog": [rf"ratio \(best/best\) {RATIO}"],
+    "bench_gc": [rf"folder: gc plan / listing {RATIO} wall",
+                 rf"S3: gc plan / listing {RATIO} wall .* requests \d+ vs \d+"],
     "bench_fleet_cold_start": [
         rf"baseline wall / fleet wall {RATIO} \(",
         r"compiles == unique graphs in every fleet: met",
