@@ -205,13 +205,13 @@ def survey(
     for seen in store._walk(""):
         parts = seen.key.split("/")
         head = parts[0]
+        if rename and head in (STAGING_DIR, TRASH_DIR):
+            if len(parts) >= 2:  # a temp file inside counts: its writer is the area's
+                _group(groups, f"{head}/{parts[1]}").add(seen)
+            continue
         if seen.temp:
             if not seen.directory:
                 _judge(out, "partial", seen.key, _one(seen), now, older_than, "temp file")
-            continue
-        if rename and head in (STAGING_DIR, TRASH_DIR):
-            if len(parts) >= 2:
-                _group(groups, f"{head}/{parts[1]}").add(seen)
             continue
         if head == LOCKS_DIR:
             if not seen.directory and len(parts) >= 3 and parts[-1].isdigit():

@@ -366,6 +366,7 @@ def test_cli_dry_run_then_gc(capsys, local_tier):
     assert open_store(local_tier).list_dir(".staging")
     code, out, _ = run(capsys, "cache", "gc", local_tier)
     assert code == 0 and "removed 1 of 1 items" in out
+    assert "removed .staging/" in out and "(abandoned staging, 11 B)" in out
     assert open_store(local_tier).list_dir(".staging") == []
     code, out, _ = run(capsys, "cache", "gc", local_tier, "--json")
     data = json.loads(out)
@@ -524,3 +525,20 @@ def test_keep_never_removes_a_pinned_entry(tier, source):
     plan = plan_gc(tier, older_than=1.0, keep={KEY_A}, now=time.time() + 10)
     assert kinds(plan.items) == [("entry", KEY_B)]
     assert [(i.where, i.reason) for i in plan.kept] == [(KEY_C, "pinned")]
+
+
+@pytest.mark.parametrize("profile", ["local", "nfs"])
+def test_a_temp_file_being_written_keeps_its_staging_area(tmp_path, profile):
+    """A writer copying a big file into a staging area writes a temp file there first:
+    the area is in use while that file grows, however old the others are."""
+    tier = open_store(str(tmp_path / "tier"), profile=profile)
+    prefix = staged(tier, KEY_A)
+    tmp = tier.local_path(join(prefix, f"graph.neff.{uuid.uuid4().hex}.partial"))
+    with open(tmp, "wb") as f:
+        f.write(b"growing")
+    past = time.time() - 7 * HOURS
+    for path in (tier.local_path(prefix), tier.local_path(join(prefix, "graph.bin"))):
+        os.utime(path, (past, past))  # only the temp file is young
+    plan = plan_gc(tier)
+    assert plan.items == ()
+    assert kinds(plan.kept) == [("staging", prefix)]

@@ -113,6 +113,8 @@ def _print(plan: GcPlan, outcome: GcOutcome | None) -> None:
         print(f"dry run: {len(plan.items)} items, {human_size(plan.planned_bytes)} would be "
               "removed")  # fmt: skip
         return
+    for item in outcome.removed:
+        print(f"removed {item.where} ({item.what}, {human_size(item.size)})")
     for item, why in outcome.stayed:
         print(f"stayed  {item.where} ({why})")
     for item, error in outcome.failed:
