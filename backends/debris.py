@@ -61,10 +61,9 @@ from typing import Literal, NamedTuple, Protocol
 
 from .keys import join
 from .layout import COMMIT_RECORD, LOCKS_DIR, STAGING_DIR, TRASH_DIR, VERSIONS_DIR
-from .locks import LEASE_RECORDS
 from .protocol import ByteStore
 from .publication import WITHDRAWAL, read_commit
-from .records import RecordError
+from .records import LEASE_RECORDS, RecordError
 
 DebrisKind = Literal[
     "staging", "trash", "orphan-version", "tombstone", "upload", "partial", "lease"

@@ -27,27 +27,10 @@ import filelock
 from .errors import LeaseLost, LockTimeout
 from .faults import fault_point
 from .keys import join
-from .records import Record, RecordCodec, RecordError, Untagged, encode
+from .records import LEASE_RECORDS, LeaseRecord, RecordError, encode
 
 if TYPE_CHECKING:
     from .base import StoreBase
-
-
-class LeaseRecord(Record, frozen=True, tag="lease"):
-    """One generation of a lease: who holds it, until when, and whether it was let go."""
-
-    owner: str
-    generation: int
-    expires: float  # epoch seconds; 0 once released
-    released: bool = False
-
-    def free(self, now: float) -> bool:
-        return self.released or self.expires < now
-
-
-LEASE_RECORDS = RecordCodec(
-    LeaseRecord, untagged=Untagged("lease", 1, "a lease record from before records had tags")
-)
 
 
 class Lock(ABC):

@@ -363,3 +363,20 @@ class CommitRecord(Record, frozen=True, tag="commit"):
 COMMIT_RECORDS = RecordCodec(
     CommitRecord, untagged=Untagged("commit", 1, "a commit record from before records had tags")
 )
+
+
+class LeaseRecord(Record, frozen=True, tag="lease"):
+    """One generation of a lease: who holds it, until when, and whether it was let go."""
+
+    owner: str
+    generation: int
+    expires: float  # epoch seconds; 0 once released
+    released: bool = False
+
+    def free(self, now: float) -> bool:
+        return self.released or self.expires < now
+
+
+LEASE_RECORDS = RecordCodec(
+    LeaseRecord, untagged=Untagged("lease", 1, "a lease record from before records had tags")
+)

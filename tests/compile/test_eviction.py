@@ -35,7 +35,8 @@ from vllm_neuron.compile.eviction import (
     pin,
     pinned_keys,
 )
-from vllm_neuron.compile.inventory import list_entries, plan_prune
+from vllm_neuron.compile.inventory import list_entries
+from vllm_neuron.compile.prune import plan_prune
 from vllm_neuron.envs import ConfigError
 from vllm_neuron.envs.compile_cache import cache_max_size, load_compile_cache_settings
 

@@ -161,7 +161,7 @@ def test_quarantine_of_a_stale_version_leaves_the_republished_entry(
 
 
 def test_prune_withdraws_the_version_it_planned(tmp_path, compile_fn, capsys, remote):
-    from vllm_neuron.compile.inventory import plan_prune
+    from vllm_neuron.compile.prune import plan_prune
 
     builder = _promoted(tmp_path, compile_fn, remote)
     store = open_store(remote)

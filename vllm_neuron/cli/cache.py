@@ -13,9 +13,7 @@ import argparse
 from typing import Any
 
 from vllm_neuron.backends import (
-    Store,
     check_location,
-    local_root_missing,
     open_store,
     probe_store,
 )
@@ -27,21 +25,19 @@ from vllm_neuron.compile.inventory import (
     list_entries,
     parse_duration,
     parse_size,
-    plan_prune,
     remove_leftovers,
     verify_entries,
     verify_entry,
 )
-from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
 from vllm_neuron.compile.promote import save_cache
+from vllm_neuron.compile.prune import plan_prune
 from vllm_neuron.compile.quarantine import quarantine_entry
 from vllm_neuron.envs import remote_cache_url
 
+from . import cache_gc, cache_warm
+from .cache_warm import event_recorder, evicted_event, incompatible_here, manifest_keys
 from .format import ProgressBar, human_age, human_size, print_json, table
-
-
-def _default_cache_dir() -> str:
-    return get_neuron_compile_cache_dir()
+from .tiers import cache_dir, tier
 
 
 def register(sub: Any) -> None:
@@ -93,27 +89,8 @@ def register(sub: Any) -> None:
     explain.add_argument("url", nargs="?", help="the tier holding both (default: local)")
     explain.set_defaults(handler=cmd_explain)
 
-    from . import cache_warm  # warm, compat, pin, unpin (it imports this module's helpers)
-
-    cache_warm.register(cmds)
-    from . import cache_gc  # gc (it imports _tier from this module)
-    cache_gc.register(cmds)
-
-
-def _cache_dir(args: argparse.Namespace) -> str:
-    return args.cache_dir or _default_cache_dir()
-
-
-def _tier(args: argparse.Namespace) -> Store:
-    """The tier a command reads: checked (a malformed URL is a ValueError), opened without
-    creating anything, and probed (a missing bucket, refused access or no answer is a
-    `StoreUnavailable`): either way exit 2 with the reason, never an empty listing."""
-    url = check_location(getattr(args, "url", None) or _cache_dir(args))
-    if local_root_missing(url):
-        raise ValueError(f"no compile cache at {url}")
-    store = open_store(url, create=False)
-    probe_store(store)
-    return store
+    cache_warm.register(cmds)  # warm, compat, pin, unpin
+    cache_gc.register(cmds)  # gc
 
 
 def _promotion_target(args: argparse.Namespace) -> str:
@@ -132,7 +109,7 @@ def _promotion_target(args: argparse.Namespace) -> str:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    entries = list_entries(_tier(args))
+    entries = list_entries(tier(args))
     if args.json:
         print_json([{**e.__dict__, "age_seconds": e.age_seconds} for e in entries])
         return 0
@@ -147,7 +124,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    stats = read_stats(_cache_dir(args))
+    stats = read_stats(cache_dir(args))
     if args.json:
         print_json(stats)
         return 0
@@ -174,7 +151,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store = _tier(args)
+    store = tier(args)
 
     def quarantine(key: str, problem: str, version: str | None) -> None:
         if not store.capabilities.kernel_locks:
@@ -202,11 +179,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 def cmd_promote(args: argparse.Namespace) -> int:
     to = _promotion_target(args)
-    cache_dir = _cache_dir(args)
-    keys = args.key or [e.key for e in list_entries(_tier(args)) if e.problem is None]
+    local = cache_dir(args)
+    keys = args.key or [e.key for e in list_entries(tier(args)) if e.problem is None]
     promoted = 0
     for key in keys:
-        published = save_cache(cache_dir, to, key, progress=ProgressBar(key[:12]))
+        published = save_cache(local, to, key, progress=ProgressBar(key[:12]))
         promoted += int(published)
         print(f"{key}: {'promoted' if published else 'already in the remote tier'}")
     print(f"{promoted} of {len(keys)} entries promoted to {to}")
@@ -214,9 +191,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
 
 
 def cmd_prune(args: argparse.Namespace) -> int:
-    from .cache_warm import event_recorder, evicted_event, incompatible_here, manifest_keys
-
-    store = _tier(args)
+    store = tier(args)
     plan = plan_prune(
         store,
         older_than=None if args.older_than is None else parse_duration(args.older_than),
@@ -249,7 +224,7 @@ def cmd_prune(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    diff = explain_keys(_tier(args), args.key_a, args.key_b)
+    diff = explain_keys(tier(args), args.key_a, args.key_b)
     if not diff:
         print("the two entries have identical key components")
         return 0

@@ -19,8 +19,8 @@ from vllm_neuron.compile.inventory import parse_duration
 from vllm_neuron.envs import compile_cache_settings
 from vllm_neuron.manifest.inspect import load_manifest
 
-from .cache import _tier
 from .format import human_age, human_size, print_json, table
+from .tiers import tier
 
 KEPT = {
     "staging": "staging areas", "trash": "withdrawn directories",
@@ -78,7 +78,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
     grace = LEASE_GRACE if args.lease_grace is None else parse_duration(args.lease_grace)
     keep = referenced_keys(args.keep_manifest) if args.keep_manifest else None
     retry_after = compile_cache_settings().compile_retry_after
-    store = _tier(args)
+    store = tier(args)
     plan = plan_gc(store, older_than=older_than, lease_grace=grace,
                    failure_max_age=retry_after, keep=keep)  # fmt: skip
     outcome = None if args.dry_run else plan.execute()

@@ -34,6 +34,7 @@ from vllm_neuron.compile.events import EVENTS_STREAM
 from vllm_neuron.envs import remote_cache_url
 
 from .format import human_size, print_json, table
+from .tiers import cache_dir, tier
 
 
 def register(cmds: Any) -> None:
@@ -167,7 +168,6 @@ def cmd_warm(args: argparse.Namespace) -> int:
     from vllm_neuron.compile.warm import DEFAULT_JOBS, warm_keys
     from vllm_neuron.envs.compile_cache import cache_max_size
 
-    from .cache import _cache_dir
 
     jobs = DEFAULT_JOBS if args.jobs is None else args.jobs
     if jobs < 1:
@@ -179,7 +179,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     keys = manifest_keys([args.manifest])
     bound = cache_max_size()  # a malformed VLLM_NEURON_CACHE_MAX_SIZE: exit 2, named
     remote = open_remote(url, origin)
-    local = open_store(_cache_dir(args))
+    local = open_store(cache_dir(args))
     record = event_recorder(local)
     with _Progress(f"warm {len(keys)} graphs") as bar:
         result = warm_keys(local, remote, keys, jobs=jobs, on_total=bar.total,
@@ -205,9 +205,8 @@ def cmd_warm(args: argparse.Namespace) -> int:
 def cmd_compat(args: argparse.Namespace) -> int:
     from vllm_neuron.compile.compat import check_compat, current_toolchain, environment_of
 
-    from .cache import _tier
 
-    store = _tier(args)
+    store = tier(args)
     env = environment_of(current_toolchain())
     results = check_compat(store, env)
     if args.json:
@@ -235,9 +234,8 @@ def _pin_tier(args: argparse.Namespace, *, create: bool) -> Store:
     write a pin (a deployment's graphs may be pinned before the node has a cache)."""
     from vllm_neuron.backends import local_root_missing
 
-    from .cache import _cache_dir
 
-    url = check_location(_cache_dir(args))
+    url = check_location(cache_dir(args))
     if not create and local_root_missing(url):
         raise ValueError(f"no compile cache at {url}")
     return open_store(url, create=create)

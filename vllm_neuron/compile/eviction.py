@@ -4,7 +4,7 @@
 fetch) and when a process opens the cache, `Evictor.run` withdraws entries, least
 recently used first, until the tier fits; `vllm-neuron cache prune --max-size` applies the
 same order on demand (`eviction_order`, `withdraw_entries`, through
-`inventory.plan_prune`).
+`prune.plan_prune`).
 
 **Recency** is folded from what the cache already records: every hit (`hit`, any tier),
 compile (`compile`) and fetch (`fetch`) event in the tier's ``.events`` stream names its
