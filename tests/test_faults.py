@@ -140,3 +140,18 @@ def test_cli_refuses_an_unknown_point_at_start_up() -> None:
                 VLLM_NEURON_FAULT="bogus")  # fmt: skip
     assert done.returncode == 2
     assert "VLLM_NEURON_FAULT='bogus' is not a fault point" in done.stderr
+
+
+@pytest.mark.parametrize("start", [
+    "from vllm_neuron.assembly import build_runtime; build_runtime()",
+    "from vllm_neuron.plugin import resolve_settings; resolve_settings()",
+    "from vllm_neuron.cli import main; main(['debug', 'faults', '--json'])",
+], ids=["compile-runtime", "vllm-plugin", "cli"])
+def test_every_process_kind_arms_the_fault_when_it_loads_its_settings(
+    start: str, tmp_path: Path
+) -> None:
+    code = f"{start}\nfrom vllm_neuron.backends import faults\nprint('ARMED', faults.armed())\n"
+    done = _run(code, VLLM_NEURON_FAULT="snapshot.before-meta", VLLM_CACHE_ROOT=str(tmp_path),
+                VLLM_NEURON_TOOLCHAIN="host")  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert "ARMED snapshot.before-meta" in done.stdout, done.stdout
