@@ -191,9 +191,11 @@ def test_warm_shows_a_progress_bar_on_a_terminal(tmp_path, remote, no_remote_env
          "--remote", remote], stdout=subprocess.PIPE, stderr=secondary)
     os.close(secondary)
     seen = b""
+    # poll, not select: in a long suite the descriptor may be above select()'s FD_SETSIZE.
+    poller = select.poll()
+    poller.register(primary, select.POLLIN)
     while True:
-        ready, _, _ = select.select([primary], [], [], 120)
-        if not ready:
+        if not poller.poll(120_000):
             break
         try:
             chunk = os.read(primary, 4096)
