@@ -178,7 +178,7 @@ def _open_memory(url: str, location: str, options: dict[str, Any], *, create: bo
 
 @functools.cache
 def _s3_options() -> frozenset[str]:
-    from ._s3 import accepted_options
+    from ._s3_client import accepted_options  # lazy: only s3:// URLs need the S3 client
 
     return accepted_options() | {"storage_options"}
 
