@@ -111,12 +111,15 @@ def test_rename_moves_files_and_trees(tmp_path: Path, url: str) -> None:
 
 def test_group_members_tells_zombies_apart() -> None:
     # A group of its own (pgid == pid), in a session of its own too: nothing else is in it.
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"],
-                             start_new_session=True)
+    # The child lives until its stdin closes: the test decides when it exits, not a clock.
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE, start_new_session=True)
     try:
         assert group_members(child.pid) == [child.pid]
+        assert child.stdin is not None
+        child.stdin.close()
         # Exited but not reaped: a zombie, a member only when zombies are asked for.
-        assert wait_until(lambda: group_members(child.pid) == [], 10)
+        assert wait_until(lambda: group_members(child.pid) == [], 600)  # 600: a hang only
         assert group_members(child.pid, include_zombies=True) == [child.pid]
     finally:
         child.wait()
