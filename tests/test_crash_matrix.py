@@ -343,12 +343,12 @@ class GetScenario(CacheScenario):
         result = self.run(None)
         if self.torch is None:
             assert result["wrong"] is None, result
-            compiled = result["source"] == "compiled"
         else:
             assert result["matches"] and result["keys"] == [self.key], result
-            compiled = result["sources"] == ["compiled"]
-        if compiled:  # the fleet's flow promotes what it compiled
-            assert self.remote.store().published(self.key) is not None
+        # Whatever the crash, the fleet ends up with the entry: the fleet's flow promotes
+        # what it compiles, and a process killed after its local publication owed the
+        # promotion, which the healing process paid (compile/owed.py).
+        assert self.remote.store().published(self.key) is not None
 
 
 class FetchScenario(CacheScenario):

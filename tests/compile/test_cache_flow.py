@@ -33,6 +33,7 @@ from vllm_neuron.compile.entry import (
     encode_record,
 )
 from vllm_neuron.compile.events import read_stats
+from vllm_neuron.compile.failures import write_failure_note
 from vllm_neuron.compile.inventory import verify_entry
 from vllm_neuron.compile.quarantine import QUARANTINE_DIR
 
@@ -151,7 +152,7 @@ def test_a_waiter_that_started_before_a_failure_gets_compile_error(tmp_path, com
     try:
         wait_until_blocked(t)  # the waiter is queued on the key's lock: its wait has begun
         assert outcome == {}
-        holder._write_failure(KEY, ValueError("the compiler crashed"))
+        write_failure_note(holder.local, KEY, "ValueError: the compiler crashed")  # a holder's
     finally:
         lock.release()
     t.join(HANG)

@@ -17,6 +17,7 @@ from vllm_neuron.backends import encode, open_store
 from vllm_neuron.compile.cache import FAILURES_DIR, TwoTierCache
 from vllm_neuron.compile.entry import decode_record
 from vllm_neuron.compile.events import EVENTS_STREAM, read_stats
+from vllm_neuron.compile.failures import describe, recent_failure, write_failure_note
 from vllm_neuron.compile.quarantine import (
     QUARANTINE_DIR,
     QuarantineNote,
@@ -79,7 +80,7 @@ def test_a_new_quarantine_note_is_a_tagged_record() -> None:
 def test_an_old_failure_note_is_seen_by_a_waiter(tmp_path: Path) -> None:
     os.makedirs(tmp_path / FAILURES_DIR)
     (tmp_path / FAILURES_DIR / f"{KEY}.json").write_bytes(fixture("failure-note.json"))
-    failure = TwoTierCache(str(tmp_path))._recent_failure(KEY, since=0)
+    failure = recent_failure(open_store(str(tmp_path)), KEY, since=0)
     assert failure is not None
     assert failure.error == "RuntimeError: neuronx-cc exited with status 70"
 
@@ -115,11 +116,11 @@ def test_an_entry_record_of_a_later_schema_is_a_miss_and_quarantined(tmp_path: P
 
 
 def test_a_new_failure_note_is_a_tagged_record(tmp_path: Path) -> None:
-    cache = TwoTierCache(str(tmp_path))
-    cache._write_failure(KEY, RuntimeError("boom"))
-    failure = cache._recent_failure(KEY, since=0)
+    store = open_store(str(tmp_path))
+    write_failure_note(store, KEY, describe(RuntimeError("boom")))
+    failure = recent_failure(store, KEY, since=0)
     assert failure is not None and failure.error == "RuntimeError: boom"
     assert failure.pid == os.getpid()
     raw = msgspec.json.decode((tmp_path / FAILURES_DIR / f"{KEY}.json").read_bytes())
     assert raw["type"] == "compile-failure"
-    assert cache._recent_failure(KEY, since=failure.at + 1) is None
+    assert recent_failure(store, KEY, since=failure.at + 1) is None

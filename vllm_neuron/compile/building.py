@@ -16,9 +16,11 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from vllm_neuron.backends import Store, fault_point, open_store
+from vllm_neuron.backends import Record, Store, fault_point, open_store
 
 from .entry import ENTRY_RECORD, EntryRecord, build_record, encode_record
+from .events import CacheMiss, Compiled, CompileFailed
+from .failures import clear_failure_note, describe, write_failure_note
 
 CompileFn = Callable[[str], Mapping[str, Any]]
 """Compiles into the given empty directory; returns the toolchain's metadata (JSON-able)."""
@@ -83,3 +85,49 @@ def compile_uncached(
     record = build_record(key=key, components=components, toolchain=toolchain, target=target,
                           compile_seconds=seconds, files=files, meta=meta)
     return out_dir, record, seconds
+
+
+class Compiler:
+    """Compiles keys for one cache tier and says what happened: a ``miss`` and a
+    ``compile`` event per compile, a failure note and a ``compile_failed`` event per
+    failed one (`failures.py`: the processes waiting on the key raise it at once)."""
+
+    def __init__(
+        self, local: Store, *, toolchain: str, target: str, record: Callable[[Record], None]
+    ) -> None:
+        self.local = local
+        self.toolchain = toolchain
+        self.target = target
+        self._record = record
+
+    def publish(
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
+    ) -> tuple[EntryRecord, float]:
+        """`compile_and_publish` into the tier; (record, seconds)."""
+        # A miss is a key that no tier could serve: counted here, when it is compiled, not
+        # before a fetch or a wait for another node (those end as hits of the remote).
+        self._record(CacheMiss(key=key, at=time.time()))
+        record, seconds = compile_and_publish(
+            self.local, key, compile_fn, components=components, toolchain=self.toolchain,
+            target=self.target, on_failure=lambda exc: self._failed(key, exc))
+        clear_failure_note(self.local, key)
+        self._compiled(key, record, seconds)
+        return record, seconds
+
+    def uncached(
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
+    ) -> tuple[str, EntryRecord, float]:
+        """`compile_uncached`; (directory, record, seconds)."""
+        out_dir, record, seconds = compile_uncached(
+            key, compile_fn, components=components, toolchain=self.toolchain, target=self.target)
+        self._compiled(key, record, seconds)
+        return out_dir, record, seconds
+
+    def _compiled(self, key: str, record: EntryRecord, seconds: float) -> None:
+        self._record(Compiled(key=key, at=time.time(), seconds=seconds, toolchain=self.toolchain,
+                              size=record.total_size))  # fmt: skip
+
+    def _failed(self, key: str, exc: BaseException) -> None:
+        message = describe(exc)
+        self._record(CompileFailed(key=key, at=time.time(), error=message))
+        write_failure_note(self.local, key, message)

@@ -40,7 +40,7 @@ from vllm_neuron.backends import (
     validate_hex,
 )
 
-from .building import CompileFn, compile_and_publish, compile_uncached
+from .building import CompileFn, Compiler
 from .entry import (
     ENTRY_RECORD,
     EntryProblem,
@@ -52,27 +52,21 @@ from .events import (
     EVENTS_STREAM,
     CacheHit,
     CacheMiss,
-    Compiled,
-    CompileFailed,
     Fetched,
     LockWaited,
     VerificationFailed,
 )
-from .eviction import Evictor
 from .failures import (
     FAILURES_DIR,
-    FailureNote,
-    clear_failure_note,
-    describe,
     recent_failure,
-    write_failure_note,
 )
 from .fleet import RemoteSingleFlight
-from .inventory import find_leftovers, remove_leftovers, verify_entry
+from .inventory import verify_entry
 from .outcomes import CacheResult, CompileError, PrecompiledOnlyMiss, RemoteWrite
 from .promote import promote_entry
 from .quarantine import PublicationProblem, quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
+from .upkeep import STAGING_MAX_AGE, TierUpkeep
 
 __all__ = [
     "FAILURES_DIR",
@@ -86,8 +80,6 @@ __all__ = [
 ]
 
 logger = logging.getLogger("vllm_neuron.compile")
-
-STAGING_MAX_AGE = 6 * 3600.0
 
 class TwoTierCache:
     """One node's view of the cache: a local store plus an optional remote store."""
@@ -140,11 +132,13 @@ class TwoTierCache:
             EVENTS_STREAM, writer=f"{socket.gethostname()}-{os.getpid()}"
         )
         self._events_broken = False
-        self._collect_stale_staging()
-        # VLLM_NEURON_CACHE_MAX_SIZE: least recently used entries go (eviction.py)
-        self._evictor = (Evictor(self.local, max_size, record=self._record)
-                         if max_size and not disabled else None)  # fmt: skip
-        self.keep_within_bound()
+        self._compiler = Compiler(self.local, toolchain=toolchain, target=target,
+                                  record=self._record)  # fmt: skip
+        # Stale staging, VLLM_NEURON_CACHE_MAX_SIZE, promotions owed (upkeep.py)
+        self._upkeep = TierUpkeep(
+            self.local, self._remote, max_size=None if disabled else max_size,
+            lease_seconds=remote_lease_seconds, lock_lease=lease_duration, record=self._record)
+        self._upkeep.at_start()
 
     # ------------------------------------------------------------- events
     def _record(self, event: Record) -> None:
@@ -261,7 +255,8 @@ class TwoTierCache:
             self._record(CacheHit(key=key, at=time.time(), tier="memory"))
             return msgspec.structs.replace(cached, source="memory", seconds=0.0)
         if self.disabled:
-            return self._compile_uncached(key, compile_fn, components or {})
+            out_dir, record, seconds = self._compiler.uncached(key, compile_fn, components or {})
+            return CacheResult(key, out_dir, record, "uncached", seconds, "")
         hit = self.lookup_local(key, quarantine=False)
         if hit is not None:
             self._record(
@@ -302,7 +297,7 @@ class TwoTierCache:
                              compile_seconds=hit.record.compile_seconds)
                 )
                 return self._result(key, hit.prefix, hit.record, "local-after-wait", waited)
-            failure = self._recent_failure(key, since=wait_start)
+            failure = recent_failure(self.local, key, since=wait_start)
             if failure is not None:
                 raise CompileError(
                     f"compile of {key} failed in process {failure.pid} on {failure.host}: "
@@ -327,8 +322,8 @@ class TwoTierCache:
                 started=wait_start,
                 deadline=deadline,
                 fetch=lambda: self.fetch_remote(key),
-                compile_here=lambda: self._compile_and_publish(key, compile_fn, components),
-                promote=lambda remote: promote_entry(self.local, remote, key),
+                compile_here=lambda: self._compile_for_fleet(key, compile_fn, components),
+                promote=lambda remote: self._promote(remote, key),
                 timeout_error=lambda: self._timeout(key, f"another node to compile {key}"),
             )
         finally:
@@ -340,56 +335,35 @@ class TwoTierCache:
             f"(NEURON_LIBTORCH_COMPILATION_TIMEOUT={self.timeout:g})"
         )
 
+    def _compile_for_fleet(
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
+    ) -> CacheResult:
+        self._upkeep.owe(key)  # settled by the promotion, or by a later start (owed.py)
+        return self._compile_and_publish(key, compile_fn, components)
+
+    def _promote(self, remote: Store, key: str) -> None:
+        promote_entry(self.local, remote, key)
+        self._upkeep.settled(key)
+
     def _compile_and_publish(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
     ) -> CacheResult:
-        # A miss is a key that no tier could serve: counted here, when it is compiled, not
-        # before a fetch or a wait for another node (those end as hits of the remote).
-        self._record(CacheMiss(key=key, at=time.time()))
-        record, seconds = compile_and_publish(
-            self.local, key, compile_fn, components=components, toolchain=self.toolchain,
-            target=self.target, on_failure=lambda exc: self._write_failure(key, exc))
-        clear_failure_note(self.local, key)
-        self._record(
-            Compiled(key=key, at=time.time(), seconds=seconds, toolchain=self.toolchain,
-                     size=record.total_size)
-        )
+        record, seconds = self._compiler.publish(key, compile_fn, components)
         published = self.lookup_local(key)
         if published is None:
             raise CompileError(f"compiled {key} but its entry in {self.local_dir} is not readable")
         return self._result(key, published.prefix, published.record, "compiled", seconds)
 
-    def _compile_uncached(
-        self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
-    ) -> CacheResult:
-        out_dir, record, seconds = compile_uncached(
-            key, compile_fn, components=components, toolchain=self.toolchain, target=self.target)
-        self._record(Compiled(key=key, at=time.time(), seconds=seconds, toolchain=self.toolchain,
-                              size=record.total_size))
-        return CacheResult(key, out_dir, record, "uncached", seconds, "")
-
-    # ----------------------------------------------------------- failures
-    def _write_failure(self, key: str, exc: BaseException) -> None:
-        message = describe(exc)
-        self._record(CompileFailed(key=key, at=time.time(), error=message))
-        write_failure_note(self.local, key, message)
-
-    def _recent_failure(self, key: str, *, since: float) -> FailureNote | None:
-        return recent_failure(self.local, key, since=since)
-
-    # --------------------------------------------------------------- hygiene
-    def _collect_stale_staging(self) -> None:
-        """Remove what killed processes left behind (`STAGING_MAX_AGE`); best-effort."""
-        try:
-            remove_leftovers(self.local, find_leftovers(self.local, older_than=STAGING_MAX_AGE))
-        except Exception as exc:  # noqa: BLE001 - hygiene never stops the cache from starting
-            logger.debug("compile cache: could not collect stale staging: %s", exc)
-
+    # --------------------------------------------------------------- upkeep
     def keep_within_bound(self) -> None:
         """Evict the least recently used entries above the bound, never one this process
         has loaded (its artifact is loaded from the entry); best-effort (eviction.py)."""
-        if self._evictor is not None:
-            self._evictor.run(protect=self._loaded.keys())
+        self._upkeep.keep_within_bound(self._loaded.keys())
+
+    def wait_for_owed_promotions(self, timeout: float | None = None) -> bool:
+        """Wait for the promotions an earlier process owed, settled in the background
+        since this cache opened (owed.py); True when none is left running."""
+        return self._upkeep.wait_for_owed_promotions(timeout)
 
     def entries(self) -> list[str]:
         """Keys of every published local entry."""

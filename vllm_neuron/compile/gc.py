@@ -16,6 +16,9 @@ What is collected (`GcItem.what`):
   (``VLLM_NEURON_COMPILE_RETRY_AFTER``, 300 s): past it no process raises them any more;
 - quarantine notes (``.quarantine/<key>.json``) older than `older_than` and at least
   `QUARANTINE_NOTE_MIN_AGE` (7 days): an operator may still want to read why;
+- promotion notes (``.promote/<key>.json``, `owed.py`) of a key the tier has no entry
+  for, untouched for `older_than` (a compile killed before it published): a note whose
+  entry is there is kept (the next cache start promotes it);
 - with `keep` (the graph hashes a live deployment's manifests name): every published
   entry no one of them names, published longer than `older_than` ago (which the caller
   must give: `--older-than` is required with `--keep-manifest`).
@@ -35,16 +38,18 @@ import re
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_neuron.backends import LockTimeout, Store, fault_point
 from vllm_neuron.backends.debris import Debris, Seen, Survey
-from vllm_neuron.backends.records import RecordError
+from vllm_neuron.backends.records import RecordCodec, RecordError
 from vllm_neuron.envs.compile_cache import DEFAULT_COMPILE_RETRY_AFTER
 
-from .cache import STAGING_MAX_AGE
 from .eviction import PINS_DIR
 from .failures import FAILURE_NOTES, FAILURES_DIR
+from .owed import OWED_DIR, OWED_NOTES
 from .quarantine import QUARANTINE_DIR, QUARANTINE_NOTES
+from .upkeep import STAGING_MAX_AGE
 
 LEASE_GRACE = 600.0
 """Seconds past its release or expiry that a lease's records are kept."""
@@ -64,6 +69,7 @@ WHAT = {
     "lease": "expired lease",
     "failure-note": "expired failure note",
     "quarantine-note": "old quarantine note",
+    "owed-note": "promotion note without an entry",
     "entry": "unreferenced entry",
 }
 """How each kind is named in the plan (`GcItem.what`)."""
@@ -170,13 +176,17 @@ def plan_gc(
     kept = [GcItem(k.kind, k.prefix, k.age_seconds, 0, k.reason) for k in found.kept]
     note_bound = max(bound, QUARANTINE_NOTE_MIN_AGE)
     for seen in found.files:
-        kind, limit = _note_kind(seen.key, failure_max_age, note_bound)
+        kind, limit = _note_kind(seen.key, failure_max_age, note_bound, bound)
         if kind is None:
             continue
         at, version = _note_time(store, seen, kind)
         if at is None:
             continue  # gone since the walk
         age = now - at
+        if kind == "owed-note" and seen.key[len(OWED_DIR) + 1:-5] in found.published:
+            kept.append(GcItem(kind, seen.key, age, seen.size,
+                               "its entry is still to be promoted (the next start does it)"))
+            continue
         (items if age > limit else kept).append(GcItem(
             kind, seen.key, age, seen.size,
             f"older than {_span(limit)}" if age > limit else f"younger than {_span(limit)}",
@@ -213,7 +223,9 @@ def _debris_reason(d: Debris, bound: float, grace: float) -> str:
     return f"{d.detail}; {text}" if d.detail else text
 
 
-def _note_kind(key: str, failure_max_age: float, note_bound: float) -> tuple[str | None, float]:
+def _note_kind(
+    key: str, failure_max_age: float, note_bound: float, bound: float
+) -> tuple[str | None, float]:
     directory, _, name = key.partition("/")
     if "/" in name or not _NOTE.fullmatch(name):
         return None, 0.0
@@ -221,6 +233,8 @@ def _note_kind(key: str, failure_max_age: float, note_bound: float) -> tuple[str
         return "failure-note", failure_max_age
     if directory == QUARANTINE_DIR:
         return "quarantine-note", note_bound
+    if directory == OWED_DIR:
+        return "owed-note", bound
     return None, 0.0
 
 
@@ -230,7 +244,10 @@ def _note_time(store: Store, seen: Seen, kind: str) -> tuple[float | None, str |
     data = store.read(seen.key)
     if data is None:
         return None, None
-    codec = FAILURE_NOTES if kind == "failure-note" else QUARANTINE_NOTES
+    codecs: dict[str, RecordCodec[Any]] = {
+        "failure-note": FAILURE_NOTES, "quarantine-note": QUARANTINE_NOTES,
+        "owed-note": OWED_NOTES}  # fmt: skip
+    codec = codecs[kind]
     try:
         at = float(codec.decode(data, source=seen.key).at)
     except RecordError:
@@ -247,7 +264,7 @@ def _remove(store: Store, item: GcItem) -> str | None:
     if item.debris is not None:
         done = store.remove_debris(item.debris)
         return "changed since the plan (in use)" if done == "changed" else None
-    if item.kind in ("failure-note", "quarantine-note"):
+    if item.kind in ("failure-note", "quarantine-note", "owed-note"):
         data = store.read(item.where)
         if data is None:
             return None

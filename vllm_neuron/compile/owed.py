@@ -1,0 +1,158 @@
+"""Promotions owed: an entry this node compiled for the fleet reaches the remote even when
+the process that compiled it died (or lost the remote) before promoting it.
+
+In the fleet's flow (`fleet.py`) the process that holds a key's remote lease compiles,
+publishes locally, then promotes. Killed between the local publication and the promotion,
+it leaves an entry that the node serves from its local tier ever after (a local hit never
+looks at the remote), and that the rest of the fleet never sees: each node that misses
+it compiles it again. So before compiling for the fleet the process leaves a note,
+``.promote/<key>.json``, in its local tier, and removes it once the remote holds the
+entry. A note that outlives its process is an owed promotion: the next cache that opens
+the tier with the same remote writable settles it in a background thread (`settle_owed`),
+off the hot path, so a node restarted after such a crash serves its local hit at once and
+shares the entry a moment later. A compile done while the remote was down owes its
+promotion the same way.
+
+Settling one note: no local entry -> nothing to promote (the note goes; a new compile
+writes a new one); the key's local lock, then its remote lease, taken waiting up to two
+lease durations each (a killed owner's lease expires in one; a process still at work on
+the key after that finishes without our help, and the note is left for the next start);
+then
+`promote_entry` (a no-op when the remote has the entry already), then the note goes. A
+remote that fails or refuses writes ends the pass with the notes kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import time
+from collections.abc import Callable
+
+from vllm_neuron.backends import LockTimeout, Record, Store, join
+from vllm_neuron.backends.records import RecordCodec, RecordError, encode
+
+from .promote import promote_entry
+from .remote_tier import RemoteTier
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+OWED_DIR = ".promote"
+
+
+class OwedPromotion(Record, frozen=True, tag="promotion-owed"):
+    """``.promote/<key>.json``: a compile for the fleet whose promotion is not done yet."""
+
+    at: float
+    remote: str  # the remote it was compiled for (for people; any writable remote settles it)
+    pid: int
+    host: str
+
+
+OWED_NOTES = RecordCodec(OwedPromotion)
+
+
+def _note_key(key: str) -> str:
+    return join(OWED_DIR, f"{key}.json")
+
+
+def owe_promotion(local: Store, key: str, remote_url: str) -> None:
+    """Note that `key` is being compiled for `remote_url`; best-effort (a tier that cannot
+    take the note only loses the healing after a crash, never the compile)."""
+    note = OwedPromotion(at=time.time(), remote=remote_url, pid=os.getpid(),
+                         host=socket.gethostname())  # fmt: skip
+    try:
+        local.write(_note_key(key), encode(note))
+    except Exception as exc:  # noqa: BLE001 - see above
+        logger.debug("compile cache: could not note the promotion owed for %s: %s", key, exc)
+
+
+def promotion_settled(local: Store, key: str) -> None:
+    """The remote holds `key` (or never will from here): forget the note."""
+    with contextlib.suppress(Exception):
+        local.delete(_note_key(key))
+
+
+def owed_keys(local: Store) -> list[str]:
+    """Keys with a promotion owed in `local` (one listing; notes that do not read count:
+    settling one only looks at the entry and the remote)."""
+    try:
+        names = local.list(OWED_DIR)
+    except Exception as exc:  # noqa: BLE001 - hygiene never stops the cache from starting
+        logger.debug("compile cache: cannot list owed promotions: %s", exc)
+        return []
+    keys = []
+    for name in names:
+        base = name.rsplit("/", 1)[-1]
+        if base.endswith(".json") and len(base) == 32 + len(".json"):
+            keys.append(base[: -len(".json")])
+    return sorted(keys)
+
+
+def read_owed(local: Store, key: str) -> OwedPromotion | None:
+    """The note of `key`, None when absent or unreadable (for `cache ls` and gc)."""
+    try:
+        return OWED_NOTES.read(local, _note_key(key))
+    except RecordError:
+        return None
+
+
+def settle_owed(
+    local: Store,
+    tier: RemoteTier,
+    keys: list[str],
+    *,
+    lease_seconds: float,
+    lock_lease: float,
+    on_settled: Callable[[str], None] = lambda key: None,
+) -> None:
+    """Promote each owed key that can be promoted now (see the module doc)."""
+    for key in keys:
+        remote = tier.store()
+        if remote is None or tier.read_only:
+            return  # down or read-only: the notes wait for a start that can write
+        if local.published(key) is None:
+            promotion_settled(local, key)
+            continue
+        lock = local.lock(key, lease_duration=lock_lease)
+        try:
+            # Held: by a process at work on the key, or (a tier without kernel locks) still
+            # by the killed process that owed this, until its lease expires.
+            lock.acquire(timeout=2 * lock_lease)
+        except LockTimeout:
+            logger.debug("compile cache: %s is in use; its promotion waits", key)
+            continue
+        try:
+            lease = remote.lock(key, lease_duration=lease_seconds)
+            try:
+                # Held: by the killed process that owed this (free once its lease expires)
+                # or by a node compiling the key now (which promotes it itself).
+                lease.acquire(timeout=2 * lease_seconds)
+            except LockTimeout:
+                logger.debug("compile cache: %s is being compiled on %s; its promotion "
+                             "waits", key, remote.url)  # fmt: skip
+                continue
+            try:
+                promote_entry(local, remote, key)
+            finally:
+                with contextlib.suppress(Exception):
+                    lease.release()
+        except PermissionError as exc:
+            tier.write_denied(exc)
+            return
+        except RuntimeError as exc:  # the local entry is corrupt: never shared
+            logger.warning("compile cache: not promoting %s owed to %s: %s", key, remote.url,
+                           exc)  # fmt: skip
+            promotion_settled(local, key)
+            continue
+        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+            tier.failed(exc)
+            return
+        finally:
+            lock.release()
+        promotion_settled(local, key)
+        on_settled(key)
+        logger.info("compile cache: promoted %s to %s (owed since an earlier process)", key,
+                    remote.url)  # fmt: skip
