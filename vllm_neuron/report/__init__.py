@@ -1,0 +1,1 @@
+"""The deployment report: one self-contained HTML page (docs/report.md)."""
