@@ -35,6 +35,7 @@ from vllm_neuron.identity import get_server_prefix
 
 from .fold import FoldedGraph, fold_ledger
 from .ledger import LEDGER_DIR
+from .pieces import summarize_pieces
 from .schema import MANIFEST_FILE, GraphEntry, Manifest, ManifestConfig, encode_manifest
 
 logger = logging.getLogger("vllm_neuron.manifest")
@@ -83,6 +84,7 @@ def bare_entry(key: str, graph: FoldedGraph) -> GraphEntry:
         input_shapes=graph.input_shapes,
         compiler_flags=graph.compiler_flags,
         ranks=graph.ranks,
+        pieces=graph.pieces or msgspec.UNSET,
     )
 
 
@@ -125,6 +127,7 @@ def enrich(key: str, graph: FoldedGraph, cache: Store | None) -> GraphEntry:
         output_shapes=output_shapes,
         compiler_flags=graph.compiler_flags,
         ranks=graph.ranks,
+        pieces=graph.pieces or msgspec.UNSET,
     )
 
 
@@ -205,6 +208,7 @@ def emit_manifest(
         config=config,
         graphs=enriched,
         environment=dict(environment if environment is not None else environment_snapshot()),
+        pieces=summarize_pieces(enriched) or msgspec.UNSET,
     )
     fault_point("emit.before-write")
     store.write(join(prefix, MANIFEST_FILE), encode_manifest(manifest))

@@ -8,7 +8,10 @@ only ``key``/``rank``/``global_rank`` (the decoder skips the rest without buildi
 a key's details (input shapes, compiler flags) are decoded only from the first segment
 that names it. A segment whose lines carry several ranks is folded line by line. Either
 way the result is the same: for every key, the union of the mapped ranks of its lines,
-and the details of its first line (segment order, then line order).
+and the details of its first line (segment order, then line order). Ranks are kept per
+(key, piece) pair, because one graph can be several pieces of the model and a rank may
+trace it as one of them only; a key's ranks are the union over its pairs, and lines that
+name no piece add to the key's ranks only.
 
 Only the segments of one engine run are folded (``ledger/<prefix>/<run>/``, every process of
 the run writes there): a segment of any other run under the prefix, such as one left by a
@@ -27,6 +30,7 @@ from vllm_neuron.backends import Record, RecordCodec, Store, join
 from vllm_neuron.envs import run_id
 
 from .ledger import LEDGER_DIR, LedgerEntry, ledger_stream
+from .schema import Piece, PieceTrace
 
 SEGMENT_SUFFIX = ".jsonl"
 
@@ -37,6 +41,7 @@ class LedgerKey(Record, frozen=True, tag="ledger"):
     key: str
     rank: int
     global_rank: int | None = None
+    piece: Piece | None = None
 
 
 _KEYS = RecordCodec([LedgerKey])
@@ -44,16 +49,21 @@ _LINES = RecordCodec([LedgerEntry])
 _KEY_OF = operator.attrgetter("key")
 _RANK_OF = operator.attrgetter("rank")
 _GLOBAL_RANK_OF = operator.attrgetter("global_rank")
+_PIECE_OF = operator.attrgetter("piece")
+_Traced = tuple[str, Piece | None]  # (key, piece) of a line
+_TRACE_PIECE = operator.attrgetter("piece")
 
 
 @dataclass(frozen=True)
 class FoldedGraph:
-    """One key of the ledger: its first line's details and the sorted global ranks."""
+    """One key of the ledger: its first line's details, the sorted global ranks, and the
+    pieces its lines named, each with the sorted global ranks that traced it as that piece."""
 
     input_shapes: list[str]
     compiler_flags: str
     ranks: list[int]
     has_details: bool = True
+    pieces: list[PieceTrace] = field(default_factory=list)
 
 
 @dataclass
@@ -65,8 +75,8 @@ class LedgerFold:
     errors: list[str] = field(default_factory=list)
     # Segments under the prefix that belong to other runs (keys), left out of the fold.
     stale: list[str] = field(default_factory=list)
-    _by_keys: dict[frozenset[str], set[int]] = field(default_factory=dict)
-    _by_key: dict[str, set[int]] = field(default_factory=dict)
+    _by_keys: dict[frozenset[_Traced], set[int]] = field(default_factory=dict)
+    _by_key: dict[_Traced, set[int]] = field(default_factory=dict)
     _details: dict[str, LedgerEntry] = field(default_factory=dict)
 
     def global_rank(self, rank: int, global_rank: int | None) -> int:
@@ -98,13 +108,15 @@ class LedgerFold:
         ):
             # One writer, one rank (the usual segment): one set operation for all its keys.
             rank = self.global_rank(first.rank, first.global_rank)
-            self._by_keys.setdefault(keys, set()).add(rank)
+            traced = frozenset(zip(map(_KEY_OF, views), map(_PIECE_OF, views), strict=True))
+            self._by_keys.setdefault(traced, set()).add(rank)
             return
         by_key, mapped = self._by_key, self.global_rank
         for view in views:
-            ranks = by_key.get(view.key)
+            pair = (view.key, view.piece)
+            ranks = by_key.get(pair)
             if ranks is None:
-                ranks = by_key[view.key] = set()
+                ranks = by_key[pair] = set()
             ranks.add(mapped(view.rank, view.global_rank))
 
     def _add_details(self, data: bytes) -> None:
@@ -116,25 +128,38 @@ class LedgerFold:
     def graphs(self) -> dict[str, FoldedGraph]:
         """Every key folded so far (a key whose lines carried no decodable details keeps
         its ranks, with empty shapes and flags and ``has_details`` False)."""
+        traced: dict[_Traced, set[int]] = {}
+        groups: list[tuple[frozenset[_Traced] | tuple[_Traced], set[int]]] = list(
+            self._by_keys.items()
+        )
+        groups += [((pair,), r) for pair, r in self._by_key.items()]
+        for pairs, group_ranks in groups:
+            for pair in pairs:
+                have = traced.get(pair)
+                # Shared until a second group names the pair (never mutated in place).
+                traced[pair] = group_ranks if have is None else have | group_ranks
         ranks: dict[str, set[int]] = {}
-        groups: list[tuple[frozenset[str] | tuple[str], set[int]]] = list(self._by_keys.items())
-        groups += [((key,), r) for key, r in self._by_key.items()]
-        for keys, group_ranks in groups:
-            for key in keys:
-                have = ranks.get(key)
-                # Shared until a second group names the key (never mutated in place).
-                ranks[key] = group_ranks if have is None else have | group_ranks
+        pieces: dict[str, list[PieceTrace]] = {}
+        for (key, piece), pair_ranks in traced.items():
+            have = ranks.get(key)
+            ranks[key] = pair_ranks if have is None else have | pair_ranks
+            if piece is not None:
+                pieces.setdefault(key, []).append(PieceTrace(piece=piece,
+                                                             ranks=sorted(pair_ranks)))
         ordered: dict[int, list[int]] = {}  # id(set) -> sorted, once per distinct set
         out: dict[str, FoldedGraph] = {}
         for key, key_ranks in ranks.items():
             sorted_ranks = ordered.get(id(key_ranks))
             if sorted_ranks is None:
                 sorted_ranks = ordered[id(key_ranks)] = sorted(key_ranks)
+            key_pieces = sorted(pieces.get(key, ()), key=_TRACE_PIECE)
             entry = self._details.get(key)
             if entry is None:
-                out[key] = FoldedGraph([], "", list(sorted_ranks), has_details=False)
+                out[key] = FoldedGraph([], "", list(sorted_ranks), has_details=False,
+                                       pieces=key_pieces)
             else:
-                out[key] = FoldedGraph(entry.input_shapes, entry.compiler_flags, list(sorted_ranks))
+                out[key] = FoldedGraph(entry.input_shapes, entry.compiler_flags,
+                                       list(sorted_ranks), pieces=key_pieces)
         return out
 
 

@@ -11,6 +11,7 @@ import msgspec
 
 from vllm_neuron.backends import Store, is_url, local_root_missing, normalize_location, open_store
 
+from .pieces import PieceChange, completeness_gaps, diff_pieces, graph_fields_changed
 from .schema import MANIFEST_FILE, GraphEntry, Manifest, decode_manifest
 
 
@@ -56,14 +57,21 @@ def load_manifest(location: str) -> tuple[str, Manifest]:
 
 @dataclass(frozen=True)
 class ManifestDiff:
+    """Graphs by hash (``added``/``removed``/``changed``: only graphs naming no piece when
+    both manifests name pieces, every graph otherwise), pieces by label, config by path."""
+
     added: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
     changed: dict[str, list[str]] = field(default_factory=dict)
     config_changed: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    pieces_added: list[str] = field(default_factory=list)
+    pieces_removed: list[str] = field(default_factory=list)
+    pieces_changed: dict[str, PieceChange] = field(default_factory=dict)
 
     @property
     def empty(self) -> bool:
-        return not (self.added or self.removed or self.changed or self.config_changed)
+        return not (self.added or self.removed or self.changed or self.config_changed
+                    or self.pieces_added or self.pieces_removed or self.pieces_changed)
 
 
 def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
@@ -76,13 +84,27 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def diff_manifests(a: Manifest, b: Manifest) -> ManifestDiff:
-    """Graphs added/removed/changed (by field) and config fields changed (dotted paths)."""
-    ga = {g.graph_hash: g for g in a.graphs}
-    gb = {g.graph_hash: g for g in b.graphs}
+    """What changed from `a` to `b`: pieces (their variants), graphs, config fields.
+
+    When both manifests name pieces, graphs are compared by piece: a piece whose graph
+    differs per rank is one piece with several variants, not several unrelated graphs, and a
+    piece recompiled to a new hash is a changed piece. Graphs naming no piece, and every
+    graph when either manifest names none (written before pieces), are compared by hash.
+    """
+    by_piece = any(g.traces for g in a.graphs) and any(g.traces for g in b.graphs)
+    pieces_added: list[str] = []
+    pieces_removed: list[str] = []
+    pieces_changed: dict[str, PieceChange] = {}
+    graphs_a, graphs_b = list(a.graphs), list(b.graphs)
+    if by_piece:
+        pieces_added, pieces_removed, pieces_changed = diff_pieces(graphs_a, graphs_b)
+        graphs_a = [g for g in graphs_a if not g.traces]
+        graphs_b = [g for g in graphs_b if not g.traces]
+    ga = {g.graph_hash: g for g in graphs_a}
+    gb = {g.graph_hash: g for g in graphs_b}
     changed = {}
     for key in sorted(set(ga) & set(gb)):
-        da, db = msgspec.structs.asdict(ga[key]), msgspec.structs.asdict(gb[key])
-        fields = [f for f in da if da[f] != db[f]]
+        fields = graph_fields_changed(ga[key], gb[key])
         if fields:
             changed[key] = fields
     ca = _flatten(msgspec.to_builtins(a.config))
@@ -95,26 +117,22 @@ def diff_manifests(a: Manifest, b: Manifest) -> ManifestDiff:
         removed=sorted(set(ga) - set(gb)),
         changed=changed,
         config_changed=config_changed,
+        pieces_added=pieces_added,
+        pieces_removed=pieces_removed,
+        pieces_changed=pieces_changed,
     )
 
 
 def check_manifest(manifest: Manifest, cache_root: str | None) -> list[str]:
     """Problems that make a deployment incomplete; empty when it is complete.
 
-    A graph traced by fewer ranks than the topology's world size is a partial deployment;
-    an artifact the manifest names that is missing from the cache cannot be served.
+    A piece no variant of which some rank traced, or a graph naming no piece that some rank
+    did not trace, is a partial deployment (`completeness_gaps`); an artifact the manifest
+    names that is missing from the cache cannot be served.
     """
-    problems = []
+    problems = [gap.message() for gap in completeness_gaps(manifest)]
     cache = None if cache_root is None else open_store(cache_root, create=False)
-    world = manifest.config.topology.world_size
     for graph in manifest.graphs:
-        ranks = set(graph.ranks)
-        if len(ranks) < world:
-            missing = sorted(set(range(world)) - ranks)
-            problems.append(
-                f"graph {graph.graph_hash} was traced by {len(ranks)} of {world} ranks "
-                f"(missing ranks {missing}): partial deployment"
-            )
         problems.extend(_missing_artifacts(graph, cache, cache_root))
     return problems
 

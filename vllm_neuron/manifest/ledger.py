@@ -25,6 +25,8 @@ from vllm_neuron.backends import EventLog, Record, Store, encode_into, fault_poi
 from vllm_neuron.envs import run_id
 from vllm_neuron.identity import get_server_prefix
 
+from .schema import Piece
+
 logger = logging.getLogger("vllm_neuron.manifest")
 _thread = threading.get_ident
 _write = os.write
@@ -56,6 +58,9 @@ class LedgerEntry(Record, frozen=True, tag="ledger", omit_defaults=True):
 
     ``rank`` is TP-group-relative; ``global_rank`` (when the writer knows it) lets the
     emitter attribute a graph correctly even when several TP groups share local ranks.
+    ``piece`` is what vLLM calls the graph (compile range, subgraph index): the same on
+    every rank even when the graph is not, so the emit can judge completeness per piece;
+    absent when the compile did not come through vLLM (or from an older writer).
 
     Fields at their default are not written (``omit_defaults``): the line is those four
     fields plus the record tag, ~20% less to encode on every traced graph and to decode at
@@ -69,6 +74,7 @@ class LedgerEntry(Record, frozen=True, tag="ledger", omit_defaults=True):
     input_shapes: list[str]
     compiler_flags: str
     global_rank: int | None = None
+    piece: Piece | None = None
 
 
 def _dim(d: Any) -> str:
@@ -195,6 +201,7 @@ class LedgerWriter:
         input_shapes: list[str],
         compiler_flags: Sequence[str] | str,
         global_rank: int | None = None,
+        piece: Piece | None = None,
     ) -> bool:
         """Append one ledger line; False (logged once) if it could not be written."""
         try:
@@ -204,7 +211,7 @@ class LedgerWriter:
                 if isinstance(compiler_flags, str):  # immutable: identity means equality
                     self._flags = (compiler_flags, flags)
             entry = LedgerEntry(key=key, rank=rank, input_shapes=input_shapes,
-                                compiler_flags=flags, global_rank=global_rank)
+                                compiler_flags=flags, global_rank=global_rank, piece=piece)
             if self._owner == _thread():
                 # Hot path, one Python frame per traced graph: exactly what EventLog.append
                 # does on a descriptor (encode into a reused buffer, one os.write), inline,

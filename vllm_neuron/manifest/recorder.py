@@ -3,16 +3,25 @@
 Installed only when VLLM_NEURON_MANIFEST_DIR is set, so with the feature off compilation
 does no manifest work at all. It listens on the runtime's capture path, which both
 toolchains share.
+
+The runtime's event says which graph was compiled, not which piece of the model it is: that
+only vLLM's compiler adaptor knows. The adaptor names it for the duration of the compile
+(`tracing_piece`), and the recorder, called by the runtime in the same thread and context,
+writes it on the line. A compile outside vLLM names no piece.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from vllm_neuron.envs import run_id
 from vllm_neuron.identity import detect_ranks
 
 from .ledger import LedgerWriter, input_shapes_of
+from .schema import Piece
 
 if TYPE_CHECKING:
     from vllm_neuron.compile.runtime import CompiledGraph, CompileRuntime
@@ -24,8 +33,29 @@ def current_ranks() -> tuple[int, int]:
     return ranks.tp_rank, ranks.global_rank
 
 
+_PIECE: contextvars.ContextVar[Piece | None] = contextvars.ContextVar(
+    "vllm_neuron_manifest_piece", default=None
+)
+
+
+@contextlib.contextmanager
+def tracing_piece(piece: Piece | None) -> Iterator[None]:
+    """Name the piece every graph compiled inside the block is (vLLM's compiler adaptor
+    wraps each compile or load in it); a context variable, so threads never mix pieces."""
+    token = _PIECE.set(piece)
+    try:
+        yield
+    finally:
+        _PIECE.reset(token)
+
+
+def current_piece() -> Piece | None:
+    """The piece named by the innermost `tracing_piece`, or None."""
+    return _PIECE.get()
+
+
 class ManifestRecorder:
-    """Appends `{key, rank, input_shapes, compiler_flags}` for every graph captured."""
+    """Appends `{key, rank, input_shapes, compiler_flags, piece}` for every graph captured."""
 
     def __init__(self, writer: LedgerWriter) -> None:
         self.writer = writer
@@ -38,6 +68,7 @@ class ManifestRecorder:
             global_rank=global_rank,
             input_shapes=input_shapes_of(graph.example_inputs),
             compiler_flags=graph.compiler_flags,
+            piece=_PIECE.get(),
         )
 
 

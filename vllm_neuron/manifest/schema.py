@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import msgspec
+from msgspec import UNSET, UnsetType
 
 from vllm_neuron.backends.records import Document, RecordCodec, RecordError, encode_document
 
@@ -42,6 +43,57 @@ class ManifestConfig(msgspec.Struct, frozen=True, kw_only=True):
     vllm_config: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
+class Piece(msgspec.Struct, frozen=True, kw_only=True, order=True, omit_defaults=True, gc=False):
+    """Which piece of the model a graph is, as vLLM names it: the compile range and the
+    subgraph index (plus vLLM's model tag, so a drafter's subgraph 0 is not the backbone's).
+
+    The identity is the same on every rank, while the graph (its hash) need not be: vLLM's
+    vocab-parallel embedding bakes each rank's vocabulary range into the first piece. So
+    completeness is judged per piece (docs/manifest.md), and a graph hash alone cannot say
+    that two ranks traced the same part of the model. Hashable and ordered: it groups and
+    sorts pieces.
+    """
+
+    model: str = ""
+    start: int
+    end: int
+    subgraph: int
+
+    def label(self) -> str:
+        """How the command line names the piece: ``[backbone] range 1-2048 subgraph 0``."""
+        tag = f"[{self.model}] " if self.model else ""
+        return f"{tag}range {self.start}-{self.end} subgraph {self.subgraph}"
+
+
+class PieceTrace(msgspec.Struct, frozen=True, kw_only=True):
+    """One piece a graph is, and the global ranks that traced the graph as that piece.
+
+    Per piece, not per graph, because one graph can be several pieces (identical decoder
+    layers hash alike) and a rank may trace it as one of them only.
+    """
+
+    piece: Piece
+    ranks: list[int] = msgspec.field(default_factory=list)
+
+
+class PieceVariant(msgspec.Struct, frozen=True, kw_only=True):
+    """One graph of a piece; ``rank_specific`` when fewer ranks traced it than the piece."""
+
+    graph_hash: str
+    ranks: list[int] = msgspec.field(default_factory=list)
+    rank_specific: bool = False
+
+
+class PieceSummary(msgspec.Struct, frozen=True, kw_only=True):
+    """A piece of the model and its variants: ``compiles`` is how many graphs it took (1
+    unless the graph differs by rank; tensor parallelism's extra cost is ``compiles - 1``)."""
+
+    piece: Piece
+    compiles: int
+    ranks: list[int] = msgspec.field(default_factory=list)
+    variants: list[PieceVariant] = msgspec.field(default_factory=list)
+
+
 class GraphEntry(msgspec.Struct, frozen=True, kw_only=True):
     graph_hash: str
     hlo_path: str | None = None
@@ -54,6 +106,13 @@ class GraphEntry(msgspec.Struct, frozen=True, kw_only=True):
     ranks: list[int] = msgspec.field(default_factory=list)
     input_snapshot_paths: list[str] = msgspec.field(default_factory=list)
     output_snapshot_paths: list[str] = msgspec.field(default_factory=list)
+    # Absent (not written) for a graph no ledger line named a piece of; see `traces`.
+    pieces: list[PieceTrace] | UnsetType = UNSET
+
+    @property
+    def traces(self) -> list[PieceTrace]:
+        """The pieces this graph is, with their ranks (empty when none was recorded)."""
+        return [] if self.pieces is UNSET else self.pieces
 
 
 class Manifest(Document, frozen=True, kw_only=True):
@@ -64,6 +123,8 @@ class Manifest(Document, frozen=True, kw_only=True):
     config: ManifestConfig = msgspec.field(default_factory=ManifestConfig)
     graphs: list[GraphEntry] = msgspec.field(default_factory=list)
     environment: dict[str, str] = msgspec.field(default_factory=dict)
+    # Per piece, its variants and compiles; absent when no graph names a piece.
+    pieces: list[PieceSummary] | UnsetType = UNSET
 
 
 ManifestError = RecordError
