@@ -13,7 +13,7 @@ directories for tools that only take a directory: loading a published entry
 `Store.local_output`).
 """
 
-from .base import Capabilities, FileInfo, Leftover, Staging
+from .base import Capabilities, FileInfo, Staging
 from .digests import Expected, FileDigest
 from .errors import (
     IntegrityError,
@@ -69,7 +69,6 @@ __all__ = [
     "KernelLock",
     "LeaseLock",
     "LeaseLost",
-    "Leftover",
     "Lock",
     "LockTimeout",
     "MissingDependency",

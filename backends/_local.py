@@ -298,24 +298,6 @@ class LocalStore(Store):
     def local_dir_of(self, prefix: str) -> str | None:
         return self._key_path(prefix)
 
-    def _usage(self, prefix: str) -> tuple[int, float]:
-        # Directories count too: a staging area whose files are old but which was just
-        # created (a fetch of old files) is in use.
-        size, newest = 0, 0.0
-        for dirpath, _dirs, files in os.walk(self._path(prefix)):
-            try:
-                newest = max(newest, os.stat(dirpath).st_mtime)
-            except OSError:
-                continue
-            for name in files:
-                try:
-                    st = os.stat(os.path.join(dirpath, name))
-                except OSError:
-                    continue
-                size += st.st_size
-                newest = max(newest, st.st_mtime)
-        return size, newest
-
     def _walk(self, prefix: str = "") -> builtins.list[Seen]:
         # One scandir walk, symbolic links not followed; directories too (a staging area
         # just created for old files is in use), and writers' temp files, flagged.

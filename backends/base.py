@@ -4,8 +4,7 @@
 locks and event logs. The split keeps the imports one-way: locks and event logs are
 written against `StoreBase`, and `Store` is assembled on top of all three. Below it, the
 helpers `StoreBase` is assembled from (`operations.py`, `publication.py`, `staging.py`,
-`appenders.py`, `records.py`) are written against `protocol.ByteStore`, so none of them
-imports this module.
+`appenders.py`, `records.py`, `debris.py`) are written against `protocol.ByteStore`.
 
 A store is a key -> bytes map rooted at a URL. Backends differ in what they can promise,
 and say so in `Capabilities`; the protocols built on top (publication, locking, event
@@ -29,7 +28,7 @@ Besides the primitives, the operations domain code needs are here too, so that n
 above the layer touches a store's files (the generic versions are in `operations.py`,
 backends override them where they can do better): `read_published` and `check_sizes`
 (the cache-hit hot path), `digest`/`digest_tree`, `open_write`/`write_from`,
-`leftovers`, and the two documented doors to real directories, `local_dir_of` (a
+and the two documented doors to real directories, `local_dir_of` (a
 toolchain loading a published entry) and `local_output` / `Staging.output_dir` (a tool
 writing its own output files).
 """
@@ -46,7 +45,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager
 from typing import IO, TYPE_CHECKING, Any
 
-from . import debris, operations, publication
+from . import debris, debris_removal, operations, publication
 from ._atomic import replacing
 from .appenders import Appender, SegmentAppender
 from .debris import Debris, Removal, Seen, Survey, Upload
@@ -54,7 +53,6 @@ from .digests import Expected, FileDigest, digest_stream
 from .errors import StoreError
 from .keys import join, validate_key, validate_prefix
 from .layout import COMMIT_RECORD, LOCKS_DIR, STAGING_DIR, TRASH_DIR, VERSIONS_DIR
-from .operations import Leftover
 from .protocol import Capabilities, FileInfo
 from .publication import Publication
 from .records import Record, encode
@@ -72,7 +70,6 @@ __all__ = [  # the names other modules of the layer (and its tests) import from 
     "Appender",
     "Capabilities",
     "FileInfo",
-    "Leftover",
     "Publication",
     "SegmentAppender",
     "Staging",
@@ -363,20 +360,6 @@ class StoreBase(ABC):
         """
         return self.local_path(validate_key(prefix))
 
-    def leftovers(self, older_than: float, *, parent: str = "") -> builtins.list[Leftover]:
-        """What writers killed mid-way left behind, untouched for `older_than` seconds.
-
-        Staging areas and withdrawn directories being deleted (where publication is a
-        rename), or versions never committed of the publications directly under `parent`
-        (commit-record stores). Never visible as published; `delete_tree(prefix)` removes
-        one.
-        """
-        return operations.leftovers(self, older_than, parent)
-
-    def _usage(self, prefix: str) -> tuple[int, float]:
-        """Total size and newest modification time under `prefix` (for `leftovers`)."""
-        return operations.usage(self, prefix)
-
     def rename(self, src: str, dst: str) -> bool:
         """Move the file or the directory at `src` to `dst`; False when nothing is there.
 
@@ -399,7 +382,7 @@ class StoreBase(ABC):
 
     def remove_debris(self, item: Debris) -> Removal:
         """Remove one `Debris` of `survey`, unless it changed since (then "changed")."""
-        return debris.remove(self, item)
+        return debris_removal.remove(self, item)
 
     def _walk(self, prefix: str = "") -> builtins.list[Seen]:
         """Every file under `prefix` with size and time (local disk: directories too)."""
@@ -414,4 +397,4 @@ class StoreBase(ABC):
 
     def _remove_empty_dir(self, prefix: str) -> None:
         """Remove the directory of `prefix` if it is empty (stores with directories)."""
-        debris.remove_empty_dir(self.local_path(prefix))
+        debris_removal.remove_empty_dir(self.local_path(prefix))

@@ -38,23 +38,13 @@ counted from its newest file, or directory on local disk):
 (``.locks/<name>.lock``: deleting one while another process opens it would let two
 processes hold the lock at once), anything younger than the bound, a published version.
 
-**Removal re-checks** what the survey saw and leaves what changed since: a staging area,
-version or tombstone written to since (its newest time moved), a version a commit record
-names now, a lease taken again or renewed (its latest generation or record differs), a
-temp file touched since. A lease is removed generation by generation, oldest first, only
-the records the survey saw: a taker that wins the lease meanwhile creates a newer one,
-which stays. Deleting a lease's records restarts its generations at 1; a holder frozen for
-longer than its lease plus the grace that wakes into a restarted sequence at its own
-generation could renew over the new holder, whose `check()` then fails: at most one
-holder passes `check()` at a time, and publication is first-writer-wins anyway.
+**Removal** (`debris_removal.py`) re-checks what the survey saw and leaves what changed.
 """
 
 from __future__ import annotations
 
 import builtins
-import contextlib
 import hashlib
-import os
 import time
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, Protocol
@@ -344,70 +334,13 @@ def _leases(store: SurveyedStore, leases: dict[str, list[tuple[int, Seen]]], now
         if age <= grace:
             out.kept.append(Kept("lease", directory, age, f"{state} within the grace"))
             continue
-        handle = (*(s.key for _, s in generations), _digest(data))
+        handle = (*(s.key for _, s in generations), digest_of(data))
         out.debris.append(Debris(
             "lease", directory, sum(s.size for _, s in generations), age, free_since,
             f"{state}, generation {latest}, last held by {owner}", handle,
         ))  # fmt: skip
 
 
-def _digest(data: bytes) -> str:
+def digest_of(data: bytes) -> str:
+    """The fingerprint removal re-checks a lease's latest record against."""
     return hashlib.sha256(data).hexdigest()
-
-
-# --------------------------------------------------------------------- removal
-def remove(store: SurveyedStore, debris: Debris) -> Removal:
-    """Remove `debris` unless it changed since the survey (see the module's notes)."""
-    if debris.kind == "upload":
-        return "removed" if store._abort_upload(debris.prefix, debris.handle[0]) else "gone"
-    if debris.kind == "lease":
-        return _remove_lease(store, debris)
-    if debris.kind == "partial":
-        info = store.info(debris.prefix)
-        if info is None:
-            return "gone"
-        if info.mtime > debris.newest + TIME_SLACK:
-            return "changed"
-        store.delete(debris.prefix)
-        if store.info(debris.prefix) is not None:
-            raise OSError(f"{store.url}: {debris.prefix} is still there after its removal")
-        return "removed"
-    if debris.kind == "orphan-version":
-        name, _, version = debris.prefix.rpartition(f"/{VERSIONS_DIR}/")
-        record = read_commit(store, name)
-        if record is not None and record[0] == version:
-            return "changed"  # committed since the survey
-    seen = store._walk(debris.prefix)
-    if not seen:
-        return "gone"
-    if max(s.mtime for s in seen) > debris.newest + TIME_SLACK:
-        return "changed"  # written to since the survey: in use
-    store.delete_tree(debris.prefix)
-    if any(not s.directory for s in store._walk(debris.prefix)):
-        raise OSError(f"{store.url}: {debris.prefix} is still there after its removal")
-    return "removed"
-
-
-def _remove_lease(store: SurveyedStore, debris: Debris) -> Removal:
-    *keys, digest = debris.handle
-    now_there = [n for n in store.list_dir(debris.prefix) if n.isdigit()]
-    if not now_there:
-        return "gone"
-    if max(int(n) for n in now_there) != max(int(k.rsplit("/", 1)[-1]) for k in keys):
-        return "changed"  # taken again since the survey
-    data = store.read(keys[-1])
-    if data is None or _digest(data) != digest:
-        return "changed" if data is not None else "gone"
-    for key in keys:  # oldest first: a taker meanwhile sees a free latest, never a gap
-        store.delete(key)
-    with contextlib.suppress(OSError):
-        store._remove_empty_dir(debris.prefix)
-    return "removed"
-
-
-def remove_empty_dir(path: str | None) -> None:
-    """`rmdir` of a local directory that may be empty (a lease's, once its records went);
-    one that is not (a new generation was created meanwhile) stays."""
-    if path is not None:
-        with contextlib.suppress(FileNotFoundError, OSError):
-            os.rmdir(path)

@@ -2,7 +2,7 @@
 
 `published_children` never lists them; what each holds is in docs/storage.md
 ("On-disk layout"). Code above the storage layer never names them: it asks the store
-(`leftovers`, `published`, `stage`).
+(`survey`, `published`, `stage`).
 """
 
 COMMIT_RECORD = ".commit"

@@ -14,27 +14,13 @@ import io
 import os
 import shutil
 import tempfile
-import time
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from typing import IO
 
 from .digests import Expected, FileDigest
 from .errors import IntegrityError
 from .keys import join, validate_key, validate_prefix
-from .layout import STAGING_DIR, TRASH_DIR, VERSIONS_DIR
 from .protocol import ByteStore
-
-
-@dataclass(frozen=True)
-class Leftover:
-    """What a writer killed mid-way left behind: a staging area, a withdrawn directory
-    being deleted, an unpublished version, or the tombstone of a withdrawal
-    (``final/.v/withdraw-<version>/``, `publication.py`); never visible as published."""
-
-    prefix: str
-    size: int
-    age_seconds: float
 
 
 def where(store: ByteStore, prefix: str) -> str:
@@ -107,36 +93,6 @@ def local_output(store: ByteStore, prefix: str) -> Iterator[str]:
                 store.put_file(join(prefix, rel), path)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-
-
-def leftovers(store: ByteStore, older_than: float, parent: str) -> list[Leftover]:
-    now = time.time()
-    candidates: list[str] = []
-    if store.capabilities.atomic_rename:
-        for directory in (STAGING_DIR, TRASH_DIR):
-            candidates += [join(directory, name) for name in store.list_dir(directory)]
-    else:
-        for name in store.list_dir(validate_prefix(parent)):
-            if name.startswith("."):
-                continue
-            versions = join(parent, name, VERSIONS_DIR)
-            found = store.list_dir(versions)
-            if not found:
-                continue
-            committed = store.published(join(parent, name))
-            candidates += [join(versions, v) for v in found if join(versions, v) != committed]
-    out = []
-    for prefix in candidates:
-        size, newest = store._usage(prefix)
-        if now - newest > older_than:
-            out.append(Leftover(prefix, size, now - newest))
-    return out
-
-
-def usage(store: ByteStore, prefix: str) -> tuple[int, float]:
-    """Total size and newest modification time of the files under `prefix`."""
-    infos = list(store.iter_files(prefix))
-    return sum(i.size for i in infos), max((i.mtime for i in infos), default=0.0)
 
 
 def rename(store: ByteStore, src: str, dst: str) -> bool:

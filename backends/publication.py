@@ -33,7 +33,7 @@ withdrawals of one version never both succeed:
   from the delete, and S3-compatible servers that ignore the header would turn it into
   an unconditional delete without a word; the tombstone needs only ``If-None-Match``.)
   A withdrawer killed while holding a tombstone leaves it under ``.v/``, where
-  `Store.leftovers` finds it (`cache prune` removes it after 6 hours).
+  `Store.survey` lists it (`cache gc` removes it after 6 hours).
 * rename: the withdrawer renames ``final`` into ``.trash/<uuid>/`` (one rename wins), then
   compares the version of what it moved; if it is not `v` (another publication took the
   judged one's place), it renames it back, or, if yet another was published meanwhile,

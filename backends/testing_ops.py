@@ -1,7 +1,7 @@
 """The contract of the store operations domain code needs, run by every backend.
 
 `StoreContractTests` (the ``testing`` package) inherits these, so each backend's test class runs
-them too: the hot-path reads and checks, digests, streamed writes, leftovers, the two
+them too: the hot-path reads and checks, digests, streamed writes, the survey of debris, the two
 doors to real directories, and the verified copy between this store and another one
 (local disk or memory, so both the kernel-copy and the streaming path are crossed).
 """
@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from blake3 import blake3
 
+from .debris import Debris
 from .digests import DIGEST_CHUNK, FileDigest, digest_bytes
 from .errors import IntegrityError, InvalidKey
 from .keys import join
@@ -217,29 +218,34 @@ class StoreOperationTests:
         assert not os.path.exists(out)
         assert store.published("e") is None
 
-    # ------------------------------------------------------------ leftovers
-    def test_leftovers(self, store: Store) -> None:
+    # ------------------------------------------------------------ debris
+    def test_survey_lists_what_killed_writers_left(self, store: Store) -> None:
         publish(store, "e", {"a": b"A"})
-        assert store.leftovers(-1.0) == []  # a publication is never a leftover
+        assert self._debris(store, -1.0) == {}  # a publication is never debris
         abandoned = store.stage("e")  # a second writer of "e", killed before its commit
         abandoned.write("a", b"A2")
         other = store.stage("f")  # a writer of "f", killed before its commit
         other.write("x/y", b"XYZ")
-        found = {leftover.prefix: leftover for leftover in store.leftovers(-1.0)}
+        found = self._debris(store, -1.0)
         assert set(found) == {abandoned.prefix, other.prefix}
         assert found[other.prefix].size == 3 and found[abandoned.prefix].size == 2
-        assert all(leftover.age_seconds > -1.0 for leftover in found.values())
-        assert store.leftovers(3600.0) == []  # just written: not abandoned yet
-        for prefix in found:
-            store.delete_tree(prefix)
-        assert store.leftovers(-1.0) == []
+        assert all(item.age_seconds > -1.0 for item in found.values())
+        assert self._debris(store, 3600.0) == {}  # just written: not abandoned yet
+        for item in found.values():
+            assert store.remove_debris(item) != "changed"
+        assert self._debris(store, -1.0) == {}
         assert store.read(join(store.published("e") or "", "a")) == b"A"
         assert store.published("f") is None
+        assert set(store.survey(older_than=-1.0).published) == {"e"}
 
-    def test_a_withdrawn_entry_is_not_a_leftover_once_deleted(self, store: Store) -> None:
+    @staticmethod
+    def _debris(store: Store, older_than: float) -> dict[str, Debris]:
+        return {d.prefix: d for d in store.survey(older_than=older_than).debris}
+
+    def test_a_withdrawn_entry_is_not_debris_once_deleted(self, store: Store) -> None:
         publish(store, "e", {"a": b"A"})
         assert store.unpublish("e") is True
-        assert store.leftovers(-1.0) == []
+        assert self._debris(store, -1.0) == {}
 
     # ------------------------------------------------------- verified copy
     def _source(self, store: Store) -> tuple[str, dict[str, bytes], dict[str, FileDigest]]:

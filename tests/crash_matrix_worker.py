@@ -85,7 +85,7 @@ def run_get(args: Mapping[str, Any]) -> dict[str, Any]:
     assert result.path is not None
     # What a serving process does in the background, done before this one exits: promote
     # what an earlier, killed process owed the remote (compile/owed.py).
-    assert cache.wait_for_owed_promotions(SAFETY)
+    assert cache.wait_for_upkeep(SAFETY)
     return {"source": result.source, "wrong": entry_is_right(result.path, key)}
 
 
@@ -180,7 +180,7 @@ def run_torch(args: Mapping[str, Any]) -> dict[str, Any]:
         expected = model(x)
         actual = torch.compile(model, backend="vllm_neuron", dynamic=False)(x)
     history = get_runtime().history
-    assert get_runtime().cache.wait_for_owed_promotions(SAFETY)  # as in run_get
+    assert get_runtime().cache.wait_for_upkeep(SAFETY)  # as in run_get
     return {"sources": [g.result.source for g in history], "keys": [g.key for g in history],
             "matches": bool(torch.allclose(actual, expected, rtol=1e-4, atol=1e-5))}
 

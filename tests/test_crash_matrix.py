@@ -9,7 +9,7 @@ there by SIGKILL. Then:
    library of ``cache verify``), every snapshot bundle is complete, every manifest reads;
 2. nothing published before is lost: a sentinel published first is still there, intact;
 3. what the crash left behind is found: a staging area or an uncommitted version by the
-   leftovers listing (`find_leftovers`) and by ``cache gc``'s plan (`plan_gc`), a bundle
+   store's survey (`Store.survey`) and by ``cache gc``'s plan (`plan_gc`), a bundle
    without ``meta.json`` by the snapshot listing, a dead run's ledger segment by the next
    emit; and every file of a cache tier is accounted for: published, the cache's own
    (events, pins, kernel lock files), or listed by ``cache gc`` (a killed writer's temp
@@ -49,7 +49,7 @@ from vllm_neuron.backends.faults import POINTS  # noqa: E402
 from vllm_neuron.compile.events import EVENTS_STREAM  # noqa: E402
 from vllm_neuron.compile.eviction import PINS_DIR, pin  # noqa: E402
 from vllm_neuron.compile.gc import GcPlan, plan_gc  # noqa: E402
-from vllm_neuron.compile.inventory import find_leftovers, verify_entries  # noqa: E402
+from vllm_neuron.compile.inventory import verify_entries  # noqa: E402
 from vllm_neuron.compile.promote import promote_entry  # noqa: E402
 
 LEASE = 1.5  # seconds: how long a dead holder's lease keeps the healer waiting
@@ -78,7 +78,7 @@ WORK: dict[str, tuple[str, tuple[str, ...]]] = {
     "gc.mid-delete": ("gc", ALL),
     "evict.mid-delete": ("evict", ALL),
 }
-# Points where the crashed step had staged something: the leftovers listing must find it
+# Points where the crashed step had staged something: the store's survey must find it
 # (on the tier named).
 STAGED_ON = {
     "compile.staging-written": "local", "compile.record-written": "local",
@@ -284,13 +284,15 @@ class CacheScenario:
         assert self.node1.store().published(self.key) is not None
 
     def debris(self) -> list[str]:
-        """What the crash staged, where the point says it must be: found by the leftovers
-        listing and by ``cache gc``'s plan."""
+        """What the crash staged, where the point says it must be: found by the store's
+        survey and by ``cache gc``'s plan."""
         tier = STAGED_ON.get(self.point)
         if tier is None:
             return []
         place = self.remote if tier == "remote" else self.node1
-        found = [left.prefix for left in find_leftovers(place.store(), older_than=-1)]
+        store = place.store()
+        found = [d.prefix for d in store.survey(older_than=-1.0, lease_grace=-1.0).debris
+                 if d.kind != "lease"]  # fmt: skip
         assert found, f"{self.point}: nothing staged is listed on the {tier} tier"
         planned = {item.where for item in gc_plan(place).items}
         assert set(found) <= planned, (found, planned)

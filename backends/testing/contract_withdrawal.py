@@ -262,6 +262,7 @@ class CommitRecordContractTests:
         with store.stage("e") as staging, pytest.raises(StoreError, match="cannot be replaced"):
             staging.write("a", b"A")
             staging.commit()
-        assert tombstone in [left.prefix for left in store.leftovers(-1.0)]
-        store.delete_tree(tombstone)  # what `cache prune` does after 6 hours
+        [debris] = [d for d in store.survey(older_than=-1.0).debris if d.prefix == tombstone]
+        assert debris.kind == "tombstone"
+        store.remove_debris(debris)  # what `cache gc` does after 6 hours
         assert store.unpublish("e", version=version) is True

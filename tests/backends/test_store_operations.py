@@ -4,7 +4,7 @@ The contract (backends/testing_ops.py, run by every backend) says what the opera
 do; these tests check *how* where it matters: the verified copy takes the kernel path
 exactly when both stores have local paths (and still catches a source that shrinks under
 it), S3 checks an entry's sizes with one listing, durable stores fsync what they write,
-and leftovers are judged by their age.
+and debris is judged by its age.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_a_source_that_shrinks_under_the_kernel_copy_is_caught(
         verified_copy.copy_verified(src, prefix, staging, EXPECTED, workers=1)
     assert raised.value.rel == "big.neff"
     assert "shrank while it was being copied" in str(raised.value)
-    assert dst.published("e") is None and dst.leftovers(-1.0) == []
+    assert dst.published("e") is None and dst.survey(older_than=-1.0).debris == []
 
 
 def test_s3_checks_an_entry_s_sizes_with_one_listing(
@@ -139,7 +139,11 @@ def test_durable_stores_fsync_what_they_write_and_copy(
     assert sorted(os.listdir(tmp_path / "store")) == ["copied", "k", "p", "w"]  # no temps
 
 
-def test_leftovers_are_judged_by_their_age(tmp_path: Path) -> None:
+def _debris(store: Any, older_than: float) -> list[str]:
+    return [d.prefix for d in store.survey(older_than=older_than).debris]
+
+
+def test_debris_is_judged_by_its_age(tmp_path: Path) -> None:
     local = open_store(tmp_path / "local")
     staging = local.stage("e")
     staging.write("sub/a", b"A")
@@ -149,16 +153,16 @@ def test_leftovers_are_judged_by_their_age(tmp_path: Path) -> None:
     for dirpath, _dirs, names in os.walk(directory):
         for name in [*names, ""]:
             os.utime(os.path.join(dirpath, name) if name else dirpath, (old, old))
-    [found] = local.leftovers(3600.0)
+    [found] = local.survey(older_than=3600.0).debris
     assert found.prefix == staging.prefix and 7100 < found.age_seconds < 7300
     # A file written now makes the whole staging area young again.
     staging.write("sub/b", b"B")
-    assert local.leftovers(3600.0) == []
+    assert _debris(local, 3600.0) == []
 
     memory = open_store("memory://")
     publish(memory, "e", {"a": b"A"})
     abandoned = memory.stage("e")
     abandoned.write("a", b"A2")
-    assert memory.leftovers(3600.0) == []
+    assert _debris(memory, 3600.0) == []
     memory.set_mtime(abandoned.key("a"), time.time() - 7200)  # type: ignore[attr-defined]
-    assert [x.prefix for x in memory.leftovers(3600.0)] == [abandoned.prefix]
+    assert _debris(memory, 3600.0) == [abandoned.prefix]

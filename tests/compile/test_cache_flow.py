@@ -184,7 +184,7 @@ def test_stale_staging_is_collected_and_fresh_staging_is_kept(tmp_path):
     for path in (old, old / "graph.bin", trash, trash / "graph.bin"):
         os.utime(path, (past, past))
     os.utime(fresh, (past, past))  # an old directory with a fresh file: still being written
-    TwoTierCache(str(tmp_path))
+    assert TwoTierCache(str(tmp_path)).wait_for_upkeep(HANG)  # collected in the background
     assert not old.exists() and not trash.exists()
     assert fresh.exists()
 
@@ -197,6 +197,7 @@ def test_stale_uncommitted_versions_are_collected_on_a_memory_tier(compile_fn):
     for key in local.list(crashed.prefix):
         local.set_mtime(key, time.time() - STAGING_MAX_AGE - 60)  # type: ignore[attr-defined]
     cache = TwoTierCache(local)
+    assert cache.wait_for_upkeep(HANG)
     assert local.list(crashed.prefix) == []
     assert cache.get_or_compile(KEY, compile_fn(KEY, fail="no recompile")).source == "local"
 

@@ -273,10 +273,10 @@ def test_prune_sweeps_abandoned_staging_on_a_posix_tier(capsys, cache_dir, tmp_p
 
     code, out, _ = run(capsys, "cache", "prune", remote, "--max-size", "1T", "--dry-run")
     assert code == 0
-    assert "would remove abandoned .staging/deadbeef" in out and "f00d" not in out
+    assert "would remove abandoned staging .staging/deadbeef" in out and "f00d" not in out
     assert os.path.isdir(old_dir)
     code, out, _ = run(capsys, "cache", "prune", remote, "--max-size", "1T")
-    assert code == 0 and "1 abandoned staging areas removed" in out
+    assert code == 0 and "1 leftovers of killed processes removed" in out
     assert not os.path.exists(old_dir) and os.path.isdir(fresh_dir)
     assert sorted(open_store(remote).published_children("")) == [KEY_A, KEY_B]
 
@@ -298,7 +298,7 @@ def test_prune_sweeps_uncommitted_versions_on_a_commit_record_tier(capsys, cache
             store.set_mtime(key, time.time() - 7 * 3600)  # type: ignore[attr-defined]
 
     code, out, _ = run(capsys, "cache", "prune", url, "--max-size", "1T")
-    assert code == 0 and "2 abandoned staging areas removed" in out
+    assert code == 0 and "2 leftovers of killed processes removed" in out
     assert store.list(abandoned.prefix) == [] and store.list(other.prefix) == []
     assert store.published(KEY_A) is not None
     assert run(capsys, "cache", "verify", url)[0] == 0

@@ -40,7 +40,7 @@ def test_a_compile_during_an_outage_is_promoted_by_the_next_start(
     restarted = TwoTierCache(node, remote=remote, remote_options=READER)
     hit = restarted.get_or_compile(KEY, compile_fn(KEY, fail="must not compile"))
     assert hit.source == "local"  # served at once: the promotion runs beside it
-    assert restarted.wait_for_owed_promotions(timeout=60)
+    assert restarted.wait_for_upkeep(timeout=60)
 
     shared = open_store(remote)
     assert shared.published(KEY) is not None
@@ -65,7 +65,7 @@ def test_a_note_without_its_entry_is_dropped_and_promotes_nothing(tmp_path):
     node, remote = str(tmp_path / "node"), str(tmp_path / "remote")
     owe_promotion(open_store(node), KEY, remote)  # a compile killed before it published
     cache = TwoTierCache(node, remote=remote)
-    assert cache.wait_for_owed_promotions(timeout=60)
+    assert cache.wait_for_upkeep(timeout=60)
     assert owed_keys(open_store(node)) == []
     assert open_store(remote).list("") == []
 
@@ -83,7 +83,7 @@ def test_a_corrupt_entry_is_never_shared(tmp_path, compile_fn, cache_warnings):
     owe_promotion(store, KEY, remote)
 
     cache = TwoTierCache(node, remote=remote)
-    assert cache.wait_for_owed_promotions(timeout=60)
+    assert cache.wait_for_upkeep(timeout=60)
     assert open_store(remote).published(KEY) is None
     assert owed_keys(store) == []
     assert any(KEY in w and "not promoting" in w for w in cache_warnings())

@@ -17,15 +17,13 @@ from vllm_neuron.backends import (
     open_store,
     probe_store,
 )
-from vllm_neuron.compile.cache import STAGING_MAX_AGE
 from vllm_neuron.compile.events import read_stats
+from vllm_neuron.compile.gc import STAGING_MAX_AGE, plan_gc
 from vllm_neuron.compile.inventory import (
     explain_keys,
-    find_leftovers,
     list_entries,
     parse_duration,
     parse_size,
-    remove_leftovers,
     verify_entries,
     verify_entry,
 )
@@ -200,26 +198,33 @@ def cmd_prune(args: argparse.Namespace) -> int:
         keep=manifest_keys(args.keep_manifest),
     )
     # Always collected too: what processes killed mid-write left behind (invisible, but it
-    # would pile up on a shared tier that no compiling process ever cleans).
-    leftovers = find_leftovers(store, older_than=STAGING_MAX_AGE)
+    # would pile up on a shared tier that no compiling process ever cleans): `cache gc`'s
+    # plan with its default bounds (6 h), which never removes an entry.
+    leftovers = plan_gc(store, older_than=STAGING_MAX_AGE)
     for e in plan.delete:
         print(f"{'would delete' if args.dry_run else 'delete'} {e.key} "
               f"{human_size(e.size)} ({plan.reasons[e.key]})")
-    for left in leftovers:
-        print(f"{'would remove' if args.dry_run else 'remove'} abandoned {left.prefix} "
+    for left in leftovers.items:
+        print(f"{'would remove' if args.dry_run else 'remove'} {left.what} {left.where} "
               f"{human_size(left.size)} ({human_age(left.age_seconds)} old)")
     for key, why in plan.kept.items():
         print(f"keep {key} ({why})")
     if args.dry_run:
         print(f"dry run: {len(plan.delete)} entries, {human_size(plan.freed_bytes)} would be freed"
-              + (f"; {len(leftovers)} abandoned staging areas" if leftovers else ""))
+              + (f"; {len(leftovers.items)} leftovers of killed processes"
+                 if leftovers.items else ""))
         return 0
     removed = plan.execute(None if args.url else evicted_event(event_recorder(store)))
     for key, why in plan.stayed.items():
         print(f"kept {key} ({why})")
-    swept = remove_leftovers(store, leftovers)
+    swept = leftovers.execute()
+    for item, error in swept.failed:
+        print(f"could not remove {item.what} {item.where}: {error}")
     print(f"{removed} entries deleted, {human_size(plan.freed_bytes)} freed"
-          + (f"; {swept} abandoned staging areas removed" if swept else ""))
+          + (f"; {len(swept.removed)} leftovers of killed processes removed"
+             if swept.removed else ""))
+    if swept.failed:
+        return 1
     return 0
 
 

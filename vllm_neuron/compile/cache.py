@@ -61,12 +61,13 @@ from .failures import (
     recent_failure,
 )
 from .fleet import RemoteSingleFlight
+from .gc import STAGING_MAX_AGE
 from .inventory import verify_entry
 from .outcomes import CacheResult, CompileError, PrecompiledOnlyMiss, RemoteWrite
 from .promote import promote_entry
 from .quarantine import PublicationProblem, quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
-from .upkeep import STAGING_MAX_AGE, TierUpkeep
+from .upkeep import TierUpkeep
 
 __all__ = [
     "FAILURES_DIR",
@@ -137,7 +138,8 @@ class TwoTierCache:
         # Stale staging, VLLM_NEURON_CACHE_MAX_SIZE, promotions owed (upkeep.py)
         self._upkeep = TierUpkeep(
             self.local, self._remote, max_size=None if disabled else max_size,
-            lease_seconds=remote_lease_seconds, lock_lease=lease_duration, record=self._record)
+            lease_seconds=remote_lease_seconds, lock_lease=lease_duration,
+            failure_max_age=compile_retry_after, record=self._record)
         self._upkeep.at_start()
 
     # ------------------------------------------------------------- events
@@ -360,10 +362,10 @@ class TwoTierCache:
         has loaded (its artifact is loaded from the entry); best-effort (eviction.py)."""
         self._upkeep.keep_within_bound(self._loaded.keys())
 
-    def wait_for_owed_promotions(self, timeout: float | None = None) -> bool:
-        """Wait for the promotions an earlier process owed, settled in the background
-        since this cache opened (owed.py); True when none is left running."""
-        return self._upkeep.wait_for_owed_promotions(timeout)
+    def wait_for_upkeep(self, timeout: float | None = None) -> bool:
+        """Wait for the background pass this cache started when it opened (what killed
+        processes left collected, owed promotions paid: upkeep.py); True when it ended."""
+        return self._upkeep.wait_for_background(timeout)
 
     def entries(self) -> list[str]:
         """Keys of every published local entry."""

@@ -49,8 +49,11 @@ from .eviction import PINS_DIR
 from .failures import FAILURE_NOTES, FAILURES_DIR
 from .owed import OWED_DIR, OWED_NOTES
 from .quarantine import QUARANTINE_DIR, QUARANTINE_NOTES
-from .upkeep import STAGING_MAX_AGE
 
+STAGING_MAX_AGE = 6 * 3600.0
+"""The default age bound: what killed writers left, untouched this long, is collected (by
+``cache gc``, ``cache prune`` and every cache that opens a tier). It must exceed the longest
+time a live writer goes without writing a file: the longest compile."""
 LEASE_GRACE = 600.0
 """Seconds past its release or expiry that a lease's records are kept."""
 QUARANTINE_NOTE_MIN_AGE = 7 * 86400.0

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from vllm_neuron.backends import Leftover, Store, join
+from vllm_neuron.backends import Store, join
 from vllm_neuron.envs.compile_cache import parse_size as parse_size_setting
 
 from .entry import ENTRY_RECORD, EntryProblem, check_checksums, check_sizes, decode_record
@@ -152,24 +152,6 @@ def explain_keys(store: Store, key_a: str, key_b: str) -> dict[str, tuple[str, s
         for name in sorted(set(a) | set(b))
         if a.get(name) != b.get(name)
     }
-
-
-def find_leftovers(store: Store, *, older_than: float) -> list[Leftover]:
-    """Staging areas and unpublished versions untouched for `older_than` seconds.
-
-    A process killed while compiling, fetching or promoting leaves its staging behind.
-    It is never visible as an entry, but it must not pile up forever. Where that is (a
-    staging directory, an uncommitted version beside an entry) is the store's business:
-    `Store.leftovers` finds them on every backend.
-    """
-    return store.leftovers(older_than)
-
-
-def remove_leftovers(store: Store, leftovers: list[Leftover]) -> int:
-    """Delete what `find_leftovers` found; returns how many were removed."""
-    for leftover in leftovers:
-        store.delete_tree(leftover.prefix)
-    return len(leftovers)
 
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw]?)\s*$")
