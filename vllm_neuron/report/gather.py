@@ -1,0 +1,140 @@
+"""Collect what a report shows, through each feature's own readers.
+
+Why readers and not files: every artifact already has a reader that knows its schema, its
+versions and its defects (`manifest.inspect.load_manifest`, `snapshot.bundles.list_bundles`,
+`profiling.run_record.read_manifest`, `profiling.validate.validate_run`, the compile
+cache's event records), so the page shows what the commands show, and a format change
+reaches the report with no edit here. One unreadable thing (a manifest, a run) becomes a
+problem on the page, never a failed report: the page is most useful when something broke.
+
+The cache statistics are not computed here: the caller passes the document `cache stats
+--json` prints for a tier (`stats_of`), so the page's numbers are that command's numbers.
+"""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_neuron.backends import Record, RecordCodec, local_path_of, open_store
+from vllm_neuron.compile.events import CACHE_EVENTS, EVENTS_STREAM
+from vllm_neuron.manifest.inspect import check_manifest, load_manifest
+from vllm_neuron.manifest.schema import Manifest
+
+from .roots import Sources
+from .runs import ProfileRun, SnapshotView, gather_profiles, gather_snapshots
+
+__all__ = ["CacheView", "EngineView", "ProcessRow", "Report", "gather"]
+
+MANIFEST_FILE = "manifest.json"
+_EVENTS = RecordCodec(CACHE_EVENTS)
+
+
+@dataclass(frozen=True)
+class ProcessRow:
+    """One writer of a cache's event log (a process: ``<host>-<pid>``) and its events."""
+
+    cache: str
+    writer: str
+    events: tuple[Record, ...]
+    skipped: int = 0  # lines of its segment that did not decode (a torn tail)
+
+
+@dataclass(frozen=True)
+class CacheView:
+    """A local tier: the `cache stats --json` document and one row per process."""
+
+    location: str
+    stats: Mapping[str, Any]
+    rows: tuple[ProcessRow, ...] = ()
+
+
+@dataclass(frozen=True)
+class EngineView:
+    """One engine's manifest, and what `manifest check` finds wrong with it."""
+
+    location: str
+    manifest: Manifest | None = None
+    problems: tuple[str, ...] = ()  # check_manifest's findings (partial deployment, artifacts)
+    error: str | None = None  # the manifest could not be read
+
+    def problems_of(self, graph_hash: str) -> tuple[str, ...]:
+        """The findings that name this graph."""
+        return tuple(p for p in self.problems if graph_hash in p)
+
+
+@dataclass(frozen=True)
+class Report:
+    sources: Sources
+    generated: float
+    caches: tuple[CacheView, ...] = ()
+    engines: tuple[EngineView, ...] = ()
+    snapshots: tuple[SnapshotView, ...] = ()
+    profiles: tuple[ProfileRun, ...] = ()
+    notes: tuple[str, ...] = field(default=())
+
+
+def process_rows(cache: str) -> tuple[ProcessRow, ...]:
+    """One row per segment of the tier's event log: each segment has exactly one writer."""
+    log = open_store(cache, create=False).log(EVENTS_STREAM)
+    rows = []
+    for key, data in log.segment_data():
+        decoded = _EVENTS.decode_lines(data)
+        writer = posixpath.basename(key).removesuffix(".jsonl")
+        rows.append(ProcessRow(cache, writer, tuple(decoded.records), decoded.skipped))
+    return tuple(rows)
+
+
+def gather_caches(
+    sources: Sources, stats_of: Callable[[str], Mapping[str, Any]]
+) -> tuple[CacheView, ...]:
+    return tuple(CacheView(c, stats_of(c), process_rows(c)) for c in sources.caches)
+
+
+def _engine_locations(location: str) -> list[str]:
+    """A manifest directory's engines (``<prefix>/manifest.json``), or the engine itself."""
+    store = open_store(location, create=False)
+    if store.exists(MANIFEST_FILE):
+        return [store.url]
+    return [store.sub(name).url for name in store.list_dir("")
+            if not name.startswith(".") and store.exists(f"{name}/{MANIFEST_FILE}")]  # fmt: skip
+
+
+def gather_engines(sources: Sources) -> tuple[EngineView, ...]:
+    """Every engine's manifest, checked as `manifest check` checks it: against the first
+    local tier the report reads (where its artifacts are looked up), or for partial
+    deployments only when the report reads no cache."""
+    cache_root = next((c for c in sources.caches if local_path_of(c)), None)
+    engines = []
+    for location in sources.manifests:
+        for engine in _engine_locations(location):
+            try:
+                where, manifest = load_manifest(engine)
+                problems = check_manifest(manifest, cache_root)
+            except Exception as exc:  # noqa: BLE001 - one bad manifest must not hide the others
+                engines.append(EngineView(engine, error=f"{type(exc).__name__}: {exc}"))
+                continue
+            engines.append(EngineView(where, manifest, tuple(problems)))
+    return tuple(engines)
+
+
+def gather(
+    sources: Sources,
+    *,
+    stats_of: Callable[[str], Mapping[str, Any]],
+    generated: float,
+    replay: bool = False,
+) -> Report:
+    """Everything the page shows. `replay` runs each snapshot bundle's replay (needs torch;
+    the first local tier is the cache replay loads entries from)."""
+    replay_cache = next((c for c in sources.caches if local_path_of(c)), None)
+    return Report(
+        sources=sources,
+        generated=generated,
+        caches=gather_caches(sources, stats_of),
+        engines=gather_engines(sources),
+        snapshots=gather_snapshots(sources.snapshots, replay=replay, cache_dir=replay_cache),
+        profiles=gather_profiles(sources.profiles),
+    )
