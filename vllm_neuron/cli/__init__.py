@@ -24,6 +24,7 @@ from . import debug as debug_cmd
 from . import demo as demo_cmd
 from . import manifest as manifest_cmd
 from . import profile as profile_cmd
+from . import report as report_cmd
 from . import snapshot as snapshot_cmd
 
 
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo_cmd.register(sub)
     manifest_cmd.register(sub)
     profile_cmd.register(sub)
+    report_cmd.register(sub)
     snapshot_cmd.register(sub)
     return parser
 
