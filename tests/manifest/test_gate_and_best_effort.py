@@ -12,6 +12,8 @@ import torch
 from vllm_neuron import envs
 from vllm_neuron.assembly import get_runtime, reset_runtime
 from vllm_neuron.manifest import ManifestConfig, emit_for_this_engine
+from vllm_neuron.manifest.recorder import tracing_piece
+from vllm_neuron.manifest.schema import Piece, PieceSummary, PieceTrace, PieceVariant
 
 
 class Tiny(torch.nn.Module):
@@ -86,6 +88,24 @@ def test_gate_on_records_and_emits_with_host_enrichment(configure, tmp_path, cac
     artifact = os.path.join(cache_root, "neuron", "compile_cache", graph["neff_path"])
     assert os.path.getsize(artifact) == graph["neff_size"] > 0
     assert not (manifest_dir / "ledger" / "dev0_1").exists()
+    assert "pieces" not in graph and "pieces" not in written  # outside vLLM: no piece
+
+
+def test_the_piece_named_around_a_compile_reaches_the_manifest(configure, tmp_path):
+    # What vLLM's compiler adaptor does (plugin/compiler.py): name the piece, then compile
+    # through the runtime; the recorder, a listener of the runtime, writes it on the line.
+    manifest_dir = tmp_path / "manifests"
+    configure(VLLM_NEURON_MANIFEST_DIR=str(manifest_dir))
+    piece = Piece(model="backbone", start=1, end=2048, subgraph=0)
+    with tracing_piece(piece):
+        run_model()
+    run_model()  # the same graph again, outside the block: a line naming no piece
+    manifest = emit_for_this_engine(ManifestConfig())
+    assert manifest is not None
+    (graph,) = manifest.graphs
+    assert graph.traces == [PieceTrace(piece=piece, ranks=[0])]
+    assert manifest.pieces == [PieceSummary(piece=piece, compiles=1, ranks=[0], variants=[
+        PieceVariant(graph_hash=graph.graph_hash, ranks=[0])])]
 
 
 def test_manifest_dir_that_breaks_after_start_up_never_breaks_compilation(

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
+
 from vllm_neuron.backends import RecordCodec
 from vllm_neuron.manifest.inspect import load_manifest
 from vllm_neuron.manifest.ledger import LedgerEntry
+from vllm_neuron.manifest.pieces import completeness_gaps
 from vllm_neuron.manifest.schema import decode_manifest
 
 DATA = Path(__file__).parent / "data" / "records"
@@ -26,6 +29,11 @@ def test_an_old_manifest_reads() -> None:
     assert (second.hlo_path, second.ranks) == (None, [0])
     where, loaded = load_manifest(str(DATA / "manifest.json"))
     assert loaded == manifest and where.endswith("manifest.json")
+    # Written before pieces: no graph names one, so each is judged by itself.
+    assert manifest.pieces is msgspec.UNSET and all(not g.traces for g in manifest.graphs)
+    assert [gap.message() for gap in completeness_gaps(manifest)] == [
+        f"graph {second.graph_hash} was traced by 1 of 2 ranks (missing ranks [1]): "
+        "partial deployment"]
 
 
 def test_an_old_ledger_segment_decodes() -> None:
@@ -34,3 +42,4 @@ def test_an_old_ledger_segment_decodes() -> None:
     first, second = decoded.records
     assert (first.key, first.rank, first.global_rank) == (KEY, 0, None)
     assert (second.rank, second.global_rank, second.input_shapes) == (1, 3, ["1,"])
+    assert first.piece is None and second.piece is None  # written before pieces

@@ -14,7 +14,8 @@ from vllm_neuron.manifest.inspect import (
     diff_manifests,
     load_manifest,
 )
-from vllm_neuron.manifest.schema import Manifest
+from vllm_neuron.manifest.pieces import extra_compiles, summarize_pieces
+from vllm_neuron.manifest.schema import GraphEntry, Manifest
 
 from .format import human_size, print_json, table
 
@@ -48,7 +49,10 @@ def register(sub: Any) -> None:
 def cmd_show(args: argparse.Namespace) -> int:
     where, manifest = load_manifest(args.location)
     if args.json:
-        print_json(msgspec.to_builtins(manifest))
+        # The per-piece summary recomputed from the graphs, the source of truth.
+        summaries = summarize_pieces(manifest.graphs)
+        print_json(msgspec.to_builtins(
+            msgspec.structs.replace(manifest, pieces=summaries or msgspec.UNSET)))
         return 0
     cfg = manifest.config
     topo = cfg.topology
@@ -56,15 +60,41 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"model {cfg.model or '-'}  target {cfg.target or '-'}  dtype {cfg.dtype or '-'}  "
           f"world {topo.world_size} (tp {topo.tensor_parallel_size}, pp "
           f"{topo.pipeline_parallel_size}, dp {topo.data_parallel_size})")
-    rows = [
-        (g.graph_hash[:12], "; ".join(g.input_shapes) or "-", "; ".join(g.output_shapes) or "-",
-         human_size(g.neff_size) if g.neff_size is not None else "-",
-         ",".join(map(str, g.ranks)), g.created_timestamp or "-")
-        for g in manifest.graphs
-    ]
+    if any(g.traces for g in manifest.graphs):
+        _show_pieces(manifest)
+        return 0
+    rows = [(g.graph_hash[:12], *_graph_cells(g, g.ranks)) for g in manifest.graphs]
     print(table(["GRAPH", "INPUTS", "OUTPUTS", "SIZE", "RANKS", "CREATED"], rows))
     print(f"{len(manifest.graphs)} graphs")
     return 0
+
+
+def _graph_cells(g: GraphEntry, ranks: list[int]) -> tuple[str, str, str, str, str]:
+    """A graph's INPUTS, OUTPUTS, SIZE, RANKS and CREATED cells."""
+    return ("; ".join(g.input_shapes) or "-", "; ".join(g.output_shapes) or "-",
+            human_size(g.neff_size) if g.neff_size is not None else "-",
+            ",".join(map(str, ranks)), g.created_timestamp or "-")
+
+
+def _show_pieces(manifest: Manifest) -> None:
+    """One row per variant of each piece, the piece named on its first; a rank-specific
+    variant (traced by fewer ranks than its piece) is marked; graphs naming no piece last."""
+    graphs = {g.graph_hash: g for g in manifest.graphs}
+    summaries = summarize_pieces(manifest.graphs)
+    rows = []
+    for summary in summaries:
+        for i, variant in enumerate(summary.variants):
+            rows.append((summary.piece.label() if i == 0 else "",
+                         "rank-specific" if variant.rank_specific else "shared",
+                         variant.graph_hash[:12],
+                         *_graph_cells(graphs[variant.graph_hash], variant.ranks)))
+    rows += [("-", "-", g.graph_hash[:12], *_graph_cells(g, g.ranks))
+             for g in manifest.graphs if not g.traces]
+    print(table(["PIECE", "VARIANT", "GRAPH", "INPUTS", "OUTPUTS", "SIZE", "RANKS",
+                 "CREATED"], rows))
+    specific = sum(1 for s in summaries if s.compiles > 1)
+    print(f"{len(manifest.graphs)} graphs for {len(summaries)} pieces; {specific} pieces "
+          f"rank-specific, costing {extra_compiles(summaries)} compiles beyond one per piece")
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
@@ -77,6 +107,17 @@ def cmd_diff(args: argparse.Namespace) -> int:
     if diff.empty:
         print("manifests are identical")
         return 0
+    for label in diff.pieces_added:
+        print(f"+ piece {label}")
+    for label in diff.pieces_removed:
+        print(f"- piece {label}")
+    for label, change in diff.pieces_changed.items():
+        for key in change.added:
+            print(f"~ piece {label}: + variant {key}")
+        for key in change.removed:
+            print(f"~ piece {label}: - variant {key}")
+        for key, fields in change.changed.items():
+            print(f"~ piece {label}: variant {key}: {', '.join(fields)}")
     for key in diff.added:
         print(f"+ graph {key}")
     for key in diff.removed:
@@ -102,8 +143,18 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"{where}: {len(problems)} problem(s)")
         return 1
     print(f"{where}: ok ({len(manifest.graphs)} graphs, "
-          f"world size {manifest.config.topology.world_size})")
+          f"world size {manifest.config.topology.world_size}){_pieces_note(manifest)}")
     return 0
+
+
+def _pieces_note(manifest: Manifest) -> str:
+    """What the per-piece judgement covered, when the manifest names pieces."""
+    summaries = summarize_pieces(manifest.graphs)
+    if not summaries:
+        return ""
+    specific = sum(1 for s in summaries if s.compiles > 1)
+    return (f", every rank traced all {len(summaries)} pieces "
+            f"({specific} with rank-specific variants)")
 
 
 def _check_startup(args: argparse.Namespace, where: str, manifest: Manifest,

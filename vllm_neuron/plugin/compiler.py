@@ -13,6 +13,10 @@ reads it back with ``ast.literal_eval``). ``load()`` recomputes the key from the
 given and fetches through the same two-tier cache: a warm restart is a local hit, and a handle
 left by another version of the graph cannot load a stale artifact. (vLLM's own AOT
 artifact, which would skip both calls, is turned off in host mode by the general plugin.)
+
+Each compile or load names the piece it is (vLLM's model tag, compile range and subgraph
+index) to the manifest recorder, so the manifest can tell which graphs are variants of one
+piece (docs/manifest.md).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -27,11 +32,26 @@ from vllm.compilation.compiler_interface import CompilerInterface
 
 from vllm_neuron.assembly import get_runtime
 from vllm_neuron.compile.key import KEY_SCHEMA_VERSION
+from vllm_neuron.manifest.recorder import tracing_piece
+from vllm_neuron.manifest.schema import Piece
 from vllm_neuron.version import __version__
 
 __all__ = ["NeuronCompilerAdaptor"]
 
 logger = logging.getLogger("vllm_neuron.plugin")
+
+
+_SUBGRAPH = re.compile(r"_subgraph_(\d+)$")
+
+
+def piece_of(model: str, compile_range: Any, graph_index: int | None) -> Piece | None:
+    """The piece vLLM is compiling: its model tag, compile range (``Range``: ``start`` and
+    ``end``; an int is a single size) and subgraph index; None when vLLM did not say."""
+    start, end = getattr(compile_range, "start", compile_range), getattr(
+        compile_range, "end", compile_range)
+    if graph_index is None or not isinstance(start, int) or not isinstance(end, int):
+        return None
+    return Piece(model=model, start=start, end=end, subgraph=graph_index)
 
 
 def _toolchain_id() -> str:
@@ -73,9 +93,10 @@ class NeuronCompilerAdaptor(CompilerInterface):
         return hashlib.sha256(blob).hexdigest()[:10]
 
     def _through_cache(self, what: str, graph: Any, example_inputs: list[Any],
-                       label: str) -> tuple[Callable[..., Any], str]:
+                       label: str, piece: Piece | None) -> tuple[Callable[..., Any], str]:
         self.calls += 1
-        fn, compiled = get_runtime().compile(graph, example_inputs)
+        with tracing_piece(piece):
+            fn, compiled = get_runtime().compile(graph, example_inputs)
         result = compiled.result
         logger.info(
             "vllm_neuron: vLLM %s() %s -> graph %s from %s in %.2f s",
@@ -92,7 +113,11 @@ class NeuronCompilerAdaptor(CompilerInterface):
         key: str | None = None,
     ) -> tuple[Callable[..., Any] | None, Any | None]:
         label = f"{self.prefix + ' ' if self.prefix else ''}{key or ''} range {compile_range}"
-        fn, cache_key = self._through_cache("compile", graph, example_inputs, label.strip())
+        # vLLM names the subgraph only in the key: artifact_compile_range_<s>_<e>_subgraph_<i>
+        index = _SUBGRAPH.search(key or "")
+        piece = piece_of(self.prefix, compile_range, int(index.group(1)) if index else None)
+        fn, cache_key = self._through_cache("compile", graph, example_inputs, label.strip(),
+                                            piece)
         return fn, (cache_key, _toolchain_id())
 
     def load(
@@ -118,7 +143,8 @@ class NeuronCompilerAdaptor(CompilerInterface):
             )
         label = f"{self.prefix + ' ' if self.prefix else ''}subgraph {graph_index} " \
                 f"range {compile_range}"
-        fn, cache_key = self._through_cache("load", graph, example_inputs, label.strip())
+        fn, cache_key = self._through_cache("load", graph, example_inputs, label.strip(),
+                                            piece_of(self.prefix, compile_range, graph_index))
         if cache_key != handle_key:
             logger.warning(
                 "vllm_neuron: vLLM's handle names graph %s but the graph it passed is %s; "
