@@ -3,7 +3,7 @@ engine after warm-up (docs/manifest.md)."""
 
 from .emit import emit_for_this_engine, emit_manifest, emit_manifest_best_effort
 from .ledger import LedgerEntry, LedgerWriter
-from .schema import GraphEntry, Manifest, ManifestConfig, Topology, decode_manifest
+from .schema import GraphEntry, Manifest, ManifestConfig, Piece, Topology, decode_manifest
 
 __all__ = [
     "GraphEntry",
@@ -11,6 +11,7 @@ __all__ = [
     "LedgerWriter",
     "Manifest",
     "ManifestConfig",
+    "Piece",
     "Topology",
     "decode_manifest",
     "emit_for_this_engine",
