@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import subprocess
 import sys
 import venv
@@ -39,6 +40,22 @@ def ensure_env(extras: str) -> None:
     stamp.touch()
 
 
+def ensure_chromium() -> None:
+    """The report's tests open the page in a real headless browser: Debian's chromium."""
+    if shutil.which("chromium"):
+        return
+    if os.geteuid() != 0:
+        print("dev.py: chromium is missing and this is not root, so the report's browser tests "
+              "will fail: install it with `apt-get install chromium`", file=sys.stderr)
+        return
+    print("dev.py: installing chromium (the report's browser tests)", flush=True)
+    apt = ["apt-get", "install", "-y", "-q", "chromium"]
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    if subprocess.call(apt, env=env) != 0:  # a fresh machine's package lists may be stale
+        subprocess.check_call(["apt-get", "update", "-q"], env=env)
+        subprocess.check_call(apt, env=env)
+
+
 def run(argv: list[str]) -> int:
     cmd = argv[0] if argv else "test"
     rest = argv[1:]
@@ -48,6 +65,7 @@ def run(argv: list[str]) -> int:
     ensure_env(EXTRAS[cmd])
     env = dict(os.environ)
     if cmd == "test":
+        ensure_chromium()
         return subprocess.call([str(PY), "-m", "pytest", "tests", *rest], cwd=ROOT, env=env)
     if cmd == "demo":
         return subprocess.call([str(PY), "-m", "vllm_neuron.cli", "demo", *rest], cwd=ROOT,
