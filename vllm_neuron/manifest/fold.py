@@ -51,7 +51,6 @@ _RANK_OF = operator.attrgetter("rank")
 _GLOBAL_RANK_OF = operator.attrgetter("global_rank")
 _PIECE_OF = operator.attrgetter("piece")
 _Traced = tuple[str, Piece | None]  # (key, piece) of a line
-_TRACE_PIECE = operator.attrgetter("piece")
 
 
 @dataclass(frozen=True)
@@ -152,7 +151,7 @@ class LedgerFold:
             sorted_ranks = ordered.get(id(key_ranks))
             if sorted_ranks is None:
                 sorted_ranks = ordered[id(key_ranks)] = sorted(key_ranks)
-            key_pieces = sorted(pieces.get(key, ()), key=_TRACE_PIECE)
+            key_pieces = sorted(pieces.get(key, ()), key=_PIECE_OF)
             entry = self._details.get(key)
             if entry is None:
                 out[key] = FoldedGraph([], "", list(sorted_ranks), has_details=False,
