@@ -30,8 +30,12 @@ for extra in (TESTS / "compile", TESTS / "snapshot"):
         sys.path.insert(0, str(extra))
 
 from cache_workers import (  # noqa: E402
+    HELD,
+    RESUME,
+    WAITING,
     finish_workers,
     release_barrier,
+    wait_for,
     worker_command,
     worker_env,
 )
@@ -49,12 +53,30 @@ class Deployment:
     remote: Path
 
 
-def _workers(specs: list[dict[str, Any]], barrier: Path | None = None) -> list[dict[str, Any]]:
+def _workers(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     procs = [subprocess.Popen(worker_command("get", spec), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=worker_env())
              for spec in specs]
-    if barrier is not None:
-        release_barrier(str(barrier), len(procs), procs)
+    return finish_workers(procs)
+
+
+def _race(specs: list[dict[str, Any]], work: Path) -> list[dict[str, Any]]:
+    """Two ranks on one key: one compiles and is held half-way until the other is queued on
+    the key's lock, so the other's lock wait lasts at least the rest of the compile (above
+    the 50 ms the cache records), whatever the machine's load."""
+    barrier, hold, waiting = work / "barrier", work / "hold", work / "waiting"
+    procs = [subprocess.Popen(worker_command("get", {**spec, "barrier_dir": str(barrier),
+                                                     "hold_dir": str(hold),
+                                                     "waiting_dir": str(waiting)}),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=worker_env())
+             for spec in specs]  # fmt: skip
+    release_barrier(str(barrier), len(procs), procs)
+    wait_for(lambda: (hold / HELD).exists(), "a compile held half-way", procs)
+    wait_for(lambda: waiting.is_dir() and len([n for n in os.listdir(waiting)
+                                               if n.startswith(WAITING)]) == len(procs),
+             "both ranks queued on the key's lock", procs)  # fmt: skip
+    (hold / RESUME).touch()
     return finish_workers(procs)
 
 
@@ -65,20 +87,18 @@ def build_cache(root: Path, node_b: Path) -> Deployment:
     for d in (cache_a, cache_b, remote):
         d.mkdir(parents=True, exist_ok=True)
 
-    def spec(cache: Path, key: str, **extra: Any) -> dict[str, Any]:
-        return {"cache_dir": str(cache), "remote": str(remote), "key": key, "delay": 0.2,
-                **extra}
+    def spec(cache: Path, key: str) -> dict[str, Any]:
+        # delay: the compile's four files over 0.4 s; after a hold, 0.3 s of it remain
+        return {"cache_dir": str(cache), "remote": str(remote), "key": key, "delay": 0.4}
 
     first = _workers([spec(cache_a, KEYS[0])])
-    barrier = root.parent / "barrier"
-    race = _workers([spec(cache_a, KEYS[1], barrier_dir=str(barrier)) for _ in range(2)],
-                    barrier)
+    race = _race([spec(cache_a, KEYS[1]) for _ in range(2)], root.parent)
     again = _workers([spec(cache_a, KEYS[0])])
     fetched = _workers([spec(cache_b, KEYS[0]), spec(cache_b, KEYS[1])])
     sources = [r["source"] for r in first + race + again + fetched]
     assert all(r["ok"] and r["wrong"] is None for r in first + race + again + fetched), sources
     assert sources[0] == "compiled" and sources[3] == "local", sources
-    assert sorted(sources[1:3])[0] == "compiled", sources  # one rank compiled, one waited
+    assert sorted(sources[1:3]) == ["compiled", "local-after-wait"], sources
     assert sources[4:] == ["remote", "remote"], sources  # node B fetched both
     return Deployment(root, node_b, cache_a, cache_b, remote)
 
