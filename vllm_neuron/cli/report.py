@@ -2,9 +2,10 @@
 
 The library is `vllm_neuron.report` (docs/report.md); this module parses the arguments and
 hands the report the statistics of each local tier exactly as `vllm-neuron cache stats
---json` prints them: by running that command's own handler (`cli/cache.py` `cmd_stats`:
-`read_stats`, then the CLI's JSON shaping), so the page's numbers and the command's can
-never disagree.
+--json` prints them: by parsing that very command line with the `cache` command's own parser
+and running its handler (`cli/cache.py` `cmd_stats`: `read_stats`, then the CLI's JSON
+shaping), so the page's numbers and the command's can never disagree, whatever options the
+command grows.
 
 Exit status: 0 the page was written; 2 bad usage - a root or option naming something
 malformed, missing or unreachable (the message names the argument and its value), or an
@@ -27,7 +28,7 @@ from vllm_neuron.report.gather import gather
 from vllm_neuron.report.page import render_page
 from vllm_neuron.report.roots import CACHE, MANIFESTS, PROFILES, SNAPSHOTS, resolve_sources
 
-from .cache import cmd_stats
+from . import cache as cache_cmd
 
 
 def register(sub: Any) -> None:
@@ -54,10 +55,13 @@ def register(sub: Any) -> None:
 
 
 def cache_stats_document(cache: str) -> Mapping[str, Any]:
-    """What `vllm-neuron cache stats --json --cache-dir CACHE` prints, parsed."""
+    """What `vllm-neuron cache --cache-dir CACHE stats --json` prints, parsed."""
+    parser = argparse.ArgumentParser(prog="vllm-neuron")
+    cache_cmd.register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["cache", "--cache-dir", cache, "stats", "--json"])
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        cmd_stats(argparse.Namespace(cache_dir=cache, json=True))
+        args.handler(args)
     document: Mapping[str, Any] = json.loads(out.getvalue())
     return document
 

@@ -41,7 +41,7 @@ h3 { margin: 22px 0 6px; font-size: 15px; word-break: break-all; }
 table { border-collapse: collapse; margin: 8px 0 12px; font-size: 13px; }
 th, td { border: 1px solid #d5d9df; padding: 3px 8px; text-align: left; vertical-align: top; }
 th { background: #eef1f5; font-weight: 600; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 code, .mono { font-family: ui-monospace, "SFMono-Regular", Menlo, monospace; font-size: 12px; }
 .cards { display: flex; flex-wrap: wrap; gap: 10px; margin: 16px 0; }
 .card { border: 1px solid #d5d9df; border-radius: 6px; padding: 8px 14px; min-width: 110px; }
