@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_neuron.backends import Record, RecordCodec, local_path_of, open_store
@@ -73,7 +73,6 @@ class Report:
     engines: tuple[EngineView, ...] = ()
     snapshots: tuple[SnapshotView, ...] = ()
     profiles: tuple[ProfileRun, ...] = ()
-    notes: tuple[str, ...] = field(default=())
 
 
 def process_rows(cache: str) -> tuple[ProcessRow, ...]:

@@ -56,10 +56,6 @@ class Sources:
     profiles: tuple[str, ...] = ()
     origins: tuple[tuple[str, str, str], ...] = field(default=())  # (argument, kind, location)
 
-    def of(self, kind: str) -> tuple[str, ...]:
-        return {CACHE: self.caches, MANIFESTS: self.manifests, SNAPSHOTS: self.snapshots,
-                PROFILES: self.profiles}[kind]  # fmt: skip
-
 
 def open_root(location: str, what: str) -> Store:
     """The store at `location`, checked and probed; a ValueError naming `what` (the argument
