@@ -41,6 +41,8 @@ from cache_workers import (  # noqa: E402
 )
 
 KEYS = ("a1" * 16, "b2" * 16, "c3" * 16)
+# A model name that would be markup if the page did not escape what it reads.
+HOSTILE_MODEL = '<script>console.error("injected")</script><img src="http://x.invalid/a">'
 SNAP_HASH = "0123456789abcdef0123456789abcdef"
 
 
@@ -51,6 +53,12 @@ class Deployment:
     cache_a: Path
     cache_b: Path
     remote: Path
+
+
+def run_report(*argv: str) -> subprocess.CompletedProcess[str]:
+    """`vllm-neuron report ...` as a user runs it: its own process."""
+    return subprocess.run([sys.executable, "-m", "vllm_neuron.cli", "report", *argv],
+                          capture_output=True, text=True, timeout=600)
 
 
 def _workers(specs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -10,9 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import HOSTILE_MODEL, run_report
 from report_browser import descendants, parse, select
-from report_deployment import KEYS, SNAP_HASH, Deployment
+from report_deployment import HOSTILE_MODEL, KEYS, SNAP_HASH, Deployment, run_report
 
 from vllm_neuron.backends import copy_tree, open_store
 from vllm_neuron.cli import main
