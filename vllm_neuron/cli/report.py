@@ -23,7 +23,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from vllm_neuron.backends import check_location, is_url, open_store
+from vllm_neuron.backends import check_location, is_url, local_root_missing, open_store
 from vllm_neuron.report.gather import gather
 from vllm_neuron.report.page import render_page
 from vllm_neuron.report.roots import CACHE, MANIFESTS, PROFILES, SNAPSHOTS, resolve_sources
@@ -76,7 +76,7 @@ def _write(output: str, page: str) -> str:
         parent, _, name = output.rstrip("/").rpartition("/")
     else:
         parent, name = os.path.split(os.path.abspath(output))
-        if not os.path.isdir(parent):
+        if local_root_missing(parent):
             raise ValueError(f"-o {output!r}: no directory {parent}")
     if not name:
         raise ValueError(f"-o {output!r}: not a file name")
