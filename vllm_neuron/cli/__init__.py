@@ -3,7 +3,8 @@
 Each feature adds one sub-command module (`cache`, later `manifest`, `profile`); each
 module exposes `register(subparsers)` and its handlers return the process exit status.
 
-Exit status: 0 done, 1 a problem found (a corrupt entry, a failed check), 2 bad usage or
+Exit status (`EXIT_OK`, `EXIT_PROBLEM`, `EXIT_USAGE`; shown in ``--help``'s epilog and
+docs/cli.md): 0 done, 1 a problem found (a corrupt entry, a failed check), 2 bad usage or
 something that cannot be used: a malformed setting or URL, a missing store, refused access,
 an unreachable endpoint, a missing optional package (every error the storage layer raises on
 purpose), with the reason on stderr.
@@ -18,6 +19,7 @@ from collections.abc import Sequence
 
 from vllm_neuron.backends import StoreError
 from vllm_neuron.envs import fault_settings
+from vllm_neuron.version import __version__
 
 from . import cache as cache_cmd
 from . import debug as debug_cmd
@@ -27,11 +29,32 @@ from . import profile as profile_cmd
 from . import report as report_cmd
 from . import snapshot as snapshot_cmd
 
+EXIT_OK = 0
+"""Done: nothing wrong was found."""
+EXIT_PROBLEM = 1
+"""The command ran and found a problem: a corrupt entry, a failed check, a graph missing."""
+EXIT_USAGE = 2
+"""Bad usage, or something that cannot be used (a malformed URL, an unreachable tier)."""
+
+EPILOG = """output: every command that reports takes --json: one JSON document on stdout, nothing
+else there (progress bars go to stderr, only on a terminal, and never with --json).
+
+exit status (every command):
+  0  done, nothing wrong found
+  1  a problem found: a corrupt entry, a failed check, a graph that would be compiled,
+     something that could not be removed or promoted
+  2  bad usage or something that cannot be used: a malformed setting or URL, a missing
+     store, refused access, an unreachable endpoint, a missing optional package
+     (the reason on stderr)
+"""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="vllm-neuron", description="Artifacts of vLLM Neuron deployments."
+        prog="vllm-neuron", description="Artifacts of vLLM Neuron deployments.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
     sub = parser.add_subparsers(dest="command", required=True)
     cache_cmd.register(sub)
@@ -56,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.handler(args))
     except (ValueError, RuntimeError, OSError, KeyError, StoreError) as exc:
         print(f"vllm-neuron: error: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":

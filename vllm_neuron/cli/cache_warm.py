@@ -1,11 +1,12 @@
 """`vllm-neuron cache warm|compat|pin|unpin`: readying a node, upgrading, keeping entries.
 
-* ``warm MANIFEST [--remote URL] [--jobs N]``: fetch every graph the manifest lists into
+* ``warm MANIFEST [--remote URL] [--jobs N] [--json]``: fetch every graph the manifest lists into
   the local tier (`compile/warm.py`); exit 1 listing what the remote lacks (or holds
   defective), 2 for a remote that is malformed, missing or unreachable.
 * ``compat [URL] [--json]``: per entry, would this environment hit it, and if not which
   key component differs (`compile/compat.py`); exit 1 when any entry could never be hit.
-* ``pin [KEY ...] [--manifest M] [--note TEXT]``, ``unpin (KEY ... | --manifest M | --all)``:
+* ``pin [KEY ...] [--manifest M] [--note TEXT] [--json]``,
+  ``unpin (KEY ... | --manifest M | --all) [--json]``:
   entries that neither the size bound nor ``prune`` ever removes (`compile/eviction.py`);
   ``pin`` alone lists the pins.
 
@@ -18,7 +19,6 @@ import argparse
 import contextlib
 import os
 import socket
-import sys
 import time
 from typing import Any
 
@@ -34,6 +34,7 @@ from vllm_neuron.compile.events import EVENTS_STREAM
 from vllm_neuron.envs import remote_cache_url
 
 from .format import human_size, print_json, table
+from .progress import ByteProgress
 from .tiers import cache_dir, tier
 
 
@@ -44,6 +45,7 @@ def register(cmds: Any) -> None:
                       help="the tier to fetch from (default: $NEURON_LIBTORCH_REMOTE_CACHE)")
     warm.add_argument("--jobs", type=int, default=None,
                       help="entries fetched at once (default: 4)")
+    warm.add_argument("--json", action="store_true")
     warm.set_defaults(handler=cmd_warm)
 
     compat = cmds.add_parser(
@@ -57,6 +59,7 @@ def register(cmds: Any) -> None:
     pin.add_argument("--manifest", action="append", default=[],
                      help="pin every graph this manifest lists (repeatable)")
     pin.add_argument("--note", default="", help="why (shown by `cache pin`)")
+    pin.add_argument("--json", action="store_true")
     pin.set_defaults(handler=cmd_pin)
 
     unpin = cmds.add_parser("unpin", help="let pinned entries be evicted again")
@@ -64,6 +67,7 @@ def register(cmds: Any) -> None:
     unpin.add_argument("--manifest", action="append", default=[],
                        help="unpin every graph this manifest lists (repeatable)")
     unpin.add_argument("--all", action="store_true", help="remove every pin")
+    unpin.add_argument("--json", action="store_true")
     unpin.set_defaults(handler=cmd_unpin)
 
 
@@ -124,44 +128,6 @@ def incompatible_here(store: Store) -> dict[str, str]:
     return incompatible_entries(store, environment_of(current_toolchain()))
 
 
-class _Progress:
-    """A progress bar by bytes on stderr (rich), only when stderr is a terminal."""
-
-    def __init__(self, label: str) -> None:
-        self._bar: Any = None
-        self._task: Any = None
-        self._label = label
-
-    def __enter__(self) -> _Progress:
-        if sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                Progress,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-
-            self._bar = Progress("{task.description}", BarColumn(), DownloadColumn(),
-                                 TransferSpeedColumn(), TimeRemainingColumn(),
-                                 console=Console(stderr=True), transient=False)
-            self._bar.__enter__()
-        return self
-
-    def total(self, n: int) -> None:
-        if self._bar is not None:
-            self._task = self._bar.add_task(self._label, total=n)
-
-    def advance(self, n: int) -> None:
-        if self._bar is not None and self._task is not None:
-            self._bar.advance(self._task, n)
-
-    def __exit__(self, *exc: object) -> None:
-        if self._bar is not None:
-            self._bar.__exit__(None, None, None)
-
-
 # ------------------------------------------------------------------- warm
 def cmd_warm(args: argparse.Namespace) -> int:
     from vllm_neuron.compile.eviction import Evictor
@@ -181,11 +147,22 @@ def cmd_warm(args: argparse.Namespace) -> int:
     remote = open_remote(url, origin)
     local = open_store(cache_dir(args))
     record = event_recorder(local)
-    with _Progress(f"warm {len(keys)} graphs") as bar:
-        result = warm_keys(local, remote, keys, jobs=jobs, on_total=bar.total,
-                           on_bytes=bar.advance, record=record)  # fmt: skip
+    with ByteProgress(enabled=not args.json) as bars:
+        bar = bars.task(f"warm {len(keys)} graphs")
+        result = warm_keys(local, remote, keys, jobs=jobs,
+                           on_total=None if bar is None else bar.total,
+                           on_bytes=None if bar is None else bar.advance, record=record)
     if bound is not None:  # the warmed graphs are what this node is about to serve
         Evictor(local, bound, record=record).run(protect=set(keys))
+    code = 2 if result.errors else (0 if result.complete else 1)
+    if args.json:
+        print_json({
+            "remote": remote.url, "graphs": len(keys), "fetched": result.fetched,
+            "fetched_bytes": result.fetched_bytes, "seconds": result.seconds,
+            "present": result.present, "missing": result.missing,
+            "defective": result.defective, "errors": result.errors,
+        })  # fmt: skip
+        return code
     for key in result.missing:
         print(f"MISSING   {key} (not in {remote.url})")
     for key, why in result.defective.items():
@@ -196,9 +173,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
           f"({human_size(result.fetched_bytes)} in {result.seconds:.1f} s), "
           f"{len(result.present)} already local, {len(result.missing)} missing, "
           f"{len(result.defective)} defective, {len(result.errors)} failed")
-    if result.errors:
-        return 2
-    return 0 if result.complete else 1
+    return code
 
 
 # ----------------------------------------------------------------- compat
@@ -248,16 +223,26 @@ def cmd_pin(args: argparse.Namespace) -> int:
     store = _pin_tier(args, create=bool(keys))
     if not keys:
         pins = read_pins(store)
+        if args.json:
+            print_json({"url": store.url, "pins": [
+                {"key": key, "by": None if p is None else p.by,
+                 "note": None if p is None else p.note,
+                 "in_tier": store.published(key) is not None} for key, p in pins.items()]})
+            return 0
         rows = [(key, "?" if p is None else p.by, "?" if p is None else p.note,
                  "yes" if store.published(key) is not None else "no")
                 for key, p in pins.items()]
         print(table(["KEY", "BY", "NOTE", "IN TIER"], rows))
         print(f"{len(pins)} pinned entries in {store.url}")
         return 0
-    for key in keys:
-        new = pin(store, key, note=args.note)
-        here = "" if store.published(key) is not None else " (not in the tier yet)"
-        print(f"{'pinned' if new else 'already pinned'} {key}{here}")
+    done = [{"key": key, "new": pin(store, key, note=args.note),
+             "in_tier": store.published(key) is not None} for key in keys]
+    if args.json:
+        print_json({"url": store.url, "pinned": done})
+        return 0
+    for d in done:
+        here = "" if d["in_tier"] else " (not in the tier yet)"
+        print(f"{'pinned' if d['new'] else 'already pinned'} {d['key']}{here}")
     return 0
 
 
@@ -270,6 +255,10 @@ def cmd_unpin(args: argparse.Namespace) -> int:
         keys = sorted(pinned_keys(store))
     elif not keys:
         raise ValueError("unpin needs KEY ..., --manifest M or --all")
-    removed = sum(1 for key in keys if unpin(store, key))
-    print(f"{removed} of {len(keys)} pins removed")
+    removed = [key for key in keys if unpin(store, key)]
+    if args.json:
+        print_json({"url": store.url, "removed": removed,
+                    "not_pinned": [k for k in keys if k not in removed]})
+        return 0
+    print(f"{len(removed)} of {len(keys)} pins removed")
     return 0

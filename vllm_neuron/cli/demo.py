@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 from vllm_neuron.assembly import get_runtime
 from vllm_neuron.compile import save_cache
 
-from .format import ProgressBar, table
+from .format import table
+from .progress import ByteProgress, callback
 
 if TYPE_CHECKING:
     import torch
@@ -135,8 +136,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
     steps.append(Step("cold process", "node-a", True, run_worker(workdir, "node-a", None)))
     local_a = os.path.join(workdir, "node-a", "neuron", "compile_cache")
     promote_start = time.perf_counter()
-    for key in dict.fromkeys(steps[0].result["keys"]):  # type: ignore[call-overload]
-        save_cache(local_a, remote, key, progress=ProgressBar(f"    promote {key[:12]}"))
+    with ByteProgress() as bars:
+        for key in dict.fromkeys(steps[0].result["keys"]):  # type: ignore[call-overload]
+            save_cache(local_a, remote, key,
+                       progress=callback(bars.task(f"    promote {key[:12]}")))
     promote_seconds = time.perf_counter() - promote_start
     print("2/3 second process on node-a (local hit)...", flush=True)
     steps.append(Step("second process", "node-a", False, run_worker(workdir, "node-a", None)))

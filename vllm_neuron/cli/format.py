@@ -42,20 +42,3 @@ def print_json(value: Any) -> None:
 
     json.dump(value, sys.stdout, indent=2, default=default)
     sys.stdout.write("\n")
-
-
-class ProgressBar:
-    """A one-line progress bar on stderr (no dependency), for promotions and fetches."""
-
-    def __init__(self, label: str, width: int = 30) -> None:
-        self.label, self.width = label, width
-
-    def __call__(self, done: int, total: int) -> None:
-        frac = 1.0 if total <= 0 else min(1.0, done / total)
-        filled = int(frac * self.width)
-        bar = "#" * filled + "." * (self.width - filled)
-        end = "\n" if frac >= 1.0 else ""
-        sys.stderr.write(
-            f"\r{self.label} [{bar}] {frac * 100:5.1f}% {human_size(done)}/{human_size(total)}{end}"
-        )
-        sys.stderr.flush()

@@ -1,4 +1,9 @@
-"""`vllm-neuron manifest show|diff|check`."""
+"""`vllm-neuron manifest show|diff|check`, each with ``--json`` (one document on stdout).
+
+`check` exits 1 on a problem (a partial deployment, an artifact missing from the cache,
+or with ``--remote`` a graph that would be compiled at start-up), 2 when the manifest or
+a tier cannot be read.
+"""
 
 from __future__ import annotations
 
@@ -43,6 +48,7 @@ def register(sub: Any) -> None:
                        help="compile cache root (default: $VLLM_CACHE_ROOT/neuron/compile_cache)")
     check.add_argument("--remote", default=None,
                        help="also the remote tier: would the deployment start without compiling")
+    check.add_argument("--json", action="store_true")
     check.set_defaults(handler=cmd_check)
 
 
@@ -137,6 +143,11 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.remote:
         return _check_startup(args, where, manifest, cache_dir)
     problems = check_manifest(manifest, cache_dir)
+    if args.json:
+        print_json({"manifest": where, "ok": not problems, "problems": problems,
+                    "graphs": len(manifest.graphs),
+                    "world_size": manifest.config.topology.world_size})
+        return 1 if problems else 0
     for problem in problems:
         print(f"FAIL {problem}")
     if problems:
@@ -171,10 +182,17 @@ def _check_startup(args: argparse.Namespace, where: str, manifest: Manifest,
     found = check_startup(manifest, local, remote)
     problems += [f"graph {key}: {why}: it would be compiled at start-up"
                  for key, why in found.missing.items()]
-    for problem in problems:
-        print(f"FAIL {problem}")
     local_n = sum(1 for s in found.sources.values() if s == "local")
     remote_n = len(found.sources) - local_n
+    if args.json:
+        print_json({"manifest": where, "ok": not problems, "problems": problems,
+                    "graphs": len(manifest.graphs),
+                    "world_size": manifest.config.topology.world_size,
+                    "remote": remote.url, "sources": dict(found.sources),
+                    "missing": dict(found.missing)})
+        return 1 if problems else 0
+    for problem in problems:
+        print(f"FAIL {problem}")
     if problems:
         print(f"{where}: {len(problems)} problem(s); {local_n} graphs local, {remote_n} in "
               f"{remote.url}, {len(found.missing)} in neither")
