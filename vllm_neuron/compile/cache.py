@@ -25,7 +25,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -70,6 +70,7 @@ from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
 from .upkeep import TierUpkeep
 
 __all__ = [
+    "EVENT_OBSERVERS",
     "FAILURES_DIR",
     "REMOTE_RETRY_AFTER",
     "STAGING_MAX_AGE",
@@ -81,6 +82,11 @@ __all__ = [
 ]
 
 logger = logging.getLogger("vllm_neuron.compile")
+
+EVENT_OBSERVERS: list[Callable[[Record], None]] = []
+"""Told every event any cache of this process records, before it is written; each must
+never raise. Empty (one empty loop per event) unless vllm_neuron.metrics installed its
+counters, which it does only inside vLLM."""
 
 class TwoTierCache:
     """One node's view of the cache: a local store plus an optional remote store."""
@@ -144,6 +150,8 @@ class TwoTierCache:
 
     # ------------------------------------------------------------- events
     def _record(self, event: Record) -> None:
+        for observe in EVENT_OBSERVERS:
+            observe(event)
         if self._events_broken:
             return
         try:
