@@ -33,7 +33,11 @@ def register(sub: Any) -> None:
     cache_entries.register(cmds)  # ls, verify, promote, prune, explain
 
     stats = cmds.add_parser("stats", help="hits, misses, compiles and time saved")
-    stats.add_argument("--json", action="store_true")
+    stats_format = stats.add_mutually_exclusive_group()
+    stats_format.add_argument("--json", action="store_true")
+    stats_format.add_argument(
+        "--prometheus", action="store_true",
+        help="the series of vLLM's /metrics in the text format (a textfile collector's .prom)")
     stats.set_defaults(handler=cmd_stats)
 
     cache_warm.register(cmds)  # warm, compat, pin, unpin
@@ -41,6 +45,13 @@ def register(sub: Any) -> None:
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
+    if args.prometheus:  # the live series' names and labels (vllm_neuron.metrics)
+        try:
+            from vllm_neuron.metrics import fold_events, render_text
+        except ImportError as exc:
+            raise RuntimeError(f"--prometheus needs prometheus_client: {exc}") from None
+        print(render_text(fold_events(cache_dir(args))), end="")
+        return 0
     stats = read_stats(cache_dir(args))
     if args.json:
         print_json(stats)
