@@ -44,6 +44,7 @@ from vllm_neuron.envs import (
     manifest_settings,
     run_id,
 )
+from vllm_neuron.metrics import install_in_vllm
 from vllm_neuron.snapshot.config import snapshot_config
 
 __all__ = [
@@ -185,6 +186,12 @@ def register() -> None:
         register_backend()
     except ImportError as exc:  # torch missing: vLLM itself cannot run either
         logger.warning("vllm_neuron: torch.compile backend not registered: %s", exc)
+    try:
+        # The cache's counters in vLLM's /metrics; in vLLM's first process before it starts
+        # the engine processes, which inherit where to write them (vllm_neuron.metrics).
+        install_in_vllm()
+    except Exception as exc:  # noqa: BLE001 - metrics never stop a server
+        logger.warning("vllm_neuron: no compile-cache metrics in /metrics: %s", exc)
     _registered = True
     logger.info(
         "vllm_neuron: plugin loaded in pid %d (host mode %s)",
