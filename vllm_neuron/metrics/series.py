@@ -40,6 +40,7 @@ __all__ = [
     "SERIES",
     "Series",
     "SeriesTotals",
+    "eviction_reason",
     "fold_events",
     "samples_of",
 ]
@@ -92,8 +93,9 @@ LEASE_TAKEOVERS = _series("lease_takeovers", "Remote leases taken over from a ho
 VERIFICATION_FAILURES = _series("verification_failures", "Entries that failed verification "
                                 "(checksum, size, record) and were quarantined, by tier.",
                                 ("tier",), (("local",), ("remote",)))
-EVICTIONS = _series("evictions", "Local entries withdrawn to keep the tier within its "
-                    "bound, by reason (size, or a prune policy).", ("reason",), (("size",),))
+EVICTIONS = _series("evictions", "Local entries withdrawn, by reason: size (the tier's "
+                    "bound, or prune --max-size), older-than, incompatible (prune).",
+                    ("reason",), (("size",),))
 EVICTED_BYTES = _series("evicted_bytes", "Bytes of the entries counted by "
                         "vllm_neuron_cache_evictions_total.", ("reason",), (("size",),))
 PROMOTIONS = _series("promotions", "Entries this node published to the remote tier.")
@@ -131,8 +133,25 @@ def _lease_wait(e: LeaseWaited) -> tuple[Sample, ...]:
     return (LEASE_WAITS, (e.outcome,), 1.0), (LEASE_WAIT_SECONDS, (e.outcome,), e.seconds)
 
 
+def eviction_reason(reason: str) -> str:
+    """The label of an ``evict`` event's reason, one of a few values.
+
+    The event keeps prune's own sentence ("least recently used; tier above 1000 bytes",
+    "older than 3600 s", "incompatible: ..."): as a label that would be a new series per
+    bound or per detail.
+    """
+    if reason == "size" or reason.startswith("least recently used"):
+        return "size"
+    if reason.startswith("older than"):
+        return "older-than"
+    if reason.startswith("incompatible"):
+        return "incompatible"
+    return "other"
+
+
 def _evict(e: Evicted) -> tuple[Sample, ...]:
-    return (EVICTIONS, (e.reason,), 1.0), (EVICTED_BYTES, (e.reason,), float(e.size))
+    reason = eviction_reason(e.reason)
+    return (EVICTIONS, (reason,), 1.0), (EVICTED_BYTES, (reason,), float(e.size))
 
 
 def _promote(e: Promoted) -> tuple[Sample, ...]:
