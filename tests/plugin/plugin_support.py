@@ -38,6 +38,7 @@ _STRIP = (
     "NEURON_LIBTORCH_COMPILATION_TIMEOUT", "VLLM_NEURON_DISABLE_WARMUP_COMPILE",
     "VLLM_CACHE_ROOT", "VLLM_PLUGINS", "VLLM_TARGET_DEVICE", "VLLM_USE_AOT_COMPILE",
     "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "VLLM_NEURON_RUN_ID", "ONEDNN_MAX_CPU_ISA",
+    "VLLM_NEURON_METRICS_DIR", "PROMETHEUS_MULTIPROC_DIR",
 )
 SNAPSHOT_PREFIX = "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_"
 
@@ -115,6 +116,11 @@ def chat(port: int, prompt: str, *, request_id: str | None = None,
     )
 
 
+def get_text(port: int, path: str, *, timeout: float = 60.0) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as resp:
+        return str(resp.read().decode())
+
+
 def run_server(
     name: str,
     python: Path,
@@ -125,8 +131,10 @@ def run_server(
     extra_args: Sequence[str] = (),
     requests: Sequence[tuple[str, str | None]] = tuple((p, None) for p in PROMPTS),
     ready_timeout: float = 900.0,
+    scrape: Sequence[str] = (),
 ) -> ServerRun:
-    """Start a server, wait until it serves, send `requests` in order, stop it."""
+    """Start a server, wait until it serves, send `requests` in order, GET each path of
+    `scrape` (its body in ``run.extra["scraped"][path]``), stop it."""
     port = free_port()
     run = ServerRun(name=name, log_path=log_dir / f"{name}.log")
     server = ServerProcess.launch(
@@ -140,6 +148,7 @@ def run_server(
         )
         for prompt, request_id in requests:
             run.completions.append(chat(port, prompt, request_id=request_id))
+        run.extra["scraped"] = {path: get_text(port, path) for path in scrape}
     except ServerExited as exc:
         raise AssertionError(f"{name}: server exited with {exc}\n{server.log_tail(8000)}") from exc
     except (urllib.error.URLError, TimeoutError, OSError) as exc:
