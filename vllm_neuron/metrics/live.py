@@ -39,11 +39,15 @@ import shutil
 import sys
 import tempfile
 import threading
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from vllm_neuron.backends import Record
 from vllm_neuron.compile.cache import EVENT_OBSERVERS
+
+# The handoff below is no setting (nobody configures it), but it is read like one: through
+# envs' primitives (blank counts as unset), never os.environ (tests/test_single_reader.py).
+from vllm_neuron.envs._parse import environ_or_default, raw
 
 from .series import SERIES, Series, samples_of
 
@@ -76,8 +80,8 @@ class LiveMetrics:
     A fork gets a file of its own (the parent's counts stay in the parent's file).
     """
 
-    def __init__(self, environ: MutableMapping[str, str]) -> None:
-        self._environ = environ
+    def __init__(self, environ: Mapping[str, str] | None = None) -> None:
+        self._environ = environ  # None: the process's, read when the file is opened
         self._lock = threading.Lock()
         self._pid = -1
         self._file: Any = None
@@ -88,7 +92,11 @@ class LiveMetrics:
 
     def directory(self) -> str:
         """Where vLLM's ``/metrics`` collects from (see the module's docstring)."""
-        return self._environ.get(MULTIPROC_ENV) or self._environ[METRICS_DIR_ENV]
+        env = environ_or_default(self._environ)
+        directory = raw(env, MULTIPROC_ENV) or raw(env, METRICS_DIR_ENV)
+        if directory is None:
+            raise RuntimeError(f"neither {MULTIPROC_ENV} nor {METRICS_DIR_ENV} is set")
+        return directory
 
     def observe(self, event: Record) -> None:
         samples = samples_of(event)
@@ -143,10 +151,13 @@ class LiveMetrics:
         return key
 
 
-def _collector_dir(environ: MutableMapping[str, str]) -> str:
+def _collector_dir(environ: MutableMapping[str, str] | None) -> str:
     """vLLM's first process: a private directory for the processes it starts."""
     directory = tempfile.mkdtemp(prefix="vllm-neuron-metrics-")
-    environ[METRICS_DIR_ENV] = directory
+    if environ is None:
+        os.environ[METRICS_DIR_ENV] = directory  # inherited by every process started now
+    else:
+        environ[METRICS_DIR_ENV] = directory
     owner = os.getpid()
 
     def remove() -> None:
@@ -167,7 +178,6 @@ def install(
     what vLLM's single API server serves). None when prometheus_client is missing.
     """
     global _installed
-    env = os.environ if environ is None else environ
     with _install_lock:
         if _installed is not None:
             return _installed
@@ -177,11 +187,11 @@ def install(
         except ImportError as exc:
             logger.info("vllm_neuron: no cache metrics in /metrics (%s)", exc)
             return None
-        if METRICS_DIR_ENV not in env:
-            directory = _collector_dir(env)
+        if raw(environ_or_default(environ), METRICS_DIR_ENV) is None:
+            directory = _collector_dir(environ)
             target = prometheus_client.REGISTRY if registry is None else registry
             target.register(MultiProcessCollector(None, path=directory))
-        live = LiveMetrics(env)
+        live = LiveMetrics(environ)
         live.open()
         EVENT_OBSERVERS.append(live.observe)
         _installed = live
