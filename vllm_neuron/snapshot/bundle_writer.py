@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from vllm_neuron.backends import Store, fault_point, join
 
 from .capture_spec import CaptureSpec, SnapshotCaptureError
+from .collectives import collective_ops
 from .context import SnapshotForwardContext
 from .encoding import SnapshotFormat, check_encodable, dtype_name, file_name
 from .kernel_handles import (
@@ -120,6 +121,7 @@ class BundleWriter:
         self._graph_key: str | None = None
         self._graph_tried = False
         self._handle_indices: dict[int, str] | None = None
+        self._collective_ops: list[str] | None = None
 
     def capture_call(
         self,
@@ -129,8 +131,11 @@ class BundleWriter:
         matches: Sequence[Any],
         fn: Callable[..., Any],
         args: Sequence[Any],
+        forward_call: int | None = None,
     ) -> Any:
-        """Write the bundle of this call around running ``fn``; see the module docstring."""
+        """Write the bundle of this call around running ``fn``; see the module docstring.
+
+        ``forward_call`` is the call's position among the forward's graph calls."""
         spec = self.spec
         fmt = spec.format
         prefix = spec.call_prefix(call_index)
@@ -194,6 +199,9 @@ class BundleWriter:
                 graph=graph_key,
                 created=time.time(),
                 pid=os.getpid(),
+                forward_call=forward_call,
+                tp_size=spec.tp_size,
+                collectives=self._collectives(),
             )
             fault_point("snapshot.before-meta")
             write_call_meta(store, prefix, meta)
@@ -209,6 +217,15 @@ class BundleWriter:
         logger.info("vllm_neuron: captured input snapshot %s (selected by %s)", where,
                     ", ".join(selected_by))  # fmt: skip
         return out
+
+    def _collectives(self) -> list[str] | None:
+        """The collective ops of the graph (once per graph); None when there is no graph
+        to read them from (a replay then judges the bundle by its group size alone)."""
+        if self.graph is None:
+            return None
+        if self._collective_ops is None:
+            self._collective_ops = collective_ops(self.graph.gm)
+        return self._collective_ops
 
     def _graph_handles(self) -> dict[int, str]:
         """Inputs the graph hands to a kernel as a process-local handle (once per graph)."""

@@ -34,6 +34,7 @@ from .bundle_writer import BundleWriter
 from .capture_spec import CaptureSpec, resolve_capture_spec
 from .config import RULE_CALL, RULE_ORDER, SnapshotConfig, snapshot_config
 from .context import SnapshotForwardContext
+from .context import next_forward_call as ctx_position
 from .tensor_writers import SnapshotWriter, default_writer
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ class SnapshotCapturer:
         """One post-warm-up call: decide, and capture if selected."""
         call_index = self.calls
         self.calls = call_index + 1
+        forward_call = ctx_position(ctx)
         # Fast path for the common case (nothing selected), without building any record.
         verdict = ctx.verdict
         if (
@@ -133,7 +135,7 @@ class SnapshotCapturer:
                 )
             return fn(*args)
         try:
-            out = self.capture(ctx, call_index, selected_by, matches, fn, args)
+            out = self.capture(ctx, call_index, selected_by, matches, fn, args, forward_call)
         except BaseException:
             budget.release(ctx.step)
             raise
@@ -149,9 +151,11 @@ class SnapshotCapturer:
         matches: Sequence[Any],
         fn: Callable[..., Any],
         args: Sequence[Any],
+        forward_call: int | None = None,
     ) -> Any:
         """Write the bundle of this call around running ``fn`` (:mod:`.bundle_writer`)."""
-        out = self.bundles.capture_call(ctx, call_index, selected_by, matches, fn, args)
+        out = self.bundles.capture_call(ctx, call_index, selected_by, matches, fn, args,
+                                        forward_call)  # fmt: skip
         self.captured.append(self.spec.call_prefix(call_index))
         return out
 

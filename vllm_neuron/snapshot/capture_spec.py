@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from vllm_neuron.backends import Store, join, open_store, validate_key
 from vllm_neuron.identity import RankInfo, detect_ranks
 
+from .collectives import tensor_parallel_size
 from .config import SnapshotConfig, snapshot_config
 from .context import CaptureBudget, get_capture_budget
 from .encoding import SnapshotFormat
@@ -50,6 +51,7 @@ class CaptureSpec:
     config: SnapshotConfig
     ranks: RankInfo
     budget: CaptureBudget
+    tp_size: int = 1  # the tensor-parallel group a collective replay must rebuild
 
     @property
     def format(self) -> SnapshotFormat:
@@ -96,4 +98,5 @@ def resolve_capture_spec(
         config=cfg,
         ranks=info,
         budget=get_capture_budget() if budget is None else budget,
+        tp_size=tensor_parallel_size(),
     )

@@ -119,6 +119,24 @@ def forward_context(ctx: SnapshotForwardContext) -> Iterator[SnapshotForwardCont
         _current = previous
 
 
+# The position of the next compiled-graph call within the published forward. Every rank
+# runs the same graphs in the same order, so (step, position) names one call on every
+# rank, including a piece whose graph differs by rank (vLLM's vocab-parallel embedding):
+# what a collective replay pairs the ranks' bundles by.
+_position_of: SnapshotForwardContext | None = None
+_position = 0
+
+
+def next_forward_call(ctx: SnapshotForwardContext) -> int:
+    """The position of this graph call among the graph calls of forward ``ctx`` (from 0)."""
+    global _position_of, _position
+    if ctx is not _position_of:
+        _position_of, _position = ctx, 0
+    position = _position
+    _position += 1
+    return position
+
+
 class CaptureBudget:
     """At most ``max_captures`` captured forwards per process (thread-safe).
 

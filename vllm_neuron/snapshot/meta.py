@@ -139,6 +139,15 @@ class CallMeta(Record, frozen=True, kw_only=True, tag=META_TAG):
     graph: str | None = None  # key of the exported graph relative to the snapshot root
     created: float = 0.0
     pid: int = 0
+    # Tensor parallelism (absent in bundles written before it was recorded, and in the
+    # Neuron plugin's; see collectives.py and docs/snapshots.md): the call's position among
+    # the compiled-graph calls of its forward (the same on every rank, so it pairs a rank's
+    # bundle with the other ranks' bundles of the same call even where their graphs
+    # differ), the tensor-parallel group's size (0: unknown), the collective ops the graph
+    # calls (None: unknown).
+    forward_call: int | None = None
+    tp_size: int = 0
+    collectives: list[str] | None = None
 
     @property
     def files(self) -> list[str]:
