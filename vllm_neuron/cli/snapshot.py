@@ -7,7 +7,10 @@
 ROOT defaults to the configured snapshot root ($VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR, else
 $VLLM_CACHE_ROOT/neuron/snapshots). BUNDLE is a path or URL of a call directory, or a hash or
 rank directory (every bundle below it: all ranks of a tensor-parallel capture), or such a
-``<hash>[/rank<N>[/call<K>]]`` relative to --root. `replay` exits 1 when any output fails.
+``<hash>[/rank<N>[/call<K>]]`` relative to --root. `replay` exits 1 when any output fails;
+its report is per bundle and per rank. A bundle whose graph calls a collective is replayed
+together with the other ranks' bundles of the same call, one process per rank (or refused,
+saying which rank's bundle is missing; see `vllm_neuron.snapshot.tp_replay`).
 
 Bundles written by AWS's Neuron plugin (``meta.json`` without our record tag; see
 `vllm_neuron.snapshot.meta`) are listed and shown like ours, with ``-`` for what the plugin
@@ -170,8 +173,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
     for n, report in enumerate(reports):
         if n:
             print()
-        print(f"{report.bundle}  (rank {report.global_rank}, call {report.call_index}, "
-              f"runner: {report.runner})")  # fmt: skip
+        print(f"{report.bundle}  (rank {report.global_rank}, call {report.call_index}, tp rank "
+              f"{report.tp_rank}, runner: {report.runner})")  # fmt: skip
+        if report.peers:
+            print(f"replayed with {', '.join(report.peers)}  "
+                  f"(collective: {', '.join(report.collectives)})")  # fmt: skip
         if report.problem:
             print(f"FAIL: {report.problem}")
             continue
@@ -185,6 +191,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
         ]  # fmt: skip
         print(table(["OUTPUT", "DTYPE", "SHAPE", "MAX_ABS_ERR", "MAX_REL_ERR", "COSINE",
                      "ATOL", "RTOL", "RESULT"], rows))  # fmt: skip
+    print()
+    for rank in sorted({r.global_rank for r in reports}):
+        mine = [r for r in reports if r.global_rank == rank]
+        worst = max((o.max_abs_err for r in mine for o in r.outputs), default=0.0)
+        print(f"rank {rank}: {sum(r.passed for r in mine)} of {len(mine)} bundles match "
+              f"(largest absolute error {_fmt(worst)})")  # fmt: skip
     verdict = "FAIL" if failed else "PASS"
     print(f"{verdict}: {len(reports) - len(failed)} of {len(reports)} bundles match "
           "their captured outputs")  # fmt: skip

@@ -10,6 +10,11 @@ directory is replayed, so all ranks of a tensor-parallel capture are checked tog
 
 A bundle without captured outputs (one written by the Neuron plugin holds inputs only) is
 not run: its report says what it lacks.
+
+A bundle whose graph calls a collective (a tensor-parallel capture: ``meta.json`` records
+the ops and the group's size) cannot run alone: it is replayed together with the other
+ranks' bundles of the same call, one process per rank (:mod:`.tp_replay`), each rank with
+its own artifact, or refused with a report that says which rank's bundle is missing.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ from .compare import OutputComparison, compare_outputs
 from .meta import GRAPH_FILE, META_FILE
 from .runners import resolve_runner
 
-__all__ = ["ReplayReport", "replay", "replay_bundle"]
+__all__ = ["PreparedReplay", "ReplayReport", "prepare_bundle", "replay", "replay_bundle",
+           "report_of"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +44,9 @@ class ReplayReport:
     problem: str | None = None
     global_rank: int = 0
     call_index: int = 0
+    tp_rank: int = 0
+    collectives: tuple[str, ...] = ()  # the collective ops its graph calls
+    peers: tuple[str, ...] = ()  # the other ranks' bundles replayed together with it
 
     @property
     def passed(self) -> bool:
@@ -88,15 +97,57 @@ def replay_bundle(
     import torch
     import torch.utils._pytree as pytree
 
+    prepared = prepare_bundle(bundle, runner=runner, cache_dir=cache_dir, runners=runners)
+    if isinstance(prepared, ReplayReport):
+        return prepared
+    with torch.no_grad():
+        result = prepared.fn(*prepared.inputs)
+    actual = list(pytree.tree_leaves(result))
+    try:
+        return prepared.report(compare_outputs(actual, prepared.expected, atol=atol, rtol=rtol))
+    except ReplayError as exc:
+        return prepared.report(problem=str(exc))
+
+
+def report_of(bundle: Bundle, runner: str, outputs: Sequence[OutputComparison] = (),
+              problem: str | None = None) -> ReplayReport:  # fmt: skip
+    """The report of ``bundle``, with its identity from its ``meta.json``."""
     meta = bundle.meta
+    return ReplayReport(bundle.location, runner, tuple(outputs), problem, meta.global_rank,
+                        meta.call_index, meta.tp_rank, tuple(meta.collectives or ()))  # fmt: skip
 
-    def report(runner_name: str, outputs: Sequence[OutputComparison] = (),
+
+@dataclass
+class PreparedReplay:
+    """A bundle ready to run: its runner, inputs and captured outputs, all loaded.
+
+    Apart from the run itself so the ranks of a collective replay can all load first and
+    agree on what runs (a rank that fails to load must not leave the others waiting in
+    a collective)."""
+
+    bundle: Bundle
+    runner: str
+    fn: Callable[..., Any]
+    inputs: list[Any]
+    expected: list[Any]
+
+    def report(self, outputs: Sequence[OutputComparison] = (),
                problem: str | None = None) -> ReplayReport:  # fmt: skip
-        return ReplayReport(bundle.location, runner_name, tuple(outputs), problem,
-                            meta.global_rank, meta.call_index)  # fmt: skip
+        return report_of(self.bundle, self.runner, outputs, problem)
 
+
+def prepare_bundle(
+    bundle: Bundle,
+    *,
+    runner: str = "auto",
+    cache_dir: str | None = None,
+    runners: dict[tuple[str, str], tuple[str, Callable[..., Any]]] | None = None,
+) -> PreparedReplay | ReplayReport:
+    """Load what replaying ``bundle`` needs, or the report of why it cannot be replayed
+    (no captured outputs). A runner that cannot be resolved raises ``ReplayError``."""
+    meta = bundle.meta
     if not meta.outputs:
-        return report(runner, problem=_no_reference(bundle))
+        return report_of(bundle, runner, problem=_no_reference(bundle))
     cache_key = (meta.compilation_hash, runner)
     if runners is not None and cache_key in runners:
         name, fn = runners[cache_key]
@@ -104,15 +155,7 @@ def replay_bundle(
         name, fn = resolve_runner(bundle, runner, cache_dir)
         if runners is not None:
             runners[cache_key] = (name, fn)
-    inputs = bundle.load_inputs()
-    expected = bundle.load_outputs()
-    with torch.no_grad():
-        result = fn(*inputs)
-    actual = list(pytree.tree_leaves(result))
-    try:
-        return report(name, compare_outputs(actual, expected, atol=atol, rtol=rtol))
-    except ReplayError as exc:
-        return report(name, problem=str(exc))
+    return PreparedReplay(bundle, name, fn, bundle.load_inputs(), bundle.load_outputs())
 
 
 def replay(
@@ -124,13 +167,20 @@ def replay(
     atol: float | None = None,
     rtol: float | None = None,
 ) -> list[ReplayReport]:
-    """Replay every bundle at or under ``prefix`` (all ranks of a tensor-parallel capture)."""
+    """Replay every bundle at or under ``prefix`` (all ranks of a tensor-parallel capture),
+    in the order found; bundles with a collective run with their ranks (:mod:`.tp_replay`)."""
+    from .tp_replay import plan_groups, replay_groups  # tp_replay builds on this module
+
     prefixes = find_bundles(store, prefix)
     if not prefixes:
         raise ReplayError(f"no snapshot bundle at {store.url.rstrip('/')}/{prefix}".rstrip("/"))
+    bundles = [load_bundle(store, p) for p in prefixes]
+    plan = plan_groups(store, bundles)
+    reports: dict[str, ReplayReport] = dict(plan.refused)
+    reports.update(replay_groups(store, plan.groups, runner=runner, cache_dir=cache_dir,
+                                 atol=atol, rtol=rtol))  # fmt: skip
     runners: dict[tuple[str, str], tuple[str, Callable[..., Any]]] = {}
-    return [
-        replay_bundle(load_bundle(store, p), runner=runner, cache_dir=cache_dir, atol=atol,
-                      rtol=rtol, runners=runners)  # fmt: skip
-        for p in prefixes
-    ]
+    for bundle in plan.alone:
+        reports[bundle.prefix] = replay_bundle(bundle, runner=runner, cache_dir=cache_dir,
+                                               atol=atol, rtol=rtol, runners=runners)  # fmt: skip
+    return [reports[p] for p in prefixes]
