@@ -7,7 +7,8 @@ vLLM discovers this package through two entry-point groups (pyproject.toml):
     engine is built. Resolves and validates every setting of this package, so a malformed
     value stops the server at start-up with the variable's name; fixes the engine run's id
     for the manifest ledger before any engine process is started; registers the
-    ``vllm_neuron`` torch.compile backend; makes this package's log lines visible.
+    ``vllm_neuron`` torch.compile backend; installs the compile cache's counters for
+    vLLM's ``/metrics`` (:mod:`vllm_neuron.metrics`); makes this package's log lines visible.
 ``vllm.platform_plugins`` -> :func:`platform_plugin`
     Returns the host platform when ``VLLM_NEURON_HOST_MODE=1``, otherwise ``None``: vLLM
     then picks its platform as if this package were not installed.
