@@ -22,7 +22,7 @@ from vllm_neuron.snapshot import forward_context
 from vllm_neuron.snapshot.bundles import load_bundle
 from vllm_neuron.snapshot.collectives import collective_ops, tensor_parallel_size
 from vllm_neuron.snapshot.meta import CallMeta, InputSpec, read_call_meta, write_call_meta
-from vllm_neuron.snapshot.replay import replay
+from vllm_neuron.snapshot.replay import replay, replay_bundle
 from vllm_neuron.snapshot.tp_replay import needs_group, plan_groups
 
 OP = "_C::shm_allreduce"
@@ -112,3 +112,14 @@ def test_a_collective_without_its_other_rank_is_refused_saying_which() -> None:
     assert f"calls {OP}" in problem and "no bundle of rank 1" in problem
     assert "step 9, call 0 of the forward" in problem
     assert "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_RANKS" in problem
+
+
+def test_a_collective_bundle_is_never_run_alone_in_one_process() -> None:
+    """`replay_bundle` (one bundle, this process; what the deployment report calls) would
+    leave the all-reduce waiting for the other rank: it says how to replay it instead."""
+    store = open_store(f"memory://tp-{uuid.uuid4().hex[:12]}")
+    prefix = write_bundle(store, "a" * 32, 0, 9, 0)
+    write_bundle(store, "b" * 32, 1, 9, 0)
+    report = replay_bundle(load_bundle(store, prefix))
+    assert not report.passed and report.outputs == ()
+    assert f"calls {OP}" in (report.problem or "") and "snapshot replay" in (report.problem or "")

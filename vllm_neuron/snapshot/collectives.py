@@ -19,9 +19,12 @@ collectives (``_c10d_functional::all_reduce(x, op, group)``). All of them are fo
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["collective_ops", "tensor_parallel_size"]
+if TYPE_CHECKING:
+    from .meta import CallMeta
+
+__all__ = ["collective_ops", "needs_group", "tensor_parallel_size"]
 
 # Namespaces whose every op is a collective, and collective op names in any namespace.
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
@@ -84,3 +87,12 @@ def tensor_parallel_size() -> int:
     except Exception:  # noqa: BLE001 - torch absent or half-initialised
         pass
     return 1
+
+
+def needs_group(meta: CallMeta) -> bool:
+    """Whether ``meta``'s call can only be replayed together with its other ranks: its graph
+    calls a collective, or (a bundle that does not record its collectives) its group has
+    more than one rank."""
+    if meta.collectives:
+        return meta.tp_size > 1
+    return meta.collectives is None and meta.tp_size > 1

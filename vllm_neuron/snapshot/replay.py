@@ -26,6 +26,7 @@ from typing import Any
 from vllm_neuron.backends import Store, join
 
 from .bundles import Bundle, ReplayError, find_bundles, load_bundle
+from .collectives import needs_group
 from .compare import OutputComparison, compare_outputs
 from .meta import GRAPH_FILE, META_FILE
 from .runners import resolve_runner
@@ -92,11 +93,22 @@ def replay_bundle(
     rtol: float | None = None,
     runners: dict[tuple[str, str], tuple[str, Callable[..., Any]]] | None = None,
 ) -> ReplayReport:
-    """Run ``bundle``'s inputs through its graph and compare with its captured outputs."""
+    """Run ``bundle``'s inputs through its graph and compare with its captured outputs.
+
+    A bundle whose graph calls a collective is not run here (in this one process its
+    all-reduce would wait for ranks that never come): its report says to replay it with
+    :func:`replay`, which runs every rank of the call together."""
     # Heavy optional dependency: imported only once a bundle is actually run.
     import torch
     import torch.utils._pytree as pytree
 
+    if needs_group(bundle.meta):
+        meta = bundle.meta
+        return report_of(bundle, runner, problem=(
+            f"its graph calls {', '.join(meta.collectives or ()) or 'collectives'} across "
+            f"the {meta.tp_size} ranks of its tensor-parallel group, so it replays only "
+            "together with the other ranks' bundles of the same call: use `vllm-neuron "
+            "snapshot replay` on the snapshot root (one process per rank)"))  # fmt: skip
     prepared = prepare_bundle(bundle, runner=runner, cache_dir=cache_dir, runners=runners)
     if isinstance(prepared, ReplayReport):
         return prepared

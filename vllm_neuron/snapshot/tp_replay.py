@@ -36,6 +36,7 @@ from typing import Any
 from vllm_neuron.backends import Store
 
 from .bundles import Bundle, list_bundles
+from .collectives import needs_group
 from .compare import OutputComparison
 from .meta import CallMeta, read_call_meta
 from .replay import ReplayReport, report_of
@@ -43,13 +44,6 @@ from .replay import ReplayReport, report_of
 __all__ = ["ReplayGroup", "ReplayPlan", "needs_group", "plan_groups", "replay_groups"]
 
 GROUP_TIMEOUT = 1800.0  # seconds for all groups of one size: a bound against a hung rank
-
-
-def needs_group(meta: CallMeta) -> bool:
-    """Whether ``meta``'s call can only be replayed together with its other ranks."""
-    if meta.collectives:
-        return meta.tp_size > 1
-    return meta.collectives is None and meta.tp_size > 1
 
 
 def _call_key(meta: CallMeta) -> Hashable:
