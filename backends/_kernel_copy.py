@@ -131,7 +131,8 @@ class _Progress:
         self.stop = False
 
 
-def copy_and_hash(src_fd: int, dst_fd: int, size: int, *, pipelined: bool) -> str:
+def copy_and_hash(src_fd: int, dst_fd: int, size: int, *, pipelined: bool,
+                  on_bytes: Callable[[int], None] | None = None) -> str:
     """Copy `size` bytes src -> dst in the kernel, and BLAKE3 of the bytes now in dst.
 
     The hashed bytes are read back from the destination (through a read-only mapping of
@@ -149,7 +150,9 @@ def copy_and_hash(src_fd: int, dst_fd: int, size: int, *, pipelined: bool) -> st
     wall time is then about max(copy, hash), or less, rather than their sum. Otherwise the
     file is copied, then hashed on one thread: the other files' copies and hashes keep the
     other cores busy, and several multithreaded hashes at once only cost more CPU.
-    `SourceShrank` when the source ends early.
+    `SourceShrank` when the source ends early. `on_bytes(n)`, when given, is told of every
+    `KERNEL_COPY_STEP` bytes as they land (a progress bar moving within one large file);
+    without it the unpipelined copy stays one call.
     """
     preallocate(dst_fd, size)
     copier = KernelCopy(src_fd, dst_fd)
@@ -157,7 +160,13 @@ def copy_and_hash(src_fd: int, dst_fd: int, size: int, *, pipelined: bool) -> st
         return Blake3().hexdigest()  # mmap refuses an empty mapping
     with mmap.mmap(dst_fd, size, prot=mmap.PROT_READ) as mapped, memoryview(mapped) as view:
         if not pipelined or size < PIPELINE_MIN:
-            copier.copy(0, size)
+            if on_bytes is None:
+                copier.copy(0, size)
+            else:
+                for offset in range(0, size, KERNEL_COPY_STEP):
+                    step = min(KERNEL_COPY_STEP, size - offset)
+                    copier.copy(offset, step)
+                    on_bytes(step)
             return Blake3(view).hexdigest()
         hasher = Blake3(max_threads=Blake3.AUTO)
         progress = _Progress()
@@ -169,6 +178,8 @@ def copy_and_hash(src_fd: int, dst_fd: int, size: int, *, pipelined: bool) -> st
                     step = min(KERNEL_COPY_STEP, size - offset)
                     copier.copy(offset, step)
                     offset += step
+                    if on_bytes is not None:
+                        on_bytes(step)
                     with progress.cond:
                         progress.done = offset
                         progress.cond.notify()

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Protocol
 
@@ -34,6 +34,7 @@ from .faults import fault_point
 from .keys import join
 from .operations import where as where_of
 from .staging import Staging
+from .transfer import Progress, ProgressCounter
 
 if TYPE_CHECKING:
     from .base import StoreBase
@@ -56,8 +57,12 @@ class _Hasher(Protocol):
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 
 
+OnBytes = Callable[[int], None] | None
+"""Told of each chunk of a file as it lands (progress within a file); None: not counted."""
+
+
 def _kernel_copy(src_path: str, dst_path: str, rel: str, expected: Expected, where: str,
-                 *, pipelined: bool) -> None:
+                 *, pipelined: bool, on_bytes: OnBytes = None) -> None:
     """Copy one file between two local-disk paths, checking its size and BLAKE3."""
     try:
         src_fd = os.open(src_path, os.O_RDONLY | _O_CLOEXEC)
@@ -70,7 +75,11 @@ def _kernel_copy(src_path: str, dst_path: str, rel: str, expected: Expected, whe
         os.makedirs(os.path.dirname(dst_path), exist_ok=True)
         dst_fd = os.open(dst_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | _O_CLOEXEC, 0o644)
         try:
-            actual = copy_and_hash(src_fd, dst_fd, size, pipelined=pipelined)
+            if on_bytes is None:  # the call every fetch makes, unchanged
+                actual = copy_and_hash(src_fd, dst_fd, size, pipelined=pipelined)
+            else:
+                actual = copy_and_hash(src_fd, dst_fd, size, pipelined=pipelined,
+                                       on_bytes=on_bytes)
         except SourceShrank:
             raise IntegrityError(where, rel, "shrank while it was being copied") from None
         finally:
@@ -88,7 +97,7 @@ def _open_source(store: StoreBase, key: str) -> IO[bytes]:
 
 
 def _stream(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expected,
-            where: str) -> None:
+            where: str, on_bytes: OnBytes = None) -> None:
     """Copy one file through memory in one pass: each chunk read, hashed and written."""
     hasher: _Hasher
     if expected.blake3 is not None:
@@ -116,6 +125,8 @@ def _stream(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expe
                     while chunk:
                         chunk = chunk[os.write(fd, chunk):]
                     size += n
+                    if on_bytes is not None:
+                        on_bytes(n)
                     if size > expected.size:
                         break  # longer than expected: already wrong
             finally:
@@ -125,6 +136,8 @@ def _stream(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expe
             hasher.update(data)
             size = len(data)
             dst.write(rel, data)
+            if on_bytes is not None:
+                on_bytes(size)
     if size != expected.size:
         raise IntegrityError(where, rel, f"has {size} bytes, expected {expected.size}")
     if hasher.hexdigest() != digest:
@@ -132,20 +145,21 @@ def _stream(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expe
 
 
 def _copy_one(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expected,
-              where: str, pipelined: bool) -> None:
+              where: str, pipelined: bool, on_bytes: OnBytes = None) -> None:
     if (expected.blake3 is not None and expected.size >= KERNEL_COPY_MIN
             and src.capabilities.local_paths and dst.store.capabilities.local_paths):
         src_path, dst_path = src.local_path(src_key), dst.store.local_path(dst.key(rel))
         if src_path is not None and dst_path is not None:
-            _kernel_copy(src_path, dst_path, rel, expected, where, pipelined=pipelined)
+            _kernel_copy(src_path, dst_path, rel, expected, where, pipelined=pipelined,
+                         on_bytes=on_bytes)
             fault_point("fetch.mid-copy")  # in the copying thread: the others are mid-way
             return
-    _stream(src, src_key, dst, rel, expected, where)
+    _stream(src, src_key, dst, rel, expected, where, on_bytes)
     fault_point("fetch.mid-copy")
 
 
 def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[str, Expected],
-                  *, workers: int = 0) -> None:
+                  *, workers: int = 0, progress: Progress | None = None) -> None:
     """Copy `files` (keys relative to `src_prefix`) into `dst`, checking size and checksum.
 
     Files in parallel (hashing and kernel copies release the GIL), largest first. A file
@@ -153,7 +167,8 @@ def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[
     pipelined within itself: a second thread copies while this one hashes, since the other
     files could not keep the other cores busy meanwhile. `IntegrityError` names the first
     file that is missing, has the wrong size or the wrong checksum; the staging area is
-    then the caller's to abort.
+    then the caller's to abort. `progress(done, total)` is called as chunks land, within
+    each file too (see `transfer.Progress`); without it nothing is counted.
     """
     where = where_of(src, src_prefix)
     items = sorted(files.items(), key=lambda item: -item[1].size)
@@ -161,14 +176,15 @@ def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[
         return
     workers = workers or min(len(items), max(2, os.cpu_count() or 2), 8)
     total = sum(expected.size for _, expected in items)
+    on_bytes = None if progress is None else ProgressCounter(total, progress).add
     jobs = [(join(src_prefix, rel), rel, expected,
              workers == 1 or expected.size * workers > total) for rel, expected in items]
     if workers == 1:
         for key, rel, expected, pipelined in jobs:
-            _copy_one(src, key, dst, rel, expected, where, pipelined)
+            _copy_one(src, key, dst, rel, expected, where, pipelined, on_bytes)
         return
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        futures = [pool.submit(_copy_one, src, key, dst, rel, expected, where, pipelined)
-                   for key, rel, expected, pipelined in jobs]
+        futures = [pool.submit(_copy_one, src, key, dst, rel, expected, where, pipelined,
+                               on_bytes) for key, rel, expected, pipelined in jobs]
         for future in futures:
             future.result()
