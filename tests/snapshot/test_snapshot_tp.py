@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Sequence
+from importlib.util import find_spec
+from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.fx
 from snapshot_helpers import ctx, make_config
@@ -123,3 +126,19 @@ def test_a_collective_bundle_is_never_run_alone_in_one_process() -> None:
     report = replay_bundle(load_bundle(store, prefix))
     assert not report.passed and report.outputs == ()
     assert f"calls {OP}" in (report.problem or "") and "snapshot replay" in (report.problem or "")
+
+
+@pytest.mark.skipif(find_spec("vllm") is not None, reason="needs a Python without vLLM")
+def test_without_vllm_a_collective_group_reports_what_it_needs(tmp_path: Path) -> None:
+    """The rank processes really start (one per rank) and fail to join the group; every
+    bundle of the group says why, with the rank and its exit status."""
+    store = open_store(str(tmp_path / "snapshots"))
+    pair = [write_bundle(store, "a" * 32, 0, 4, 0), write_bundle(store, "b" * 32, 1, 4, 0)]
+    reports = replay(store, "")
+    assert sorted(r.bundle.removeprefix(store.url.rstrip("/") + "/") for r in reports) == pair
+    assert sorted(r.tp_rank for r in reports) == [0, 1]
+    for report in reports:
+        assert not report.passed
+        problem = report.problem or ""
+        assert "the replay processes of its tensor-parallel group failed" in problem
+        assert "exited with status 2" in problem and "vLLM's distributed runtime" in problem

@@ -65,7 +65,11 @@ def main(argv: list[str]) -> int:
     job = json.loads(Path(argv[0]).read_text())
     rank = int(argv[1])
     runner, cache_dir = str(job["runner"]), job["cache_dir"]
-    group = join_group(int(job["tp_size"]), rank, job["init"], job["ident"])
+    try:
+        group = join_group(int(job["tp_size"]), rank, job["init"], job["ident"])
+    except ReplayError as exc:  # said once, plainly: the parent reports it for every bundle
+        print(exc, file=sys.stderr)
+        return 2
     store = open_snapshot_root(job["root"])
     prepared: list[PreparedReplay | ReplayReport] = []
     runners: dict[tuple[str, str], Any] = {}

@@ -178,11 +178,11 @@ def _run_size(store: Store, groups: list[ReplayGroup], tp_size: int, options: di
                 for r, what in sorted(failed.items())
             )
             for group in groups:
-                for prefix in group.members:
+                for rank, prefix in enumerate(group.members):
                     reports[prefix] = ReplayReport(
                         f"{store.url.rstrip('/')}/{prefix}", str(options["runner"]),
                         problem=f"the replay processes of its tensor-parallel group failed: "
-                                f"{why}")  # fmt: skip
+                                f"{why}", global_rank=rank, tp_rank=rank)  # fmt: skip
             return reports
         for rank in range(tp_size):
             results = json.loads((job_dir / f"result{rank}.json").read_text())
