@@ -82,12 +82,16 @@ def copy_file(src: Store, src_key: str, dst: Store | Staging, dst_key: str,
     """Copy one file; returns its size. `dst` may be a store or a staging area.
 
     A reader of a store destination never sees a partial file (the destination's write
-    operations are atomic). `on_bytes(n)` is told of each chunk as it is read: the copy
-    then streams through the destination's `write_from` instead of its `put_file` (which
-    copies in one call that cannot report), so that path costs nothing when nobody asks.
+    operations are atomic). `on_bytes(n)` is told of the bytes as they land. Into a store
+    on local disk the copy then streams through the destination's `write_from` chunk by
+    chunk instead of its one-call `put_file`; into an object store it stays `put_file`
+    (a streamed write there holds the whole file in memory, a 1.4 GiB NEFF twice over,
+    where `put_file` uploads in parts from disk) and the file is counted when it is up.
+    Without `on_bytes` nothing changes.
     """
     src_path = src.local_path(src_key)
-    if on_bytes is not None:
+    if on_bytes is not None and (
+            dst.store if isinstance(dst, Staging) else dst).capabilities.local_paths:
         reader = open(src_path, "rb") if src_path is not None else src.open_read(src_key)  # noqa: SIM115
         with reader:
             size = dst.write_from(dst_key, _CountingReader(reader, on_bytes))  # type: ignore[arg-type]
@@ -97,9 +101,12 @@ def copy_file(src: Store, src_key: str, dst: Store | Staging, dst_key: str,
         size = os.stat(src_path).st_size
         dst.put_file(dst_key, src_path)
         fault_point("promote.mid-upload")  # in the copying thread: the others are mid-way
-        return size
-    with src.open_read(src_key) as reader:
-        return dst.write_from(dst_key, reader)
+    else:
+        with src.open_read(src_key) as reader:
+            size = dst.write_from(dst_key, reader)
+    if on_bytes is not None:
+        on_bytes(size)
+    return size
 
 
 def copy_tree(

@@ -127,3 +127,17 @@ def test_a_terminal_gets_a_bar_that_moves_within_the_file(big_entry, tmp_path, m
     percents = {int(p) for p in re.findall(r"(\d+)%", text)}
     assert 100 in percents
     assert {p for p in percents if 0 < p < 100}, text  # it moved within the one file
+
+
+def test_a_promotion_to_s3_counts_each_file_once_it_is_up(big_entry, s3_server, s3_store_url):
+    """Into an object store the copy stays put_file (a multipart upload from disk, never
+    the whole file in memory): the count moves per file and reaches the total."""
+    src = open_store(big_entry)
+    dst = open_store(s3_store_url, endpoint_url=s3_server)
+    calls: list[tuple[int, int]] = []
+    with dst.stage(KEY) as staging:
+        copy_tree(src, str(src.published(KEY)), staging, keys=["model.neff"],
+                  progress=lambda done, total: calls.append((done, total)))
+        assert staging.commit()
+    assert calls == [(BIG, BIG)]
+    assert dst.info(f"{dst.published(KEY)}/model.neff").size == BIG
