@@ -68,6 +68,7 @@ class EventLog:
         self._fd = -1
         self._line = bytearray()
         self._owner = -1
+        self._slow_path = threading.Lock()
 
     @property
     def writer(self) -> str:
@@ -96,13 +97,17 @@ class EventLog:
             line.append(10)  # the newline
             _write(self._fd, line)
             return
-        if self._pid != _pid or self._appender is None:
-            self._open()
+        # Any other thread (a cache's background upkeep) or the first append: one at a
+        # time, so two first appends never open two appenders, one closing the other's
+        # descriptor, and an appender that rewrites its segment is never raced.
         line_bytes = _encode(record) + _NEWLINE
-        if self._fd >= 0:
-            _write(self._fd, line_bytes)
-        else:
-            self._appender.write(line_bytes)  # type: ignore[union-attr]
+        with self._slow_path:
+            if self._pid != _pid or self._appender is None:
+                self._open()
+            if self._fd >= 0:
+                _write(self._fd, line_bytes)
+            else:
+                self._appender.write(line_bytes)  # type: ignore[union-attr]
 
     def descriptor(self) -> int:
         """This process's segment descriptor when each record is one `os.write` on it (local

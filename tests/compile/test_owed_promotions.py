@@ -15,8 +15,9 @@ import uuid
 from cache_workers import entry_is_right
 
 from vllm_neuron.backends import open_store
+from vllm_neuron.backends.testing import HANG
 from vllm_neuron.compile.cache import TwoTierCache
-from vllm_neuron.compile.events import read_stats
+from vllm_neuron.compile.events import CACHE_EVENTS, EVENTS_STREAM, Promoted, read_stats
 from vllm_neuron.compile.gc import plan_gc
 from vllm_neuron.compile.inventory import verify_entries
 from vllm_neuron.compile.owed import OWED_DIR, owe_promotion, owed_keys
@@ -56,8 +57,45 @@ def test_a_compile_during_an_outage_is_promoted_by_the_next_start(
 def test_a_promotion_done_in_the_compiling_process_owes_nothing(tmp_path, compile_fn):
     node, remote = str(tmp_path / "node"), str(tmp_path / "remote")
     cache = TwoTierCache(node, remote=remote)
+    assert cache.wait_for_upkeep(HANG)  # its pass is over: only the promotion settles
     assert cache.get_or_compile(KEY, compile_fn(KEY)).source == "compiled"
     assert open_store(remote).published(KEY) is not None
+    assert owed_keys(open_store(node)) == []
+
+
+def test_the_note_of_a_compile_still_running_survives_another_cache_s_start(
+    tmp_path, compile_fn
+):
+    node, remote = str(tmp_path / "node"), str(tmp_path / "remote")
+    # Short lock leases: the other cache gives up waiting for the compile's lock quickly.
+    compiling = TwoTierCache(node, remote=remote, lease_duration=0.5)
+    assert compiling.wait_for_upkeep(HANG)
+    seen: dict[str, list[str]] = {}
+
+    def compile_while_another_cache_starts(out: str) -> dict[str, str]:
+        other = TwoTierCache(node, remote=remote, lease_duration=0.5)
+        assert other.wait_for_upkeep(HANG)  # its pass met our note, without our entry
+        seen["notes"] = owed_keys(open_store(node))
+        return compile_fn(KEY)(out)
+
+    assert compiling.get_or_compile(KEY, compile_while_another_cache_starts).source == (
+        "compiled")
+    assert seen["notes"] == [KEY]  # the live compile's note was left alone
+    assert open_store(remote).published(KEY) is not None and owed_keys(open_store(node)) == []
+
+
+def test_caches_opening_one_tier_settle_a_note_once(tmp_path, compile_fn):
+    node, remote = str(tmp_path / "node"), str(tmp_path / "remote")
+    down = TwoTierCache(node, remote=remote, remote_options=READER)
+    down.get_or_compile(KEY, compile_fn(KEY))  # owed: the remote is not there
+    os.mkdir(remote)
+    ranks = [TwoTierCache(node, remote=remote, remote_options=READER) for _ in range(4)]
+    for rank in ranks:  # all at once, as a TP engine's ranks start
+        rank.get_or_compile(KEY, compile_fn(KEY, fail="must not compile"))
+    assert all(rank.wait_for_upkeep(HANG) for rank in ranks)
+    events = open_store(node).log(EVENTS_STREAM).read(CACHE_EVENTS).records
+    promotions = [e for e in events if isinstance(e, Promoted)]
+    assert [(e.key, e.published) for e in promotions] == [(KEY, True)]
     assert owed_keys(open_store(node)) == []
 
 
@@ -87,6 +125,7 @@ def test_a_corrupt_entry_is_never_shared(tmp_path, compile_fn, cache_warnings):
     assert open_store(remote).published(KEY) is None
     assert owed_keys(store) == []
     assert any(KEY in w and "not promoting" in w for w in cache_warnings())
+    assert store.published(KEY) is None  # quarantined: never served again either
 
 
 def test_a_read_only_remote_is_owed_nothing(tmp_path, compile_fn):

@@ -69,16 +69,9 @@ from .quarantine import PublicationProblem, quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
 from .upkeep import TierUpkeep
 
-__all__ = [
-    "EVENT_OBSERVERS",
-    "FAILURES_DIR",
-    "REMOTE_RETRY_AFTER",
-    "STAGING_MAX_AGE",
-    "CacheResult",
-    "CompileError",
-    "CompileFn",
-    "PrecompiledOnlyMiss",
-    "TwoTierCache",
+__all__ = [  # noqa: RUF022 - grouped: settings and names, then types
+    "EVENT_OBSERVERS", "FAILURES_DIR", "REMOTE_RETRY_AFTER", "STAGING_MAX_AGE",
+    "CacheResult", "CompileError", "CompileFn", "PrecompiledOnlyMiss", "TwoTierCache",
 ]
 
 logger = logging.getLogger("vllm_neuron.compile")
@@ -141,11 +134,12 @@ class TwoTierCache:
         self._events_broken = False
         self._compiler = Compiler(self.local, toolchain=toolchain, target=target,
                                   record=self._record)  # fmt: skip
-        # Stale staging, VLLM_NEURON_CACHE_MAX_SIZE, promotions owed (upkeep.py)
+        # The size bound, collection, owed promotions; failure notes live as long as a wait
         self._upkeep = TierUpkeep(
             self.local, self._remote, max_size=None if disabled else max_size,
             lease_seconds=remote_lease_seconds, lock_lease=lease_duration,
-            failure_max_age=compile_retry_after, record=self._record)
+            failure_max_age=max(compile_retry_after, timeout), record=self._record,
+            quarantine=lambda key, why: self.quarantine(self.local, key, why, tier="local"))
         self._upkeep.at_start()
 
     # ------------------------------------------------------------- events
@@ -267,6 +261,7 @@ class TwoTierCache:
         if self.disabled:
             out_dir, record, seconds = self._compiler.uncached(key, compile_fn, components or {})
             return CacheResult(key, out_dir, record, "uncached", seconds, "")
+        self._upkeep.start_background()  # once (upkeep.py)
         hit = self.lookup_local(key, quarantine=False)
         if hit is not None:
             self._record(

@@ -36,7 +36,7 @@ from __future__ import annotations
 import hashlib
 import re
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -139,10 +139,13 @@ class GcPlan:
     def planned_bytes(self) -> int:
         return sum(item.size for item in self.items)
 
-    def execute(self) -> GcOutcome:
-        """Remove every planned item that has not changed since the plan."""
+    def execute(self, stop: Callable[[], bool] | None = None) -> GcOutcome:
+        """Remove every planned item that has not changed since the plan (until `stop`
+        says so: a background pass stops at the interpreter's exit)."""
         outcome = GcOutcome()
         for item in self.items:
+            if stop is not None and stop():
+                break
             try:
                 why = _remove(self.store, item)
             except Exception as exc:  # noqa: BLE001 - reported, and the exit status says so

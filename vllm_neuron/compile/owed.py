@@ -7,19 +7,19 @@ it leaves an entry that the node serves from its local tier ever after (a local 
 looks at the remote), and that the rest of the fleet never sees: each node that misses
 it compiles it again. So before compiling for the fleet the process leaves a note,
 ``.promote/<key>.json``, in its local tier, and removes it once the remote holds the
-entry. A note that outlives its process is an owed promotion: the next cache that opens
-the tier with the same remote writable settles it in a background thread (`settle_owed`),
-off the hot path, so a node restarted after such a crash serves its local hit at once and
-shares the entry a moment later. A compile done while the remote was down owes its
-promotion the same way.
+entry. A note that outlives its process is an owed promotion: the next cache used on the
+tier with a writable remote settles it in its background pass (`upkeep.py`), off the hot
+path, so a node restarted after such a crash serves its local hit at once and shares the
+entry a moment later. A compile done while the remote was down owes its promotion the
+same way.
 
-Settling one note: no local entry -> nothing to promote (the note goes; a new compile
-writes a new one); the key's local lock, then its remote lease, taken waiting up to two
-lease durations each (a killed owner's lease expires in one; a process still at work on
-the key after that finishes without our help, and the note is left for the next start);
-then
-`promote_entry` (a no-op when the remote has the entry already), then the note goes. A
-remote that fails or refuses writes ends the pass with the notes kept.
+Settling one note, under the key's local lock (taken waiting up to two lease durations: a
+killed owner's lease on a tier without kernel locks expires in one; a process still at
+work on the key after that keeps its note, for the next start): the note gone already ->
+settled by another process; no local entry -> nothing to share, the note goes; else the
+key's remote lease (the same wait), `promote_entry` (a no-op when the remote has the
+entry), and the note goes. A corrupt local entry is quarantined, never shared. A remote
+that fails or refuses writes ends the pass with the notes kept.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -34,12 +35,13 @@ from collections.abc import Callable
 from vllm_neuron.backends import LockTimeout, Record, Store, join
 from vllm_neuron.backends.records import RecordCodec, RecordError, encode
 
-from .promote import promote_entry
+from .promote import LocalEntryProblem, promote_entry
 from .remote_tier import RemoteTier
 
 logger = logging.getLogger("vllm_neuron.compile")
 
 OWED_DIR = ".promote"
+_NOTE_NAME = re.compile(r"([0-9a-f]{32})\.json")
 
 
 class OwedPromotion(Record, frozen=True, tag="promotion-owed"):
@@ -85,9 +87,9 @@ def owed_keys(local: Store) -> list[str]:
         return []
     keys = []
     for name in names:
-        base = name.rsplit("/", 1)[-1]
-        if base.endswith(".json") and len(base) == 32 + len(".json"):
-            keys.append(base[: -len(".json")])
+        match = _NOTE_NAME.fullmatch(name.rsplit("/", 1)[-1])
+        if match:
+            keys.append(match.group(1))
     return sorted(keys)
 
 
@@ -106,16 +108,22 @@ def settle_owed(
     *,
     lease_seconds: float,
     lock_lease: float,
-    on_settled: Callable[[str], None] = lambda key: None,
+    quarantine: Callable[[str, str], None],
+    stopping: Callable[[], bool] = lambda: False,
 ) -> None:
-    """Promote each owed key that can be promoted now (see the module doc)."""
+    """Promote each owed key that can be promoted now (see the module doc).
+
+    Everything about a key is decided under its local lock: a note whose entry is not
+    there yet may be a live compile's (it holds the lock until it publishes), and a note
+    another process settled meanwhile is gone by then. `quarantine(key, reason)` withdraws
+    a local entry that fails its checksums (it is never shared, nor served again).
+    """
     for key in keys:
+        if stopping():
+            return
         remote = tier.store()
         if remote is None or tier.read_only:
             return  # down or read-only: the notes wait for a start that can write
-        if local.published(key) is None:
-            promotion_settled(local, key)
-            continue
         lock = local.lock(key, lease_duration=lock_lease)
         try:
             # Held: by a process at work on the key, or (a tier without kernel locks) still
@@ -125,34 +133,56 @@ def settle_owed(
             logger.debug("compile cache: %s is in use; its promotion waits", key)
             continue
         try:
-            lease = remote.lock(key, lease_duration=lease_seconds)
-            try:
-                # Held: by the killed process that owed this (free once its lease expires)
-                # or by a node compiling the key now (which promotes it itself).
-                lease.acquire(timeout=2 * lease_seconds)
-            except LockTimeout:
-                logger.debug("compile cache: %s is being compiled on %s; its promotion "
-                             "waits", key, remote.url)  # fmt: skip
+            if not local.exists(_note_key(key)):
+                continue  # settled by another process meanwhile
+            if local.published(key) is None:
+                promotion_settled(local, key)  # never published (or evicted): nothing to share
                 continue
-            try:
-                promote_entry(local, remote, key)
-            finally:
-                with contextlib.suppress(Exception):
-                    lease.release()
-        except PermissionError as exc:
-            tier.write_denied(exc)
-            return
-        except RuntimeError as exc:  # the local entry is corrupt: never shared
-            logger.warning("compile cache: not promoting %s owed to %s: %s", key, remote.url,
-                           exc)  # fmt: skip
-            promotion_settled(local, key)
-            continue
-        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-            tier.failed(exc)
-            return
+            if not _promote_owed(local, tier, remote, key, lease_seconds, quarantine):
+                return
         finally:
             lock.release()
+
+
+def _promote_owed(
+    local: Store, tier: RemoteTier, remote: Store, key: str, lease_seconds: float,
+    quarantine: Callable[[str, str], None],
+) -> bool:
+    """Promote one owed key under its local lock; False when the pass must stop (the
+    remote failed or refuses writes)."""
+    lease = remote.lock(key, lease_duration=lease_seconds)
+    try:
+        # Held: by the killed process that owed this (free once its lease expires) or by
+        # a node compiling the key now (which promotes it itself).
+        lease.acquire(timeout=2 * lease_seconds)
+    except LockTimeout:
+        logger.debug("compile cache: %s is being compiled on %s; its promotion waits", key,
+                     remote.url)  # fmt: skip
+        return True
+    except PermissionError as exc:
+        tier.write_denied(exc)
+        return False
+    except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+        tier.failed(exc)
+        return False
+    try:
+        promote_entry(local, remote, key)
+    except LocalEntryProblem as exc:
+        if local.published(key) is not None:  # corrupt: withdrawn, never shared
+            logger.warning("compile cache: not promoting %s: %s", key, exc)
+            quarantine(key, str(exc))
         promotion_settled(local, key)
-        on_settled(key)
-        logger.info("compile cache: promoted %s to %s (owed since an earlier process)", key,
-                    remote.url)  # fmt: skip
+        return True
+    except PermissionError as exc:
+        tier.write_denied(exc)
+        return False
+    except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+        tier.failed(exc)
+        return False
+    finally:
+        with contextlib.suppress(Exception):
+            lease.release()
+    promotion_settled(local, key)
+    logger.info("compile cache: promoted %s to %s (owed since an earlier process)", key,
+                remote.url)  # fmt: skip
+    return True

@@ -44,18 +44,22 @@ from .quarantine import quarantine_entry
 logger = logging.getLogger("vllm_neuron.compile")
 
 
+class LocalEntryProblem(RuntimeError):
+    """The local entry to promote is missing, incomplete or corrupt: nothing to share."""
+
+
 def _checked_entry(local: Store, hash_key: str) -> tuple[str, EntryRecord]:
     """The published prefix and record of `hash_key`, every checksum verified."""
     prefix = local.published(hash_key)
     if prefix is None:
-        raise RuntimeError(f"local cache entry {local.url}/{hash_key} does not exist")
+        raise LocalEntryProblem(f"local cache entry {local.url}/{hash_key} does not exist")
     try:
         record = read_record(local, prefix)
         if record.key != hash_key:
             raise EntryProblem(f"{local.url}/{hash_key}: record names key {record.key}")
         check_checksums(local, prefix, record)
     except EntryProblem as exc:
-        raise RuntimeError(f"local cache entry is incomplete or corrupt: {exc}") from exc
+        raise LocalEntryProblem(f"local cache entry is incomplete or corrupt: {exc}") from exc
     return prefix, record
 
 

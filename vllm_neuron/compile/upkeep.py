@@ -2,22 +2,27 @@
 
 Three jobs, none on the hot path and none allowed to stop the cache from serving:
 
-- when a cache opens: bring the tier within its size bound; then, in a background
-  thread, collect what killed processes left (`gc.py`'s plan of the tier with its default
-  bounds: staging, temp files, expired leases and notes older than `STAGING_MAX_AGE` or
-  their own clocks; never an entry) and settle the promotions an earlier process owed the
-  remote (`owed.py`);
+- when a cache opens: bring the tier within its size bound;
+- at its first use (`get_or_compile`; not when it is built, which may happen before vLLM
+  forks its workers: a fork must not copy a thread's locks mid-use), a background pass
+  that collects what killed processes left (`gc.py`'s plan of the tier with its default
+  bounds: staging, temp files, dead leases and expired notes; never an entry) and settles
+  the promotions an earlier process owed the remote (`owed.py`). One process per tier
+  runs it at a time (the tier's ``upkeep`` lock, taken without waiting): the ranks of a
+  TP=32 engine opening one tier walk it once, not 32 times. It stops between items when
+  the interpreter exits; what an exit cuts short is crash-safe (the next pass finishes it);
 - after each publish: evict least recently used entries above the bound (`eviction.py`);
 - around a compile for the fleet: note the promotion owed, forget it once promoted.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from collections.abc import Callable, Collection
 
-from vllm_neuron.backends import Record, Store
+from vllm_neuron.backends import LockTimeout, Record, Store
 
 from .eviction import Evictor
 from .gc import plan_gc
@@ -25,6 +30,13 @@ from .owed import owe_promotion, owed_keys, promotion_settled, settle_owed
 from .remote_tier import RemoteTier
 
 logger = logging.getLogger("vllm_neuron.compile")
+
+UPKEEP_LOCK = "upkeep"
+"""The tier-wide lock of the background pass (one process per tier at a time)."""
+
+_STOPPING = threading.Event()
+atexit.register(_STOPPING.set)  # background passes stop between items at exit
+
 
 class TierUpkeep:
     """The upkeep of `local` for one cache (see the module doc)."""
@@ -39,6 +51,7 @@ class TierUpkeep:
         lock_lease: float,
         failure_max_age: float,
         record: Callable[[Record], None],
+        quarantine: Callable[[str, str], None],
     ) -> None:
         self.local = local
         self.remote = remote
@@ -46,42 +59,67 @@ class TierUpkeep:
         self._lock_lease = lock_lease
         self._failure_max_age = failure_max_age
         self._evictor = Evictor(local, max_size, record=record) if max_size else None
+        self._quarantine = quarantine
         self._background: threading.Thread | None = None
+        self._started = threading.Lock()
 
     # ------------------------------------------------------------------ start
     def at_start(self) -> None:
-        """Fit the bound; start the background pass (collection, owed promotions)."""
+        """Fit the bound (the background pass waits for the cache's first use)."""
         self.keep_within_bound(())
-        self._background = threading.Thread(
-            target=self._background_pass, name="vllm-neuron-tier-upkeep", daemon=True)
-        self._background.start()
+
+    def start_background(self) -> None:
+        """Start the background pass once (see the module doc); cheap when started."""
+        if self._background is not None:
+            return
+        with self._started:
+            if self._background is None:
+                thread = threading.Thread(target=self._background_pass, daemon=True,
+                                          name="vllm-neuron-tier-upkeep")  # fmt: skip
+                thread.start()
+                self._background = thread
 
     def _background_pass(self) -> None:
+        lock = self.local.lock(UPKEEP_LOCK, lease_duration=self._lock_lease)
         try:
-            outcome = plan_gc(self.local, failure_max_age=self._failure_max_age).execute()
-            for item, error in outcome.failed:
-                logger.debug("compile cache: could not collect %s: %s", item.where, error)
+            lock.acquire(timeout=0)
+        except LockTimeout:
+            return  # another process of the tier is at it
+        except Exception as exc:  # noqa: BLE001 - hygiene never stops the cache
+            logger.debug("compile cache: upkeep of %s not started: %s", self.local.url, exc)
+            return
+        try:
+            self._collect()
+            if self.remote.url and not self.remote.read_only:
+                settle_owed(self.local, self.remote, owed_keys(self.local),
+                            lease_seconds=self._lease_seconds, lock_lease=self._lock_lease,
+                            quarantine=self._quarantine, stopping=_STOPPING.is_set)  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - a background pass never kills the process
+            logger.warning("compile cache: the upkeep of %s stopped: %s", self.local.url, exc)
+        finally:
+            lock.release()
+
+    def _collect(self) -> None:
+        """What killed processes left, by gc's plan with its default bounds."""
+        try:
+            outcome = plan_gc(self.local, failure_max_age=self._failure_max_age).execute(
+                stop=_STOPPING.is_set)
+            for failed, error in outcome.failed:
+                logger.debug("compile cache: could not collect %s: %s", failed.where, error)
         except Exception as exc:  # noqa: BLE001 - hygiene never stops the cache
             logger.debug("compile cache: could not collect what killed processes left in "
                          "%s: %s", self.local.url, exc)  # fmt: skip
-        if self.remote.url and not self.remote.read_only:
-            keys = owed_keys(self.local)
-            try:
-                settle_owed(self.local, self.remote, keys, lease_seconds=self._lease_seconds,
-                            lock_lease=self._lock_lease)  # fmt: skip
-            except Exception as exc:  # noqa: BLE001 - a background pass never kills the process
-                logger.warning("compile cache: settling owed promotions stopped: %s", exc)
 
     def wait_for_background(self, timeout: float | None = None) -> bool:
-        """Wait for the start's background pass; True when it has ended.
+        """Start the background pass if it is not, wait for it; True when it has ended.
 
         A process about to exit calls it to share what it owes now rather than at its next
         start (tests, short-lived tools); serving never waits.
         """
-        if self._background is not None:
-            self._background.join(timeout)
-            return not self._background.is_alive()
-        return True
+        self.start_background()
+        assert self._background is not None
+        self._background.join(timeout)
+        return not self._background.is_alive()
 
     # ---------------------------------------------------------------- publish
     def keep_within_bound(self, protect: Collection[str]) -> None:
