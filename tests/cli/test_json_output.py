@@ -110,6 +110,21 @@ def manifest_diff_check(doc: Any, human: str) -> None:
     assert doc["added"] == [] and doc["removed"] == [] and "identical" in human
 
 
+def compat_check(doc: Any, human: str) -> None:
+    """The world's records carry no compiler_args component: neither entry is judged."""
+    assert {e["key"]: e["compatible"] for e in doc["entries"]} == {KEY_A: None, KEY_B: None}
+    assert keys_in(human) == {KEY_A, KEY_B}
+    assert doc["environment"]["toolchain"] in human.splitlines()[0]
+    assert "2 entries: 2 usable here, 0 never hit here" in human
+
+
+def validate_check(doc: Any, human: str) -> None:
+    assert doc["ok"] is False
+    assert [f"FAIL {f}" for f in doc["failures"]] == [
+        line for line in human.splitlines() if line.startswith("FAIL")]
+    assert f"{len(doc['failures'])} failure(s)" in human
+
+
 def faults_check(doc: Any, human: str) -> None:
     assert [p["name"] for p in doc] == list(POINTS)
     assert all(name in human for name in POINTS)
@@ -139,6 +154,7 @@ CASES: list[tuple[str, list[str], int, Check]] = [
     ("cache pin (list)", ["cache", "--cache-dir", "{local}", "pin"], 0, pin_list_check),
     ("cache pin", ["cache", "--cache-dir", "{local}", "pin", KEY_A], 0, pin_check),
     ("cache unpin", ["cache", "--cache-dir", "{local}", "unpin", KEY_B], 0, unpin_check),
+    ("cache compat", ["cache", "--cache-dir", "{local}", "compat"], 0, compat_check),
     ("cache warm", ["cache", "--cache-dir", "{root}/node", "warm", "{manifest}", "--remote",
                     "{remote}"], 1, warm_check),
     ("manifest check", ["manifest", "check", "{manifest}", "--cache-dir", "{local}"], 1,
@@ -149,6 +165,7 @@ CASES: list[tuple[str, list[str], int, Check]] = [
     ("manifest diff", ["manifest", "diff", "{manifest}", "{manifest}"], 0, manifest_diff_check),
     ("debug faults", ["debug", "faults"], 0, faults_check),
     ("snapshot ls", ["snapshot", "ls", "{root}"], 0, snapshot_ls_check),
+    ("profile validate", ["profile", "validate", "{root}"], 1, validate_check),
     ("profile list", ["profile", "list", "--project-root", "{root}"], 0, profile_list_check),
 ]
 
@@ -165,6 +182,8 @@ def test_json_parses_and_says_what_the_table_says(
     assert (human_code, json_code) == (code, code), (human, out, err)
     doc = json.loads(out)  # the whole of stdout is one document
     assert "\r" not in err  # no progress bar outside a terminal
+    # Each run has a world of its own: their directories are written alike to compare.
+    doc = json.loads(out.replace(str(json_world.root), "<root>"))
     check(doc, human.replace(str(human_world.root), "<root>"))
 
 
