@@ -100,11 +100,11 @@ def test_no_bar_when_stderr_is_not_a_terminal(big_entry, tmp_path, monkeypatch):
     assert f"{KEY}: promoted".encode() in proc.stdout and b"\r" not in proc.stdout
 
 
-def test_a_terminal_gets_a_bar_that_moves_within_the_file(big_entry, tmp_path, monkeypatch):
-    monkeypatch.delenv("NEURON_LIBTORCH_REMOTE_CACHE", raising=False)
+def on_a_terminal(argv: list[str]) -> tuple[int, bytes, str]:
+    """Run `argv` with stderr on a pseudo-terminal: (exit status, stdout, what the
+    terminal got)."""
     primary, secondary = pty.openpty()
-    proc = subprocess.Popen(promote_argv(big_entry, str(tmp_path / "remote")),
-                            stdout=subprocess.PIPE, stderr=secondary,
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=secondary,
                             env={**os.environ, "COLUMNS": "160"})
     os.close(secondary)
     seen = b""
@@ -121,12 +121,22 @@ def test_a_terminal_gets_a_bar_that_moves_within_the_file(big_entry, tmp_path, m
         seen += chunk
     out, _ = proc.communicate(timeout=120)
     os.close(primary)
-    assert proc.returncode == 0, out
-    text = seen.decode(errors="replace")
+    return proc.returncode, out, seen.decode(errors="replace")
+
+
+def test_a_terminal_gets_a_bar_that_moves_within_the_file(big_entry, tmp_path, monkeypatch):
+    monkeypatch.delenv("NEURON_LIBTORCH_REMOTE_CACHE", raising=False)
+    argv = promote_argv(big_entry, str(tmp_path / "remote"))
+    code, out, text = on_a_terminal(argv)
+    assert code == 0, out
     assert f"promote {KEY[:12]}" in text
     percents = {int(p) for p in re.findall(r"(\d+)%", text)}
     assert 100 in percents
     assert {p for p in percents if 0 < p < 100}, text  # it moved within the one file
+    # Again: the remote holds it, nothing is copied, and no empty bar is left behind.
+    code, out, text = on_a_terminal(argv)
+    assert code == 0 and b"already in the remote tier" in out
+    assert f"promote {KEY[:12]}" not in text and "%" not in text
 
 
 def test_a_promotion_to_s3_counts_each_file_once_it_is_up(big_entry, s3_server, s3_store_url):

@@ -159,13 +159,14 @@ def cmd_promote(args: argparse.Namespace) -> int:
     with ByteProgress(enabled=not args.json) as bars:
         for key in keys:
             size = listed[key].size if key in listed else 0
+            bar = bars.task(f"promote {key[:12]}")
             try:
-                published = save_cache(local, to, key,
-                                       progress=callback(bars.task(f"promote {key[:12]}")))
+                published = save_cache(local, to, key, progress=callback(bar))
             except RuntimeError as exc:  # the local entry is missing or corrupt
                 results.append({"key": key, "outcome": "failed", "size": size,
                                 "error": str(exc)})
                 continue
+
             results.append({"key": key, "outcome": "promoted" if published else "present",
                             "size": size, "error": None})
     promoted = sum(1 for r in results if r["outcome"] == "promoted")

@@ -62,28 +62,31 @@ class ByteProgress:
             self._bar.__exit__(kind, exc, tb)
             self._bar = None
 
-    def task(self, label: str, total: int | None = None) -> Task | None:
-        """A bar labelled `label`; None when nothing is shown (pass None on as the
-        storage layer's callback)."""
+    def task(self, label: str) -> Task | None:
+        """A bar labelled `label`, drawn from the first bytes reported (a copy that never
+        starts, of an entry already there, leaves no empty bar); None when nothing is shown
+        (pass None on as the storage layer's callback)."""
         if self._bar is None:
             return None
-        return Task(self, self._bar.add_task(label, total=total))
+        return Task(self, label)
 
-    def _update(self, task_id: Any, *, completed: int | None = None, advance: int = 0,
+    def _update(self, task: Task, *, completed: int | None = None, advance: int = 0,
                 total: int | None = None) -> None:
         with self._lock:
             bar = self._bar
             if bar is None:
                 return
-            task = next(t for t in bar.tasks if t.id == task_id)
-            before = (task.total, int(task.percentage) if task.total else -1)
-            if total is not None and total != task.total:
-                bar.update(task_id, total=total)
+            if task.id is None:
+                task.id = bar.add_task(task.label, total=total)
+            state = next(t for t in bar.tasks if t.id == task.id)
+            before = (state.total, int(state.percentage) if state.total else -1)
+            if total is not None and total != state.total:
+                bar.update(task.id, total=total)
             if completed is not None:
-                bar.update(task_id, completed=completed)
+                bar.update(task.id, completed=completed)
             if advance:
-                bar.advance(task_id, advance)
-            if (task.total, int(task.percentage) if task.total else -1) != before:
+                bar.advance(task.id, advance)
+            if (state.total, int(state.percentage) if state.total else -1) != before:
                 bar.refresh()
 
 
@@ -91,17 +94,18 @@ class Task:
     """One bar: `progress` is the storage layer's `Progress` (done, total); `total` and
     `advance` suit a caller that knows the total first and counts pieces after."""
 
-    def __init__(self, owner: ByteProgress, task_id: Any) -> None:
-        self._owner, self._id = owner, task_id
+    def __init__(self, owner: ByteProgress, label: str) -> None:
+        self._owner, self.label = owner, label
+        self.id: Any = None  # rich's task id, from the first report on
 
     def progress(self, done: int, total: int) -> None:
-        self._owner._update(self._id, completed=done, total=total)
+        self._owner._update(self, completed=done, total=total)
 
     def total(self, n: int) -> None:
-        self._owner._update(self._id, total=n)
+        self._owner._update(self, total=n)
 
     def advance(self, n: int) -> None:
-        self._owner._update(self._id, advance=n)
+        self._owner._update(self, advance=n)
 
 
 def callback(task: Task | None) -> Progress | None:
