@@ -77,7 +77,8 @@ class LiveMetrics:
     :meth:`observe` is the cache's event observer: it runs on every event the process
     records, a hit in memory included, so it does a dict lookup, an add and one 16-byte
     write into the mapped file per increment, under a lock (the file is not thread-safe).
-    A fork gets a file of its own (the parent's counts stay in the parent's file).
+    A forked child gets a file of its own (the parent's counts stay in the parent's file)
+    and a new lock (one a parent thread held at the fork would never be released).
     """
 
     def __init__(self, environ: Mapping[str, str] | None = None) -> None:
@@ -89,6 +90,11 @@ class LiveMetrics:
         self._keys: dict[tuple[Series, tuple[str, ...]], str] = {}
         self.broken = False
         self.path = ""
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._file = None  # the next event opens this process's own file
 
     def directory(self) -> str:
         """Where vLLM's ``/metrics`` collects from (see the module's docstring)."""
@@ -104,9 +110,11 @@ class LiveMetrics:
             return
         try:
             with self._lock:
-                if self._pid != os.getpid():
+                if self._file is None:
                     self._open()
                 for series, labels, amount in samples:
+                    if not amount:  # e.g. a memory hit's time saved: every series is at 0
+                        continue
                     key = self._keys.get((series, labels)) or self._key(series, labels)
                     value = self._values[key] + amount
                     self._values[key] = value

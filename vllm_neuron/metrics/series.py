@@ -48,9 +48,13 @@ __all__ = [
 PREFIX = "vllm_neuron_cache_"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Series:
-    """One counter family: ``metric`` is the family name, samples are ``metric + "_total"``."""
+    """One counter family: ``metric`` is the family name, samples are ``metric + "_total"``.
+
+    Compared and hashed by identity (each is one module constant): the live counters look
+    one up per event, and a field-wise hash would cost more than the lookup.
+    """
 
     metric: str
     help: str
@@ -200,6 +204,8 @@ class SeriesTotals:
 
     def apply(self, event: Record) -> SeriesTotals:
         for series, labels, amount in samples_of(event):
+            if not amount:  # as the live counters: a label value appears once it counts
+                continue
             key = (series, labels)
             self.values[key] = self.values.get(key, 0.0) + amount
         return self
