@@ -25,6 +25,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from plugin_support import (
     cache_events_by_rank,
     run_server,
     server_env,
+    worker_pids,
 )
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
@@ -156,15 +158,9 @@ def pieces_by_rank(run: ServerRun) -> dict[int, dict[str, str]]:
         calls = adaptor_calls(line)
         subgraph = line.split("subgraph_")[1].split()[0] if "subgraph_" in line else "?"
         pid = int(line.split("pid=")[1].split(")")[0])
-        rank = {p: r for r, p in worker_pids_of(run).items()}[pid]
+        rank = {p: r for r, p in worker_pids(run.log()).items()}[pid]
         out.setdefault(rank, {})[subgraph] = calls[0][1]
     return out
-
-
-def worker_pids_of(run: ServerRun) -> dict[int, int]:
-    from plugin_support import worker_pids
-
-    return worker_pids(run.log())
 
 
 # The compile cache -------------------------------------------------------------------------
@@ -287,24 +283,32 @@ def test_request_snapshots_land_under_both_ranks(cold: ServerRun, node_a: Node) 
 def test_replay_of_the_tp_capture_is_per_rank(
     cold: ServerRun, node_a: Node, vllm_python: Path
 ) -> None:
+    # The whole capture: every bundle of both ranks, each replayed together with the other
+    # rank's bundle of the same call, each with its own artifact; the report per rank.
+    started = time.monotonic()
     done = cli("snapshot", "replay", str(node_a.snapshots), "--cache-dir",
+               str(node_a.compile_cache), python=vllm_python)  # fmt: skip
+    seconds = time.monotonic() - started
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    per_rank = len(bundle_metas(node_a)) // 2
+    for rank in RANKS:
+        assert f"rank {rank}: {per_rank} of {per_rank} bundles match" in done.stdout
+    assert f"PASS: {2 * per_rank} of {2 * per_rank} bundles" in done.stdout
+    # A rank-specific piece's directory holds one rank only: its bundles replay with the
+    # other rank's variant, found under the other hash, alongside.
+    mine, theirs = pieces_by_rank(cold)[0]["0"], pieces_by_rank(cold)[1]["0"]
+    done = cli("snapshot", "replay", str(node_a.snapshots / mine), "--cache-dir",
                str(node_a.compile_cache), "--json", python=vllm_python)  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     reports = json.loads(done.stdout)
-    assert len(reports) == len(bundle_metas(node_a))
-    assert all(r["passed"] and r["runner"] == "cache" for r in reports)
-    assert {r["global_rank"] for r in reports} == set(RANKS)
-    for r in reports:  # replayed together with the other rank's bundle of the same call
-        assert len(r["peers"]) == 1 and f"/rank{1 - r['global_rank']}/" in r["peers"][0]
-    # The human report says per rank; a rank-specific piece's directory holds one rank
-    # only, and its bundles still replay with the other rank's variant alongside.
-    variant = pieces_by_rank(cold)[0]["0"]  # rank 0's graph of the first piece
-    done = cli("snapshot", "replay", str(node_a.snapshots / variant), "--cache-dir",
-               str(node_a.compile_cache), python=vllm_python)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert f"rank 0: {MAX_TOKENS} of {MAX_TOKENS} bundles match" in done.stdout
-    assert "rank 1:" not in done.stdout
-    SUMMARY.append(f"replay: {len(reports)} bundles on 2 ranks")
+    assert len(reports) == MAX_TOKENS
+    for report in reports:
+        assert report["passed"] and report["runner"] == "cache", report
+        assert (report["global_rank"], report["tp_rank"]) == (0, 0)
+        assert report["collectives"] == ["_C::shm_allreduce"]
+        (peer,) = report["peers"]
+        assert f"/{theirs}/rank1/" in peer
+    SUMMARY.append(f"replay: {2 * per_rank} bundles on 2 ranks in {seconds:.0f} s")
 
 
 def test_replay_refuses_a_collective_whose_other_rank_was_not_captured(
