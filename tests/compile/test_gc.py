@@ -542,3 +542,22 @@ def test_a_temp_file_being_written_keeps_its_staging_area(tmp_path, profile):
     plan = plan_gc(tier)
     assert plan.items == ()
     assert kinds(plan.kept) == [("staging", prefix)]
+
+
+def test_prune_keeps_failure_notes_for_the_configured_cool_down(capsys, local_tier, monkeypatch):
+    """`cache prune` sweeps what killed processes left as `cache gc` does, with the same
+    cool-down: a failure note the fleet still raises (younger than the setting) stays."""
+    from vllm_neuron.envs import forget_parsed_groups
+
+    note(open_store(local_tier), ".failures", KEY_D, time.time() - 600)  # past the 300 s default
+    monkeypatch.setenv("VLLM_NEURON_COMPILE_RETRY_AFTER", "3600")
+    forget_parsed_groups()
+    try:
+        code, out, _ = run(capsys, "cache", "prune", local_tier, "--max-size", "1T", "--json")
+        assert code == 0, out
+        assert open_store(local_tier).exists(f".failures/{KEY_D}.json")
+    finally:
+        monkeypatch.delenv("VLLM_NEURON_COMPILE_RETRY_AFTER")
+        forget_parsed_groups()
+    code, out, _ = run(capsys, "cache", "prune", local_tier, "--max-size", "1T", "--json")
+    assert code == 0 and not open_store(local_tier).exists(f".failures/{KEY_D}.json")

@@ -28,7 +28,7 @@ from vllm_neuron.compile.inventory import (
 from vllm_neuron.compile.promote import save_cache
 from vllm_neuron.compile.prune import plan_prune
 from vllm_neuron.compile.quarantine import quarantine_entry
-from vllm_neuron.envs import remote_cache_url
+from vllm_neuron.envs import compile_cache_settings, remote_cache_url
 
 from .cache_warm import event_recorder, evicted_event, incompatible_here, manifest_keys
 from .format import human_age, human_size, print_json, table
@@ -196,7 +196,8 @@ def cmd_prune(args: argparse.Namespace) -> int:
     # Always collected too: what processes killed mid-write left behind (invisible, but it
     # would pile up on a shared tier that no compiling process ever cleans): `cache gc`'s
     # plan with its default bounds (6 h), which never removes an entry.
-    leftovers = plan_gc(store, older_than=STAGING_MAX_AGE)
+    leftovers = plan_gc(store, older_than=STAGING_MAX_AGE,
+                        failure_max_age=compile_cache_settings().compile_retry_after)
     out: dict[str, Any] = {
         "url": store.url, "dry_run": args.dry_run,
         "delete": [{"key": e.key, "size": e.size, "reason": plan.reasons[e.key]}
