@@ -21,6 +21,8 @@ import pytest
 from vllm_neuron.backends import copy_tree, copy_verified, open_store
 from vllm_neuron.compile.cache import TwoTierCache
 from vllm_neuron.compile.entry import read_record
+from vllm_neuron.compile.promote import save_cache
+from vllm_neuron.compile.warm import warm_keys
 
 BIG = 40 << 20  # five 8 MiB chunks
 KEY = "c" * 32
@@ -151,3 +153,16 @@ def test_a_promotion_to_s3_counts_each_file_once_it_is_up(big_entry, s3_server, 
         assert staging.commit()
     assert calls == [(BIG, BIG)]
     assert dst.info(f"{dst.published(KEY)}/model.neff").size == BIG
+
+
+def test_warm_counts_bytes_within_one_large_file(big_entry, tmp_path):
+    """`cache warm`'s bar is fed by `warm_keys(on_bytes=)`: for a one-file entry it must
+    move before the file is done, and add up to the entry's size."""
+    remote = str(tmp_path / "remote")
+    assert save_cache(big_entry, remote, KEY)
+    steps: list[int] = []
+    result = warm_keys(open_store(str(tmp_path / "node")), open_store(remote), [KEY],
+                       jobs=1, on_bytes=steps.append)  # fmt: skip
+    assert result.fetched == [KEY]
+    assert sum(steps) == result.fetched_bytes and len(steps) > 1, steps
+    assert all(step > 0 for step in steps)

@@ -25,6 +25,7 @@ from typing import Any
 
 from vllm_neuron.backends import (
     IntegrityError,
+    Progress,
     Record,
     Store,
     copy_verified,
@@ -177,8 +178,11 @@ class RemoteTier:
         )
 
 
-def fetch_entry(remote: Store, key: str, local: Store) -> EntryRecord | None:
-    """Publish the remote entry `key` in `local`, every file verified as it is copied.
+def fetch_entry(
+    remote: Store, key: str, local: Store, *, progress: Progress | None = None
+) -> EntryRecord | None:
+    """Publish the remote entry `key` in `local`, every file verified as it is copied
+    (`progress(done, total)` as the bytes land, within each file).
 
     None when the remote has no such entry. `PublicationProblem` (an `EntryProblem`): the
     remote entry is defective - a broken publication (a commit record that does not read
@@ -207,7 +211,7 @@ def fetch_entry(remote: Store, key: str, local: Store) -> EntryRecord | None:
                                  version=found.version)  # fmt: skip
     with local.stage(key) as staging:
         try:
-            copy_verified(remote, prefix, staging, record.files)
+            copy_verified(remote, prefix, staging, record.files, progress=progress)
         except IntegrityError as exc:
             if remote.publication(key).version != found.version:
                 raise FileNotFoundError(f"{remote.url}/{key} was withdrawn") from None

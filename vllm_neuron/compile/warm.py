@@ -71,8 +71,8 @@ def warm_keys(
     """Fetch every one of `keys` that `local` lacks from `remote`, `jobs` at a time.
 
     `on_total(bytes)` once, with what the fetches will copy (read from the remote
-    records first), then `on_bytes(n)` as each entry lands. `record` gets a `Fetched`
-    event per entry fetched.
+    records first), then `on_bytes(n)` as the bytes land, within each file. `record` gets
+    a `Fetched` event per entry fetched.
     """
     if jobs < 1:
         raise ValueError(f"--jobs must be 1 or more, got {jobs}")
@@ -99,6 +99,16 @@ def warm_keys(
 
     def one(key: str) -> None:
         t0 = time.perf_counter()
+        counted = [0]  # bytes of this key told to on_bytes so far
+        count_guard = threading.Lock()
+
+        def landed(done: int, total: int) -> None:  # from the copying threads
+            assert on_bytes is not None
+            with count_guard:
+                step, counted[0] = done - counted[0], max(done, counted[0])
+            if step > 0:
+                on_bytes(step)
+
         try:
             with local.lock(key, timeout=lock_timeout):
                 judged = check_entry(local, key, full=False)
@@ -108,7 +118,8 @@ def warm_keys(
                     return
                 if local.publication(key).state != "absent":  # defective: make room
                     quarantine_entry(local, key, str(judged.problem), version=judged.version)
-                entry = fetch_entry(remote, key, local)
+                entry = fetch_entry(remote, key, local,
+                                    progress=None if on_bytes is None else landed)
         except (EntryProblem, FileNotFoundError) as exc:  # PublicationProblem included
             with guard:
                 result.defective[key] = str(exc)
@@ -128,8 +139,8 @@ def warm_keys(
         if record is not None:
             record(Fetched(key=key, at=time.time(), seconds=seconds, size=entry.total_size,
                            remote=remote.url, compile_seconds=entry.compile_seconds))
-        if on_bytes is not None:
-            on_bytes(entry.total_size)
+        if on_bytes is not None and entry.total_size > counted[0]:
+            on_bytes(entry.total_size - counted[0])  # what the copy did not report
 
     with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="cache-warm") as pool:
         if on_total is not None:
