@@ -17,6 +17,9 @@ carry, because a start costs 1-3 minutes on 2 loaded cores:
 7. ``vllm-neuron profile capture`` (both recipes) on node A in host mode: vLLM's warm
    restart calls the adaptor's ``load()``, still served by the local tier.
 
+``cold`` and ``restart`` also scrape vLLM's ``/metrics`` before they stop: the cache's
+series show the cold start's compiles and the warm start's hits (vllm_neuron.metrics).
+
 Outputs (tokens and logprobs at temperature 0, float32) of every host-mode run equal the
 stock platform's exactly. A malformed snapshot setting stops a server at start-up (fast).
 Each server gets its own ``TORCHINDUCTOR_CACHE_DIR``, so Inductor's caches never stand in
@@ -138,7 +141,7 @@ def stock(vllm_python: Path, tiny_model: str, work: Path) -> ServerRun:
 def cold(vllm_python: Path, tiny_model: str, work: Path, node_a: Node) -> ServerRun:
     env = node_a.env("cold", VLLM_NEURON_MANIFEST_DIR=str(work / "manifests"))
     run = run_server("cold", vllm_python, tiny_model, work, env, extra_args=DTYPE,
-                     requests=REQUESTS)
+                     requests=REQUESTS, scrape=("/metrics",))
     run.extra["stats"] = delta(node_a.stats(), CacheStats())
     record(run, run.extra["stats"])
     return run
@@ -152,7 +155,7 @@ def restart(vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
     shutil.rmtree(vllm_own)
     before = node_a.stats()
     run = run_server("restart", vllm_python, tiny_model, work, node_a.env("restart"),
-                     extra_args=DTYPE, requests=REQUESTS)
+                     extra_args=DTYPE, requests=REQUESTS, scrape=("/metrics",))
     run.extra["stats"] = delta(node_a.stats(), before)
     record(run, run.extra["stats"])
     return run
@@ -303,6 +306,44 @@ def test_outputs_equal_the_stock_cpu_platform(
             assert got.tokens == want.tokens, run.name
             assert got.logprobs == want.logprobs, (run.name, max(diffs))
     SUMMARY.append(f"outputs: tokens equal, largest logprob difference {worst:.2e}")
+
+
+# Metrics -----------------------------------------------------------------------------------
+
+
+def cache_series(run: ServerRun) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    """The ``vllm_neuron_*`` samples of the /metrics the run's server served before it
+    stopped (vllm_neuron.metrics), parsed by prometheus_client."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = run.extra["scraped"]["/metrics"]
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples
+            if s.name.startswith("vllm_neuron_")}
+
+
+def test_metrics_endpoint_shows_the_cold_compiles_and_the_warm_hits(
+    cold: ServerRun, restart: ServerRun
+) -> None:
+    p = "vllm_neuron_cache_"
+    for run in (cold, restart):
+        assert "\nvllm:" in run.extra["scraped"]["/metrics"]  # vLLM's own series still there
+    got = cache_series(cold)
+    compiled = len(adaptor_calls(cold.log()))
+    assert got[(p + "compiles_total", ())] == cold.extra["stats"]["compiles"] == compiled
+    assert got[(p + "misses_total", ())] == cold.extra["stats"]["misses"]
+    assert got[(p + "compile_seconds_total", ())] > 0
+    assert got[(p + "compile_failures_total", ())] == 0
+    assert sum(v for (n, _), v in got.items() if n == p + "hits_total") == (
+        cold.extra["stats"]["hits"])
+    got = cache_series(restart)
+    served = len(adaptor_calls(restart.log()))
+    assert got[(p + "compiles_total", ())] == got[(p + "misses_total", ())] == 0
+    assert got[(p + "hits_total", (("tier", "local"),))] == served > 0
+    assert sum(v for (n, _), v in got.items() if n == p + "hits_total") == (
+        restart.extra["stats"]["hits"])
+    assert got[(p + "hits_total", (("tier", "remote"),))] == 0
+    assert got[(p + "time_saved_seconds_total", ())] > 0  # what the cold start's compiles cost
 
 
 # The manifest ------------------------------------------------------------------------------
