@@ -55,10 +55,13 @@ COMPONENTS: tuple[str, ...] = (
 
 
 class CacheKey(msgspec.Struct, frozen=True):
-    """A cache key and the per-component hashes it was made from."""
+    """A cache key, the per-component hashes it was made from, and the canonical values
+    behind every component but the graph (`inputs`: recorded in the entry, so that
+    ``cache explain`` can say what changed, not only that something did)."""
 
     key: str
     components: dict[str, str]
+    inputs: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 def _replica_groups_canon(groups: Sequence[Sequence[int]] | None) -> Any:
@@ -86,19 +89,21 @@ def compute_cache_key(
 ) -> CacheKey:
     """The cache key of compiling ``gm`` for ``example_inputs`` with one toolchain setup."""
     versions = {str(k): str(v) for k, v in toolchain_versions.items()}
-    components = {
-        "graph": graph_digest(gm),
-        "inputs": digest_json(inputs_canon(example_inputs)),
-        "versions": digest_json(versions),
-        "compiler_args": digest_json(canonicalize_compiler_args(compiler_args)),
-        "target": digest_json(str(target)),
-        "replica_groups": digest_json(_replica_groups_canon(replica_groups)),
+    values: dict[str, Any] = {
+        "inputs": inputs_canon(example_inputs),
+        "versions": versions,
+        "compiler_args": canonicalize_compiler_args(compiler_args),
+        "target": str(target),
+        "replica_groups": _replica_groups_canon(replica_groups),
     }
+    components = {"graph": graph_digest(gm)}
+    components.update({name: digest_json(value) for name, value in values.items()})
     material = "\n".join(
         [f"vllm-neuron-cache-key/v{KEY_SCHEMA_VERSION}"]
         + [f"{name}={components[name]}" for name in COMPONENTS]
     )
-    return CacheKey(key=str(md5(material.encode()).hexdigest()), components=components)
+    return CacheKey(key=str(md5(material.encode()).hexdigest()), components=components,
+                    inputs=values)
 
 
 def explain_key_difference(

@@ -94,7 +94,10 @@ class CompileRuntime:
 
         def compile_into(out_dir: str) -> dict[str, Any]:
             artifact = toolchain.compile(gm, example_inputs, out_dir)
-            return msgspec.to_builtins(artifact)  # type: ignore[no-any-return,unused-ignore]
+            meta: dict[str, Any] = msgspec.to_builtins(artifact)
+            # What the key was made of (cache explain); readers of the artifact ignore it.
+            meta["key_inputs"] = msgspec.to_builtins(key.inputs)
+            return meta
 
         result = self.cache.get_or_compile(key.key, compile_into, components=key.components)
         artifact = ARTIFACTS.convert(
