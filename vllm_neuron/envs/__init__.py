@@ -20,6 +20,7 @@ a snapshot rule selects) is decided in that feature, from the parsed group.
 - :mod:`.profiling` - profile capture;
 - :mod:`.identity` - cores, ranks and user (read at each use, never cached);
 - :mod:`.faults` - the fault point crash tests kill a process at (arms the registry);
+- :mod:`.metrics` - where the cache's live metrics go inside vLLM (read at each use);
 - :mod:`._parse` - the shared primitives.
 
 Conventions shared by every variable:
@@ -32,7 +33,17 @@ Conventions shared by every variable:
 
 from __future__ import annotations
 
-from . import compile_cache, faults, host_mode, identity, manifest, profiling, run, snapshot
+from . import (
+    compile_cache,
+    faults,
+    host_mode,
+    identity,
+    manifest,
+    metrics,
+    profiling,
+    run,
+    snapshot,
+)
 from ._parse import (
     ConfigError,
     EnvVar,
@@ -54,6 +65,7 @@ from .faults import FaultSettings, fault_settings, load_fault_settings
 from .host_mode import HostModeSettings, host_mode_settings, load_host_mode_settings
 from .identity import IdentitySettings, load_identity_settings
 from .manifest import ManifestSettings, load_manifest_settings, manifest_settings
+from .metrics import MetricsSettings, load_metrics_settings
 from .profiling import ProfilingSettings, load_profiling_settings
 from .run import load_run_id, run_id
 from .snapshot import (
@@ -77,6 +89,7 @@ __all__ = [
     "HostModeSettings",
     "IdentitySettings",
     "ManifestSettings",
+    "MetricsSettings",
     "ProfilingSettings",
     "SnapshotFormat",
     "SnapshotSettings",
@@ -91,6 +104,7 @@ __all__ = [
     "load_host_mode_settings",
     "load_identity_settings",
     "load_manifest_settings",
+    "load_metrics_settings",
     "load_profiling_settings",
     "load_run_id",
     "load_snapshot_settings",
@@ -114,13 +128,16 @@ ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (
     + host_mode.VARIABLES
     + identity.VARIABLES
     + faults.VARIABLES
+    + metrics.VARIABLES
 )
 
 # Every variable this package reads: the documented ones, vLLM's VLLM_USE_AOT_COMPILE
-# (host mode turns it off) and the standard ones defaults are derived from. No module
+# (host mode turns it off), prometheus_client's PROMETHEUS_MULTIPROC_DIR (where vLLM's
+# /metrics collects from when set) and the standard ones defaults are derived from. No module
 # outside this package may read one of them (tests/test_single_reader.py).
 READ_VARIABLES: frozenset[str] = frozenset(v.name for v in ENVIRONMENT_VARIABLES) | {
     host_mode.VLLM_USE_AOT_COMPILE,
+    metrics.PROMETHEUS_MULTIPROC_DIR,
     identity.USER,
     "HOME",
     "XDG_CACHE_HOME",

@@ -47,7 +47,7 @@ from vllm_neuron.compile.cache import EVENT_OBSERVERS
 
 # The handoff below is no setting (nobody configures it), but it is read like one: through
 # envs' primitives (blank counts as unset), never os.environ (tests/test_single_reader.py).
-from vllm_neuron.envs._parse import environ_or_default, raw
+from vllm_neuron.envs import load_metrics_settings
 
 from .series import SERIES, Series, samples_of
 
@@ -98,8 +98,7 @@ class LiveMetrics:
 
     def directory(self) -> str:
         """Where vLLM's ``/metrics`` collects from (see the module's docstring)."""
-        env = environ_or_default(self._environ)
-        directory = raw(env, MULTIPROC_ENV) or raw(env, METRICS_DIR_ENV)
+        directory = load_metrics_settings(self._environ).directory
         if directory is None:
             raise RuntimeError(f"neither {MULTIPROC_ENV} nor {METRICS_DIR_ENV} is set")
         return directory
@@ -195,7 +194,7 @@ def install(
         except ImportError as exc:
             logger.info("vllm_neuron: no cache metrics in /metrics (%s)", exc)
             return None
-        if raw(environ_or_default(environ), METRICS_DIR_ENV) is None:
+        if load_metrics_settings(environ).metrics_dir is None:
             directory = _collector_dir(environ)
             target = prometheus_client.REGISTRY if registry is None else registry
             target.register(MultiProcessCollector(None, path=directory))
