@@ -159,12 +159,8 @@ def _promote_owed(
         logger.debug("compile cache: %s is being compiled on %s; its promotion waits", key,
                      remote.url)  # fmt: skip
         return True
-    except PermissionError as exc:
-        tier.write_denied(exc)
-        return False
     except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-        tier.failed(exc)
-        return False
+        return _remote_refused(tier, exc)
     try:
         promote_entry(local, remote, key)
     except LocalEntryProblem as exc:
@@ -173,12 +169,8 @@ def _promote_owed(
             quarantine(key, str(exc))
         promotion_settled(local, key)
         return True
-    except PermissionError as exc:
-        tier.write_denied(exc)
-        return False
     except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-        tier.failed(exc)
-        return False
+        return _remote_refused(tier, exc)
     finally:
         with contextlib.suppress(Exception):
             lease.release()
@@ -186,3 +178,13 @@ def _promote_owed(
     logger.info("compile cache: promoted %s to %s (owed since an earlier process)", key,
                 remote.url)  # fmt: skip
     return True
+
+
+def _remote_refused(tier: RemoteTier, exc: Exception) -> bool:
+    """Tell the tier what the remote did (refused writes: read-only; else an outage);
+    False: the pass stops."""
+    if isinstance(exc, PermissionError):
+        tier.write_denied(exc)
+    else:
+        tier.failed(exc)
+    return False
