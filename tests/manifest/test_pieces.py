@@ -186,3 +186,35 @@ def test_diff_falls_back_to_hashes_when_a_manifest_names_no_pieces(tmp_path, tp_
     diff = diff_manifests(old, new)
     assert diff.pieces_changed == {} and diff.pieces_added == []
     assert diff.added == diff.removed == [] and diff.changed == {}
+
+
+def _rank_process(manifest_dir: str, rank: int) -> None:
+    record_rank(open_store(manifest_dir), rank)
+
+
+def test_removing_one_ranks_ledger_segment_fails_check_naming_that_rank(tmp_path, tp_cache,
+                                                                        capsys):
+    """Each rank a real process writing its own ledger segment, as vLLM's workers do; an
+    operator (or a lost volume) removes rank 1's segment before the engine folds it."""
+    import multiprocessing
+
+    manifest_dir = str(tmp_path / "removed")
+    ctx = multiprocessing.get_context("spawn")
+    procs = [ctx.Process(target=_rank_process, args=(manifest_dir, r)) for r in (0, 1)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+        assert p.exitcode == 0
+    segments = sorted((tmp_path / "removed" / "ledger").glob("nodev/*/*.jsonl"))
+    assert len(segments) == 2  # one per writer process
+    by_rank = {json.loads(s.read_text().splitlines()[0])["rank"]: s for s in segments}
+    assert sorted(by_rank) == [0, 1]
+    by_rank[1].unlink()
+    manifest = emit_manifest(open_store(manifest_dir), TP2, cache_root=tp_cache,
+                             prefix="nodev", environment={})
+    assert manifest is not None
+    assert {r for g in manifest.graphs for r in g.ranks} == {0}
+    assert main(["manifest", "check", manifest_dir, "--cache-dir", tp_cache]) == 1
+    out = capsys.readouterr().out
+    assert out.count("FAIL") == 3 and out.count("(missing ranks [1]): partial deployment") == 3

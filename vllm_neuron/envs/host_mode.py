@@ -11,6 +11,7 @@ from .compile_cache import VLLM_NEURON_TOOLCHAIN
 __all__ = [
     "VARIABLES",
     "VLLM_NEURON_HOST_MODE",
+    "VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING",
     "VLLM_USE_AOT_COMPILE",
     "HostModeSettings",
     "host_mode_settings",
@@ -18,6 +19,7 @@ __all__ = [
 ]
 
 VLLM_NEURON_HOST_MODE = "VLLM_NEURON_HOST_MODE"
+VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING = "VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING"
 # vLLM's own variable; read here because host mode must turn it off (see the plugin).
 VLLM_USE_AOT_COMPILE = "VLLM_USE_AOT_COMPILE"
 
@@ -29,6 +31,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         "1 runs the whole artifact system inside a real vLLM without Trainium: a platform "
         "extending vLLM's CPU platform whose compiler is the two-tier cache (host toolchain).",
     ),
+    EnvVar(
+        VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING,
+        "1",
+        "vllm-plugin",
+        "In host mode at tensor parallelism above 1: 1 gives vLLM's vocab-parallel embedding "
+        "its shard bounds as a buffer, so its piece is one graph on every rank (compiled once "
+        "per engine, not once per rank; same outputs); 0 keeps vLLM's own layer.",
+    ),
 )
 
 
@@ -39,11 +49,14 @@ class HostModeSettings:
     ``vllm_aot_compile`` is vLLM's VLLM_USE_AOT_COMPILE as set (stripped; None when unset
     or blank). It is vLLM's to interpret, so it is kept as text and never refused here;
     the plugin only needs to know whether the user turned vLLM's AOT artifact on, which
-    would let warm restarts bypass this package's cache.
+    would let warm restarts bypass this package's cache. ``rank_independent_embedding`` is
+    whether the host worker replaces vLLM's vocab-parallel embedding by one whose shard
+    bounds are a buffer (`vllm_neuron/plugin/vocab_embedding.py`).
     """
 
     enabled: bool = False
     vllm_aot_compile: str | None = None
+    rank_independent_embedding: bool = True
 
     @property
     def vllm_aot_compile_requested(self) -> bool:
@@ -63,7 +76,11 @@ def load_host_mode_settings(environ: Mapping[str, str] | None = None) -> HostMod
             f"and compiles with the host toolchain, but {VLLM_NEURON_TOOLCHAIN}="
             f"{env[VLLM_NEURON_TOOLCHAIN]!r} asks for Neuron: unset one of them"
         )
-    return HostModeSettings(enabled=enabled, vllm_aot_compile=raw(env, VLLM_USE_AOT_COMPILE))
+    return HostModeSettings(
+        enabled=enabled,
+        vllm_aot_compile=raw(env, VLLM_USE_AOT_COMPILE),
+        rank_independent_embedding=bool_var(env, VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING, True),
+    )
 
 
 @parsed_once
