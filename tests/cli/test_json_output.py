@@ -68,6 +68,10 @@ def gc_check(doc: Any, human: str) -> None:
 def stats_check(doc: Any, human: str) -> None:
     assert doc["compiles"] == 2
     assert re.search(r"compiles\s+2 ", human)
+    # The world's compiles name no piece: no per-rank variants, and the row still says so.
+    assert (doc["rank_specific_compiles"], doc["pieces_compiled"], doc["keys_by_piece"]) == (
+        0, 0, {})
+    assert re.search(r"per-rank variants\s+0 extra compile\(s\) over 0 piece\(s\)", human)
 
 
 def pin_list_check(doc: Any, human: str) -> None:

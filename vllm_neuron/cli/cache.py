@@ -71,6 +71,9 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ("lease takeovers", stats.lease_takeovers),
         ("evictions", f"{stats.evictions} ({human_size(stats.evicted_bytes)})"),
         ("time saved", f"{stats.time_saved_seconds:.1f} s"),
+        # What tensor parallelism (any per-rank difference) cost: a piece's keys beyond one.
+        ("per-rank variants", f"{stats.rank_specific_compiles} extra compile(s) over "
+                              f"{stats.pieces_compiled} piece(s)"),
     ]
     print(table(["", "VALUE"], rows))
     if stats.skipped_lines:

@@ -101,33 +101,36 @@ class Compiler:
         self._record = record
 
     def publish(
-        self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
+        piece: str | None = None,
     ) -> tuple[EntryRecord, float]:
-        """`compile_and_publish` into the tier; (record, seconds)."""
+        """`compile_and_publish` into the tier; (record, seconds). `piece` names the piece of
+        the model the graph is (vLLM's compiler adaptor), for the events only."""
         # A miss is a key that no tier could serve: counted here, when it is compiled, not
         # before a fetch or a wait for another node (those end as hits of the remote).
         self._record(CacheMiss(key=key, at=time.time()))
         record, seconds = compile_and_publish(
             self.local, key, compile_fn, components=components, toolchain=self.toolchain,
-            target=self.target, on_failure=lambda exc: self._failed(key, exc))
+            target=self.target, on_failure=lambda exc: self._failed(key, exc, piece))
         clear_failure_note(self.local, key)
-        self._compiled(key, record, seconds)
+        self._compiled(key, record, seconds, piece)
         return record, seconds
 
     def uncached(
-        self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
+        piece: str | None = None,
     ) -> tuple[str, EntryRecord, float]:
         """`compile_uncached`; (directory, record, seconds)."""
         out_dir, record, seconds = compile_uncached(
             key, compile_fn, components=components, toolchain=self.toolchain, target=self.target)
-        self._compiled(key, record, seconds)
+        self._compiled(key, record, seconds, piece)
         return out_dir, record, seconds
 
-    def _compiled(self, key: str, record: EntryRecord, seconds: float) -> None:
+    def _compiled(self, key: str, record: EntryRecord, seconds: float, piece: str | None) -> None:
         self._record(Compiled(key=key, at=time.time(), seconds=seconds, toolchain=self.toolchain,
-                              size=record.total_size))  # fmt: skip
+                              size=record.total_size, piece=piece or ""))  # fmt: skip
 
-    def _failed(self, key: str, exc: BaseException) -> None:
+    def _failed(self, key: str, exc: BaseException, piece: str | None) -> None:
         message = describe(exc)
-        self._record(CompileFailed(key=key, at=time.time(), error=message))
+        self._record(CompileFailed(key=key, at=time.time(), error=message, piece=piece or ""))
         write_failure_note(self.local, key, message)

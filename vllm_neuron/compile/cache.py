@@ -250,16 +250,19 @@ class TwoTierCache:
 
     # ------------------------------------------------------------ compile
     def get_or_compile(
-        self, key: str, compile_fn: CompileFn, *, components: Mapping[str, str] | None = None
+        self, key: str, compile_fn: CompileFn, *, components: Mapping[str, str] | None = None,
+        piece: str | None = None,
     ) -> CacheResult:
-        """The artifacts for `key`: from memory, local, remote, or a compile, in that order."""
+        """The artifacts for `key`: from memory, local, remote, or a compile, in that order.
+        `piece` (which piece of the model it is) only labels the compile's events (stats)."""
         validate_hex(key, length=32, what="compile cache key")
         cached = self._loaded.get(key)
         if cached is not None:
             self._record(CacheHit(key=key, at=time.time(), tier="memory"))
             return msgspec.structs.replace(cached, source="memory", seconds=0.0)
         if self.disabled:
-            out_dir, record, seconds = self._compiler.uncached(key, compile_fn, components or {})
+            out_dir, record, seconds = self._compiler.uncached(key, compile_fn, components or {},
+                                                               piece)
             return CacheResult(key, out_dir, record, "uncached", seconds, "")
         self._upkeep.start_background()  # once (upkeep.py)
         hit = self.lookup_local(key, quarantine=False)
@@ -270,14 +273,14 @@ class TwoTierCache:
             )
             self._loaded[key] = hit
             return hit
-        result = self._locked_miss(key, compile_fn, components or {})
+        result = self._locked_miss(key, compile_fn, components or {}, piece)
         self._loaded[key] = result
         if result.source in ("compiled", "remote"):  # published: the tier grew
             self.keep_within_bound()
         return result
 
     def _locked_miss(
-        self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None
     ) -> CacheResult:
         wait_start = time.time()
         deadline = time.monotonic() + self.timeout
@@ -321,13 +324,13 @@ class TwoTierCache:
                     "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 forbids compiling at runtime"
                 )
             if self._remote.read_only:  # VLLM_NEURON_REMOTE_WRITE=off, or writes refused
-                return self._compile_and_publish(key, compile_fn, components)
+                return self._compile_and_publish(key, compile_fn, components, piece)
             return self._fleet.run(
                 key,
                 started=wait_start,
                 deadline=deadline,
                 fetch=lambda: self.fetch_remote(key),
-                compile_here=lambda: self._compile_for_fleet(key, compile_fn, components),
+                compile_here=lambda: self._compile_for_fleet(key, compile_fn, components, piece),
                 promote=lambda remote: self._promote(remote, key),
                 timeout_error=lambda: self._timeout(key, f"another node to compile {key}"),
             )
@@ -341,19 +344,19 @@ class TwoTierCache:
         )
 
     def _compile_for_fleet(
-        self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None
     ) -> CacheResult:
         self._upkeep.owe(key)  # settled by the promotion, or by a later start (owed.py)
-        return self._compile_and_publish(key, compile_fn, components)
+        return self._compile_and_publish(key, compile_fn, components, piece)
 
     def _promote(self, remote: Store, key: str) -> None:
         promote_entry(self.local, remote, key)
         self._upkeep.settled(key)
 
     def _compile_and_publish(
-        self, key: str, compile_fn: CompileFn, components: Mapping[str, str]
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None
     ) -> CacheResult:
-        record, seconds = self._compiler.publish(key, compile_fn, components)
+        record, seconds = self._compiler.publish(key, compile_fn, components, piece)
         published = self.lookup_local(key)
         if published is None:
             raise CompileError(f"compiled {key} but its entry in {self.local_dir} is not readable")

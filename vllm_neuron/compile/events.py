@@ -7,6 +7,7 @@ never fails a compile.
 
 from __future__ import annotations
 
+from bisect import insort
 from dataclasses import dataclass, field
 
 from vllm_neuron.backends import Record, open_store
@@ -34,18 +35,27 @@ class LockWaited(Record, frozen=True, tag="lock_wait"):
     seconds: float
 
 
-class Compiled(Record, frozen=True, tag="compile"):
+class Compiled(Record, frozen=True, tag="compile", omit_defaults=True):
+    """A graph compiled here. ``piece`` is the piece of the model it is, as the command line
+    names it (``[backbone] range 1-2048 subgraph 0``), when vLLM's compiler adaptor said:
+    the stats count the graphs a piece took beyond one (per-rank variants, what tensor
+    parallelism cost). Fields at their default are not written (a compile naming no piece
+    writes the line it always wrote, minus ``v`` while it is 1), and a line written before
+    pieces reads with ``piece`` empty."""
+
     key: str
     at: float
     seconds: float
     toolchain: str
     size: int
+    piece: str = ""
 
 
-class CompileFailed(Record, frozen=True, tag="compile_failed"):
+class CompileFailed(Record, frozen=True, tag="compile_failed", omit_defaults=True):
     key: str
     at: float
     error: str
+    piece: str = ""  # as on `Compiled`: which piece failed, when the compile named one
 
 
 class Fetched(Record, frozen=True, tag="fetch"):
@@ -132,6 +142,14 @@ class CacheStats:
     ``hits_by_tier``: "memory" (already loaded in the process), "local", and "remote" (a
     fetch). A miss is a graph that no tier held when this process looked (it compiled it,
     or failed).
+
+    Per piece of the model (compiles that named one, ``Compiled.piece``), the distinct keys
+    compiled for it, sorted, in ``keys_by_piece``: under tensor parallelism a piece may be a
+    different graph on each rank, and each graph beyond the first is a compile TP cost.
+    ``pieces_compiled`` counts the pieces, ``rank_specific_compiles`` the keys beyond one per
+    piece (the manifest's ``compiles - 1``, summed, but for everything this cache compiled).
+    A key compiled again (after an eviction) is counted once; compiles naming no piece
+    (plain ``torch.compile``) count in neither.
     """
 
     hits: int = 0
@@ -152,6 +170,9 @@ class CacheStats:
     evicted_bytes: int = 0
     fetch_seconds: float = 0.0
     time_saved_seconds: float = 0.0
+    pieces_compiled: int = 0
+    rank_specific_compiles: int = 0
+    keys_by_piece: dict[str, list[str]] = field(default_factory=dict)
     skipped_lines: int = 0
 
     def apply(self, event: Record) -> CacheStats:
@@ -163,6 +184,8 @@ class CacheStats:
         elif isinstance(event, Compiled):
             self.compiles += 1
             self.compile_seconds += event.seconds
+            if event.piece:
+                self._piece_compiled(event.piece, event.key)
         elif isinstance(event, CompileFailed):
             self.compile_failures += 1
         elif isinstance(event, Fetched):
@@ -187,6 +210,15 @@ class CacheStats:
             self.evictions += 1
             self.evicted_bytes += event.size
         return self
+
+    def _piece_compiled(self, piece: str, key: str) -> None:
+        keys = self.keys_by_piece.get(piece)
+        if keys is None:
+            self.keys_by_piece[piece] = [key]
+            self.pieces_compiled += 1
+        elif key not in keys:  # a handful of keys per piece (one per rank at most)
+            insort(keys, key)
+            self.rank_specific_compiles += 1
 
     def _hit(self, tier: str) -> None:
         self.hits += 1

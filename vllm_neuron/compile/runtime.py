@@ -34,6 +34,7 @@ class CompiledGraph:
     example_inputs: Sequence[Any]
     compiler_flags: list[str]
     toolchain: Toolchain
+    piece: str | None = None  # the piece of the model it is, when the caller named one
 
 
 GraphListener = Callable[[CompiledGraph], None]
@@ -76,9 +77,14 @@ class CompileRuntime:
         return self.compile(gm, example_inputs)[0]
 
     def compile(
-        self, gm: Any, example_inputs: Sequence[Any]
+        self, gm: Any, example_inputs: Sequence[Any], *, piece: str | None = None
     ) -> tuple[Callable[..., Any], CompiledGraph]:
-        """`compile_graph`, plus the record of what happened (key, cache source, artifact)."""
+        """`compile_graph`, plus the record of what happened (key, cache source, artifact).
+
+        `piece` is the piece of the model the graph is, as the command line names it
+        (vLLM's compiler adaptor passes ``Piece.label()``; this layer knows no manifest): it
+        goes on the cache's compile events, so `cache stats` can count what tensor
+        parallelism cost (a piece compiled to several keys), and on the `CompiledGraph`."""
         from .key import compute_cache_key  # lazy: imports torch.fx, only when compiling
 
         toolchain = self.toolchain
@@ -99,7 +105,8 @@ class CompileRuntime:
             meta["key_inputs"] = msgspec.to_builtins(key.inputs)
             return meta
 
-        result = self.cache.get_or_compile(key.key, compile_into, components=key.components)
+        result = self.cache.get_or_compile(key.key, compile_into, components=key.components,
+                                           piece=piece)
         artifact = ARTIFACTS.convert(
             result.record.meta, source=f"{self.cache.local_dir}/{key.key}/entry.json meta"
         )
@@ -118,6 +125,7 @@ class CompileRuntime:
             example_inputs=example_inputs,
             compiler_flags=flags,
             toolchain=toolchain,
+            piece=piece,
         )
         self.history.append(event)
         for listener in list(self._listeners):

@@ -95,8 +95,11 @@ class NeuronCompilerAdaptor(CompilerInterface):
     def _through_cache(self, what: str, graph: Any, example_inputs: list[Any],
                        label: str, piece: Piece | None) -> tuple[Callable[..., Any], str]:
         self.calls += 1
+        # The recorder reads the structured piece from the context; the cache's events get
+        # its label, so `cache stats` can count per-rank variants without the manifest.
         with tracing_piece(piece):
-            fn, compiled = get_runtime().compile(graph, example_inputs)
+            fn, compiled = get_runtime().compile(
+                graph, example_inputs, piece=piece.label() if piece else None)
         result = compiled.result
         logger.info(
             "vllm_neuron: vLLM %s() %s -> graph %s from %s in %.2f s",
