@@ -183,6 +183,21 @@ def test_cold_start_compiles_every_piece_once_for_both_ranks(cold: ServerRun) ->
     assert all(e.get("compile_failed", 0) == 0 for e in events.values())
 
 
+def test_cache_stats_says_tensor_parallelism_cost_no_compile(cold: ServerRun, node_a: Node) -> None:
+    # The pieces reach the compile events through vLLM's compiler adaptor.
+    done = cli("cache", "--cache-dir", str(node_a.compile_cache), "stats", "--json")
+    assert done.returncode == 0, done.stderr
+    stats = json.loads(done.stdout)
+    by_rank = pieces_by_rank(cold)
+    assert stats["pieces_compiled"] == len(by_rank[0]) == stats["compiles"]
+    assert stats["rank_specific_compiles"] == 0
+    assert sorted(k for keys in stats["keys_by_piece"].values() for k in keys) == sorted(
+        by_rank[0].values()
+    )
+    done = cli("cache", "--cache-dir", str(node_a.compile_cache), "stats")
+    assert f"0 extra compile(s) over {len(by_rank[0])} piece(s)" in done.stdout, done.stdout
+
+
 def test_warm_restart_compiles_nothing_on_either_rank(cold: ServerRun, warm: ServerRun) -> None:
     assert pieces_by_rank(warm) == pieces_by_rank(cold)
     for rank, events in warm.extra["ranks"].items():
