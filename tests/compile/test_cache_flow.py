@@ -417,6 +417,42 @@ def test_disabled_cache_compiles_every_time_and_publishes_nothing(tmp_path, comp
     assert read_stats(local).compiles == 3
 
 
+UNCACHED_PROCESS = """
+import os, sys, tempfile
+from vllm_neuron.compile.cache import TwoTierCache
+
+def compile_fn(out_dir):
+    with open(os.path.join(out_dir, "graph.bin"), "wb") as f:
+        f.write(b"x" * 64)
+    return {}
+
+tempfile.tempdir = sys.argv[2]
+cache = TwoTierCache(sys.argv[1], disabled=True)
+paths = [cache.get_or_compile(k * 32, compile_fn).path for k in "ab"]
+assert all(os.path.isfile(os.path.join(p, "graph.bin")) for p in paths)
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # a forked child exits normally: its exit hooks run, the directory is not its
+os.waitpid(child, 0)
+assert all(os.path.isfile(os.path.join(p, "graph.bin")) for p in paths), "removed by the child"
+print("\\n".join(paths))
+"""
+
+
+def test_disabled_cache_compiles_leave_nothing_behind_once_the_process_exits(tmp_path):
+    import subprocess
+    import sys
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    done = subprocess.run([sys.executable, "-c", UNCACHED_PROCESS, str(tmp_path / "cache"),
+                           str(scratch)], capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    paths = done.stdout.split()
+    assert len(paths) == 2 and all(p.startswith(str(scratch)) for p in paths)
+    assert list(scratch.iterdir()) == []  # both directories, and the process's scratch
+
+
 def test_precompiled_only_miss_raises_naming_the_variable(tmp_path, compile_fn):
     fn = Counter(compile_fn, KEY)
     cache = TwoTierCache(str(tmp_path / "local"), remote=str(tmp_path / "remote"),

@@ -10,8 +10,11 @@ own, digested the same way.
 
 from __future__ import annotations
 
+import atexit
+import os
 import shutil
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -65,15 +68,44 @@ def compile_and_publish(
     return record, seconds
 
 
+_SCRATCH: tuple[int, str] | None = None  # (the pid that made it, its path)
+_SCRATCH_LOCK = threading.Lock()
+
+
+def uncached_scratch() -> str:
+    """This process's directory for compiles with the cache disabled, made at first use.
+
+    With the cache disabled every graph compiles into a directory nobody else reads; a
+    long-running server compiling each graph afresh would otherwise leave one in the temp
+    directory per graph and per start. Removed at the process's normal exit, by the process
+    that made it only: a forked child inherits the exit hook and the path, and makes its
+    own (a SIGKILLed process leaves its directory, as any temp file).
+    """
+    global _SCRATCH
+    pid = os.getpid()
+    with _SCRATCH_LOCK:
+        if _SCRATCH is None or _SCRATCH[0] != pid or not os.path.isdir(_SCRATCH[1]):
+            path = tempfile.mkdtemp(prefix=f"vllm_neuron_uncached_{pid}_")
+            _SCRATCH = (pid, path)
+            atexit.register(_remove_scratch, pid, path)
+        return _SCRATCH[1]
+
+
+def _remove_scratch(pid: int, path: str) -> None:
+    if os.getpid() == pid:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def compile_uncached(
     key: str, compile_fn: CompileFn, *, components: Mapping[str, str], toolchain: str,
     target: str,
 ) -> tuple[str, EntryRecord, float]:
     """Compile `key` into a fresh directory of its own; (directory, record, seconds).
 
-    The directory is the toolchain's to load from, and nobody else's to clean up.
+    The directory is the toolchain's to load from for as long as the process lives, under
+    this process's scratch directory (`uncached_scratch`), removed when the process exits.
     """
-    out_dir = tempfile.mkdtemp(prefix=f"vllm_neuron_uncached_{key[:8]}_")
+    out_dir = tempfile.mkdtemp(prefix=f"{key[:8]}_", dir=uncached_scratch())
     start = time.perf_counter()
     try:
         meta = dict(compile_fn(out_dir))
