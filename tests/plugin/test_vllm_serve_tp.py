@@ -23,6 +23,7 @@ cache's event log, matched to its rank by vLLM's log prefix (``Worker_TP<r> pid=
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -328,6 +329,13 @@ def test_replay_of_the_tp_capture_is_per_rank(
             (peer,) = report["peers"]
             assert f"/{first}/rank{1 - rank}/" in peer
     SUMMARY.append(f"replay: {2 * per_rank} bundles on 2 ranks in {seconds:.0f} s")
+    # The report's replay is the same grouped replay: every bundle of both ranks passes.
+    page = node_a.root / "report.html"
+    done = cli("report", str(node_a.cache_root), "--replay", "-o", str(page), python=vllm_python)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    rows = re.findall(r'<tr[^>]*data-bundle="([^"]+)"[^>]*>(.*?)</tr>', page.read_text(), re.S)
+    assert len(rows) == 2 * per_rank, len(rows)
+    assert all(">pass<" in row and "FAIL" not in row for _, row in rows), rows
 
 
 def test_replay_refuses_a_collective_whose_other_rank_was_not_captured(

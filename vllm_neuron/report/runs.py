@@ -21,8 +21,8 @@ from vllm_neuron.profiling.files import file_size
 from vllm_neuron.profiling.layout import MANIFEST_FILE, RUN_SPEC_FILE
 from vllm_neuron.profiling.run_record import ProfileManifest, read_manifest
 from vllm_neuron.profiling.validate import validate_run
-from vllm_neuron.snapshot.bundles import SnapshotListing, list_bundles, load_bundle
-from vllm_neuron.snapshot.replay import ReplayReport, replay_bundle
+from vllm_neuron.snapshot.bundles import BundleInfo, SnapshotListing, list_bundles, load_bundle
+from vllm_neuron.snapshot.replay import ReplayReport, replay_bundle, replay_by_prefix
 
 __all__ = [
     "ARTIFACT_FIELDS",
@@ -66,9 +66,23 @@ class ProfileRun:
 
 
 def _replay_all(listing: SnapshotListing, store: Any, cache_dir: str | None) -> dict[str, Any]:
+    """Every bundle's replay as `snapshot replay` of the root runs it (a tensor-parallel
+    capture's collective bundles together with their other ranks); a bundle that replay of
+    the root leaves out (incomplete), or all of them when the root cannot be replayed as a
+    whole (a bundle that does not load), bundle by bundle, each failure its own report."""
+    try:
+        out: dict[str, Any] = dict(replay_by_prefix(store, "", cache_dir=cache_dir))
+    except Exception:  # noqa: BLE001 - one bad bundle must not hide the others' replays
+        out = {}
+    rest = [info for info in listing.bundles if info.prefix not in out]
+    out.update(_replay_each(rest, store, cache_dir))
+    return out
+
+
+def _replay_each(infos: Sequence[BundleInfo], store: Any, cache_dir: str | None) -> dict[str, Any]:
     runners: dict[tuple[str, str], tuple[str, Callable[..., Any]]] = {}
     out: dict[str, ReplayReport] = {}
-    for info in listing.bundles:
+    for info in infos:
         try:
             out[info.prefix] = replay_bundle(load_bundle(store, info.prefix), cache_dir=cache_dir,
                                              runners=runners)  # fmt: skip
