@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
@@ -35,13 +36,22 @@ _NEWLINE = b"\n"
 _pid = os.getpid()
 
 
-def _refresh_pid() -> None:
+# Every live log, so a forked child can give each a fresh slow-path lock (`_after_fork`).
+_LOGS: weakref.WeakSet[EventLog] = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    """In a forked child: refresh the pid, and replace every log's slow-path lock, which a
+    thread of the parent may have held at the fork (the child would then wait for it
+    forever; that thread does not exist in the child)."""
     global _pid
     _pid = os.getpid()
+    for log in list(_LOGS):
+        log._slow_path = threading.Lock()
 
 
 if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_refresh_pid)
+    os.register_at_fork(after_in_child=_after_fork)
 
 
 class EventLog:
@@ -69,6 +79,7 @@ class EventLog:
         self._line = bytearray()
         self._owner = -1
         self._slow_path = threading.Lock()
+        _LOGS.add(self)
 
     @property
     def writer(self) -> str:

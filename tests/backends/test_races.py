@@ -116,3 +116,50 @@ def _rewrite_while_reading(
         assert report["seen"] == values, reports
     assert store.read("record") in (b"a" * size, b"b" * size)
     assert store.list("") == ["record"]  # no temp files left behind
+
+
+def test_a_forked_child_appends_although_a_parent_thread_held_the_log_at_the_fork(
+    tmp_path: Path,
+) -> None:
+    """A thread of the parent inside an append's slow path when another thread forks (a
+    cache's background upkeep writing an event while vLLM starts a worker): the child's
+    first append must not wait for a lock no thread of the child will ever release."""
+    import os
+    import threading
+
+    from vllm_neuron.compile.events import CacheMiss
+
+    store = open_store(str(tmp_path / "store"))
+    log = store.log("events")
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with log._slow_path:  # what a slow-path append holds while it opens and writes
+            holding.set()
+            release.wait()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    assert holding.wait(60)
+    pid = os.fork()
+    if pid == 0:  # the child: one thread; its append either returns or hangs
+        try:
+            log.append(CacheMiss(key="c" * 32, at=1.0))
+            os._exit(0)
+        except BaseException:  # noqa: BLE001 - any failure is the child's exit status
+            os._exit(1)
+    release.set()
+    holder.join()
+    # Bounded only against the hang this test is about; a working child exits at once.
+    for _ in range(600):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        threading.Event().wait(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's first append waited for the parent thread's lock")
+    assert os.waitstatus_to_exitcode(status) == 0
+    lines = [line for _, data in log.segment_data() for line in data.splitlines()]
+    assert len(lines) == 1 and b'"miss"' in lines[0]
