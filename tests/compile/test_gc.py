@@ -330,6 +330,25 @@ def test_an_entry_in_use_on_a_local_tier_stays(tmp_path, source):
     assert tier.published(KEY_B) is None
 
 
+def test_a_note_whose_key_is_in_use_on_a_local_tier_stays(tmp_path):
+    """Whoever rewrites a note on a local tier holds its key's lock (a compile writing its
+    failure note): gc compares and removes under that lock, so a rewrite never falls between
+    its comparison and its removal; a held lock keeps the note for the next pass."""
+    tier = open_store(str(tmp_path / "tier"))
+    where = note(tier, ".failures", KEY_C, time.time() - 2 * DAYS)
+    plan = plan_gc(tier, failure_max_age=HOURS)
+    assert kinds(plan.items) == [("failure-note", where)]
+    user = tier.lock(KEY_C)  # a process compiling the key again
+    user.acquire()
+    try:
+        outcome = plan.execute()
+    finally:
+        user.release()
+    assert [why for _, why in outcome.stayed] == ["in use (its key's lock is held)"]
+    assert tier.exists(where)
+    assert plan.execute().removed and not tier.exists(where)
+
+
 def test_keep_needs_an_age_bound(tier):
     with pytest.raises(ValueError, match="--older-than"):
         plan_gc(tier, keep={KEY_A})

@@ -25,7 +25,8 @@ What is collected (`GcItem.what`):
 
 Never touched: a published entry (unless `keep` is given, and then only the unreferenced
 and old ones, each withdrawn as the version planned, and on a tier with kernel locks only
-while its key's lock is free); a lease that is held; a kernel lock file; anything younger
+while its key's lock is free); a note being rewritten (compared and removed, on a tier
+with kernel locks, under its key's lock); a lease that is held; a kernel lock file; anything younger
 than its bound; event segments (``.events/``: `cache stats` reads them); pins and pinned
 entries (``cache pin``). An item that changed since the plan (written to, committed,
 taken again) is left, and said so.
@@ -271,16 +272,38 @@ def _remove(store: Store, item: GcItem) -> str | None:
         done = store.remove_debris(item.debris)
         return "changed since the plan (in use)" if done == "changed" else None
     if item.kind in ("failure-note", "quarantine-note", "owed-note"):
-        data = store.read(item.where)
-        if data is None:
-            return None
-        if _fingerprint(data) != item.version:
-            return "rewritten since the plan"
-        store.delete(item.where)
-        return None
+        return _remove_note(store, item)
     if item.kind == "entry":
         return _withdraw(store, item)
     raise ValueError(f"cannot remove a {item.kind!r}")
+
+
+def _remove_note(store: Store, item: GcItem) -> str | None:
+    """Remove a note still as planned. On a tier whose processes share a kernel, under its
+    key's lock, which whoever rewrites a note there holds (a compile writing its failure
+    note, a process owing a promotion), so the note cannot be rewritten between the
+    comparison and the removal; a key whose lock is held keeps its note for the next pass."""
+    if not store.capabilities.kernel_locks:
+        return _remove_note_as_planned(store, item)
+    lock = store.lock(item.where.rsplit("/", 1)[-1].removesuffix(".json"))
+    try:
+        lock.acquire(0)
+    except LockTimeout:
+        return "in use (its key's lock is held)"
+    try:
+        return _remove_note_as_planned(store, item)
+    finally:
+        lock.release()
+
+
+def _remove_note_as_planned(store: Store, item: GcItem) -> str | None:
+    data = store.read(item.where)
+    if data is None:
+        return None
+    if _fingerprint(data) != item.version:
+        return "rewritten since the plan"
+    store.delete(item.where)
+    return None
 
 
 def _withdraw(store: Store, item: GcItem) -> str | None:
