@@ -36,6 +36,7 @@ from vllm_neuron.backends._memory import MemoryStore
 from vllm_neuron.compile import save_cache
 from vllm_neuron.compile.cache import TwoTierCache
 from vllm_neuron.compile.events import RemoteUnavailable, read_stats
+from vllm_neuron.compile.owed import owed_keys
 from vllm_neuron.compile.remote_tier import REMOTE_RETRY_AFTER, REMOTE_RETRY_MAX, RemoteTier
 
 BOUND = 40.0  # seconds; the default request bound is 10 s, this is room for a loaded machine
@@ -171,6 +172,31 @@ def test_a_remote_that_cannot_open_is_retried_after_the_set_aside(tmp_path) -> N
     assert tier.store() is None  # still set aside
     clock.now += REMOTE_RETRY_AFTER + 1
     assert tier.store() is not None
+
+
+def test_what_was_owed_during_an_outage_is_promoted_when_the_remote_is_back(
+    flaky: Flaky, tmp_path, compile_fn
+) -> None:
+    """A server compiling while the remote is down owes it those entries; it settles them
+    when the remote answers again, not at its next start (a server runs for weeks)."""
+    cache = TwoTierCache(str(tmp_path / "node"), remote=f"{flaky.name}://remote")
+    clock = Clock()
+    cache._remote._clock = clock  # the set-aside on a clock the test moves
+    first, second = _keys(2)
+    for key in (first, second):
+        assert cache.get_or_compile(key, compile_fn(key)).source == "compiled"
+    assert cache.wait_for_upkeep()  # the first use's pass: the remote was down, nothing settled
+    assert sorted(owed_keys(cache.local)) == sorted([first, second])
+
+    flaky.up = True
+    clock.now += REMOTE_RETRY_AFTER + 1
+    remote = cache.remote  # the next remote request finds it back: the settling starts
+    assert remote is not None
+    assert cache.wait_for_upkeep()
+    assert owed_keys(cache.local) == []
+    for key in (first, second):
+        assert remote.published(key) is not None
+    assert read_stats(cache.local_dir).promotions == 2
 
 
 # ------------------------------------------------------------------ a missing bucket

@@ -86,6 +86,12 @@ class RemoteTier:
         # Reentrant: store() reports its own failures. Held while probing, so concurrent
         # callers wait for one probe instead of each paying the endpoint's timeout.
         self._lock = threading.RLock()
+        self._when_back: list[Callable[[], None]] = []
+
+    def when_back(self, callback: Callable[[], None]) -> None:
+        """Call `callback` (in the thread that found out, best-effort) each time the remote
+        answers again after an outage: what waited for it (promotions owed) can go now."""
+        self._when_back.append(callback)
 
     def store(self) -> Store | None:
         """The remote store, or None when unset or set aside after a failure."""
@@ -104,7 +110,8 @@ class RemoteTier:
                 self.failed(exc)
                 return None
             self._checked = True
-            if self._set_aside:
+            back = bool(self._set_aside)
+            if back:
                 logger.info(
                     "compile cache: remote tier %s (NEURON_LIBTORCH_REMOTE_CACHE) is "
                     "reachable again after %.0f s; using it again",
@@ -112,7 +119,14 @@ class RemoteTier:
                     self._clock() - self._outage_started,
                 )
                 self._set_aside = 0.0
-            return self._store
+            store = self._store
+        if back:
+            for callback in list(self._when_back):
+                try:
+                    callback()
+                except Exception as exc:  # noqa: BLE001 - never fails the caller's operation
+                    logger.warning("compile cache: after the remote came back: %s", exc)
+        return store
 
     @property
     def set_aside_seconds(self) -> float:

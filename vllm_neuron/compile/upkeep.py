@@ -62,6 +62,8 @@ class TierUpkeep:
         self._quarantine = quarantine
         self._background: threading.Thread | None = None
         self._started = threading.Lock()
+        self._settling: threading.Thread | None = None  # after an outage (`_remote_back`)
+        remote.when_back(self._remote_back)
 
     # ------------------------------------------------------------------ start
     def at_start(self) -> None:
@@ -90,12 +92,41 @@ class TierUpkeep:
             return
         try:
             self._collect()
-            if self.remote.url and not self.remote.read_only:
-                settle_owed(self.local, self.remote, owed_keys(self.local),
-                            lease_seconds=self._lease_seconds, lock_lease=self._lock_lease,
-                            quarantine=self._quarantine, stopping=_STOPPING.is_set)  # fmt: skip
+            self._settle()
         except Exception as exc:  # noqa: BLE001 - a background pass never kills the process
             logger.warning("compile cache: the upkeep of %s stopped: %s", self.local.url, exc)
+        finally:
+            lock.release()
+
+    def _settle(self) -> None:
+        """Promote what this tier owes the remote (`owed.py`), if this process may write."""
+        if self.remote.url and not self.remote.read_only:
+            settle_owed(self.local, self.remote, owed_keys(self.local),
+                        lease_seconds=self._lease_seconds, lock_lease=self._lock_lease,
+                        quarantine=self._quarantine, stopping=_STOPPING.is_set)  # fmt: skip
+
+    def _remote_back(self) -> None:
+        """The remote answers again after an outage: settle what was owed meanwhile now, not
+        at the next start (a server runs for weeks), in the background, under the tier's
+        upkeep lock (a pass already at it, here or in another process, settles it)."""
+        with self._started:
+            if self._background is None or (self._settling and self._settling.is_alive()):
+                return  # not in use yet: the first use's pass settles everything
+            self._settling = threading.Thread(target=self._settle_after_outage, daemon=True,
+                                              name="vllm-neuron-settle-owed")  # fmt: skip
+            self._settling.start()
+
+    def _settle_after_outage(self) -> None:
+        lock = self.local.lock(UPKEEP_LOCK, lease_duration=self._lock_lease)
+        try:
+            lock.acquire(timeout=0)
+        except Exception:  # noqa: BLE001 - held (another pass settles) or unusable: skip
+            return
+        try:
+            self._settle()
+        except Exception as exc:  # noqa: BLE001 - a background pass never kills the process
+            logger.warning("compile cache: settling what %s owes stopped: %s", self.local.url,
+                           exc)  # fmt: skip
         finally:
             lock.release()
 
@@ -119,7 +150,10 @@ class TierUpkeep:
         self.start_background()
         assert self._background is not None
         self._background.join(timeout)
-        return not self._background.is_alive()
+        settling = self._settling
+        if settling is not None:
+            settling.join(timeout)
+        return not self._background.is_alive() and not (settling and settling.is_alive())
 
     # ---------------------------------------------------------------- publish
     def keep_within_bound(self, protect: Collection[str]) -> None:
