@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -60,6 +61,15 @@ class Staging:
             self._output = tempfile.mkdtemp(prefix="vn-staging-") if local is None else local
             os.makedirs(self._output, exist_ok=True)
         return self._output
+
+    def keep_alive(self) -> None:
+        """Say this staging area's writer is alive: collectors count a staging area's age
+        from its newest file or directory, and a compile can write nothing for hours. On a
+        store with local paths the directory's time is refreshed; a scratch `output_dir()`
+        is not the store's and nothing collects it, so there is nothing to refresh."""
+        if self._output is not None and not self._scratch:
+            with contextlib.suppress(FileNotFoundError):  # aborted meanwhile: nothing to keep
+                os.utime(self._output)
 
     def digests(self) -> dict[str, FileDigest]:
         """Size, SHA-256 and BLAKE3 of every staged file, by key relative to the staging root.

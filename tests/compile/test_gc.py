@@ -349,6 +349,34 @@ def test_a_note_whose_key_is_in_use_on_a_local_tier_stays(tmp_path):
     assert plan.execute().removed and not tier.exists(where)
 
 
+def test_a_compile_silent_for_hours_keeps_its_staging_area(tmp_path, monkeypatch):
+    """A compiler that writes nothing for longer than gc's staging bound (a long Neuron
+    compile): the compile refreshes its staging area while it runs, so a starting cache's
+    pass never takes it for a killed writer's leftovers."""
+    from vllm_neuron.compile import building
+
+    monkeypatch.setattr(building, "STAGING_KEEPALIVE", 0.01)
+    tier = open_store(str(tmp_path / "tier"))
+    planned: list[Any] = []
+
+    def silent_compile(out_dir: str) -> dict[str, Any]:
+        with open(os.path.join(out_dir, "graph.bin"), "wb") as f:
+            f.write(b"half a graph")
+        (prefix,) = [d.prefix for d in tier.survey(older_than=0.0, lease_grace=600.0).debris]
+        age(tier, prefix, 7 * HOURS)  # seven hours without a write
+        deadline = time.monotonic() + HANG
+        while time.time() - os.stat(out_dir).st_mtime > HOURS:  # until the compile says alive
+            assert time.monotonic() < deadline, "the staging area was never refreshed"
+            time.sleep(0.01)
+        planned.extend(plan_gc(tier).items)  # a cache starting on the tier now
+        return {}
+
+    result = TwoTierCache(str(tmp_path / "tier")).get_or_compile(KEY_D, silent_compile)
+    assert result.source == "compiled"
+    assert planned == []
+    assert tier.read(join(tier.published(KEY_D), "graph.bin")) == b"half a graph"
+
+
 def test_keep_needs_an_age_bound(tier):
     with pytest.raises(ValueError, match="--older-than"):
         plan_gc(tier, keep={KEY_A})

@@ -11,15 +11,16 @@ own, digested the same way.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from vllm_neuron.backends import Record, Store, fault_point, open_store
+from vllm_neuron.backends import Record, Staging, Store, fault_point, open_store
 
 from .entry import ENTRY_RECORD, EntryRecord, build_record, encode_record
 from .events import CacheMiss, Compiled, CompileFailed
@@ -27,6 +28,30 @@ from .failures import clear_failure_note, describe, write_failure_note
 
 CompileFn = Callable[[str], Mapping[str, Any]]
 """Compiles into the given empty directory; returns the toolchain's metadata (JSON-able)."""
+
+STAGING_KEEPALIVE = 15 * 60.0
+"""Seconds between refreshes of a compile's staging area while the compiler runs, well
+inside the age at which gc collects a staging area (`gc.STAGING_MAX_AGE`, 6 h): a Neuron
+compile can write nothing for hours, and must not look like a killed writer's leftovers."""
+
+
+@contextlib.contextmanager
+def _kept_alive(staging: Staging) -> Iterator[None]:
+    """Refresh `staging` every `STAGING_KEEPALIVE` seconds for the duration of the block."""
+    done = threading.Event()
+
+    def beat() -> None:
+        while not done.wait(STAGING_KEEPALIVE):
+            with contextlib.suppress(OSError):  # a refresh is best-effort: the compile goes on
+                staging.keep_alive()
+
+    beater = threading.Thread(target=beat, daemon=True, name="vllm-neuron-staging-keepalive")
+    beater.start()
+    try:
+        yield
+    finally:
+        done.set()
+        beater.join()
 
 
 def compile_and_publish(
@@ -50,7 +75,9 @@ def compile_and_publish(
         try:
             # The documented door (docs/storage.md): a toolchain writes its own output
             # files into this directory; nothing here reads or writes it.
-            meta = dict(compile_fn(staging.output_dir()))
+            output_dir = staging.output_dir()
+            with _kept_alive(staging):
+                meta = dict(compile_fn(output_dir))
             seconds = time.perf_counter() - start
             record = build_record(key=key, components=components, toolchain=toolchain,
                                   target=target, compile_seconds=seconds,
