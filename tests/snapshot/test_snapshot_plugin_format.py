@@ -211,7 +211,7 @@ def test_replay_says_what_the_plugin_bundle_lacks(
     plugin_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     store = open_store(str(plugin_root), create=False)
-    reports = replay(store, PLUGIN_HASH)
+    reports = list(replay(store, PLUGIN_HASH).values())
     assert len(reports) == 2 and not any(r.passed for r in reports)
     problem = reports[1].problem or ""
     assert problem.startswith(f"cannot replay {plugin_root}/{PREFIX}: ")
@@ -230,7 +230,7 @@ def test_replay_says_what_the_plugin_bundle_lacks(
     # a graph put next to the bundle removes that item; a broken tensor file is named
     (plugin_root / PLUGIN_HASH / "graph.pt2").write_bytes(b"not used")
     (plugin_root / PREFIX / "tensor2.npy").write_bytes(b"garbage")
-    (report,) = replay(store, PREFIX)
+    (report,) = replay(store, PREFIX).values()
     assert report.problem is not None
     assert "no exported graph" not in report.problem and "no captured outputs" in report.problem
     assert "its inputs do not load either" in report.problem and "tensor2.npy" in report.problem

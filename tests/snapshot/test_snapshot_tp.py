@@ -108,7 +108,7 @@ def test_a_collective_without_its_other_rank_is_refused_saying_which() -> None:
     store = open_store(f"memory://tp-{uuid.uuid4().hex[:12]}")
     lonely = write_bundle(store, "a" * 32, 0, 9, 0)
     write_bundle(store, "b" * 32, 1, 9, 1)  # rank 1's bundle of another call
-    reports = replay(store, "a" * 32)  # refused before any process is started
+    reports = list(replay(store, "a" * 32).values())  # refused before any process is started
     assert len(reports) == 1 and not reports[0].passed
     problem = reports[0].problem or ""
     assert reports[0].bundle.endswith(lonely) and reports[0].tp_rank == 0
@@ -134,7 +134,7 @@ def test_without_vllm_a_collective_group_reports_what_it_needs(tmp_path: Path) -
     bundle of the group says why, with the rank and its exit status."""
     store = open_store(str(tmp_path / "snapshots"))
     pair = [write_bundle(store, "a" * 32, 0, 4, 0), write_bundle(store, "b" * 32, 1, 4, 0)]
-    reports = replay(store, "")
+    reports = list(replay(store, "").values())
     assert sorted(r.bundle.removeprefix(store.url.rstrip("/") + "/") for r in reports) == pair
     assert sorted(r.tp_rank for r in reports) == [0, 1]
     for report in reports:

@@ -162,10 +162,10 @@ def _fmt(x: float) -> str:
 
 def cmd_replay(args: argparse.Namespace) -> int:
     store, prefix = locate(args.bundle, args.root)
-    reports = replay(
+    reports = list(replay(
         store, prefix, runner=args.runner, cache_dir=args.cache_dir, atol=args.atol,
         rtol=args.rtol,
-    )  # fmt: skip
+    ).values())  # fmt: skip
     failed = [r for r in reports if not r.passed]
     if args.json:
         print_json([{**r.__dict__, "passed": r.passed} for r in reports])

@@ -22,7 +22,7 @@ from vllm_neuron.profiling.layout import MANIFEST_FILE, RUN_SPEC_FILE
 from vllm_neuron.profiling.run_record import ProfileManifest, read_manifest
 from vllm_neuron.profiling.validate import validate_run
 from vllm_neuron.snapshot.bundles import BundleInfo, SnapshotListing, list_bundles, load_bundle
-from vllm_neuron.snapshot.replay import ReplayReport, replay_bundle, replay_by_prefix
+from vllm_neuron.snapshot.replay import ReplayReport, replay, replay_bundle
 
 __all__ = [
     "ARTIFACT_FIELDS",
@@ -71,7 +71,7 @@ def _replay_all(listing: SnapshotListing, store: Any, cache_dir: str | None) -> 
     the root leaves out (incomplete), or all of them when the root cannot be replayed as a
     whole (a bundle that does not load), bundle by bundle, each failure its own report."""
     try:
-        out: dict[str, Any] = dict(replay_by_prefix(store, "", cache_dir=cache_dir))
+        out: dict[str, Any] = dict(replay(store, "", cache_dir=cache_dir))
     except Exception:  # noqa: BLE001 - one bad bundle must not hide the others' replays
         out = {}
     rest = [info for info in listing.bundles if info.prefix not in out]

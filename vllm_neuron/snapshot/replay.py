@@ -178,24 +178,10 @@ def replay(
     cache_dir: str | None = None,
     atol: float | None = None,
     rtol: float | None = None,
-) -> list[ReplayReport]:
-    """Replay every bundle at or under ``prefix`` (all ranks of a tensor-parallel capture),
-    in the order found; bundles with a collective run with their ranks (:mod:`.tp_replay`)."""
-    reports = replay_by_prefix(store, prefix, runner=runner, cache_dir=cache_dir,
-                               atol=atol, rtol=rtol)  # fmt: skip
-    return list(reports.values())
-
-
-def replay_by_prefix(
-    store: Store,
-    prefix: str,
-    *,
-    runner: str = "auto",
-    cache_dir: str | None = None,
-    atol: float | None = None,
-    rtol: float | None = None,
 ) -> dict[str, ReplayReport]:
-    """`replay`, each report under its bundle's prefix (in the order found)."""
+    """Replay every bundle at or under ``prefix`` (all ranks of a tensor-parallel capture);
+    bundles with a collective run with their ranks (:mod:`.tp_replay`). Each report under
+    its bundle's prefix, in the order found."""
     from .tp_replay import plan_groups, replay_groups  # tp_replay builds on this module
 
     prefixes = find_bundles(store, prefix)
