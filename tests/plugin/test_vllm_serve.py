@@ -4,16 +4,18 @@ One module-scoped sequence of server starts, each folded with as many checks as 
 carry, because a start costs 1-3 minutes on 2 loaded cores:
 
 1. ``stock``: vLLM's own CPU platform (no host mode), the reference outputs.
-2. ``cold``: host mode on an empty cache (node A) with the manifest on: every piece vLLM
-   compiles is compiled through this package's cache.
+2. ``cold``: host mode on an empty cache (node A) with the manifest and capture by request
+   id on: every piece vLLM compiles is compiled through this package's cache; its bundles
+   are the oneDNN kernel path's capture (6).
 3. ``restart``: node A again with vLLM's own compile cache removed: zero compiles, every
    piece from the local tier.
 4. ``node_b``: an empty VLLM_CACHE_ROOT and a shared remote folder that node A promoted to:
    zero compiles, every piece fetched.
 5. ``node_c``: the same from ``s3://`` on the loopback S3 server, as a pre-compiled-only
    consumer (VLLM_NEURON_DISABLE_WARMUP_COMPILE=1).
-6. ``snapshot-onednn`` / ``snapshot-plain``: host mode with capture by request id, on each
-   of vLLM's two CPU kernel paths (see ``SNAPSHOT_PATHS``), replayed with and without vLLM.
+6. capture by request id on each of vLLM's two CPU kernel paths (see ``SNAPSHOT_PATHS``),
+   replayed with and without vLLM: the oneDNN path is ``cold``'s capture, the plain path
+   its own start (``snapshot-plain``, bfloat16).
 7. ``vllm-neuron profile capture`` (both recipes) on node A in host mode: vLLM's warm
    restart calls the adaptor's ``load()``, still served by the local tier.
 
@@ -61,6 +63,8 @@ DTYPE = ("--dtype", "float32")  # bit-stable outputs to compare across platforms
 # The snapshot request goes second, between two others that must not be captured.
 REQUESTS = ((PROMPTS[0], None), (PROMPTS[1], SNAPPED_ID), (PROMPTS[2], None))
 SUMMARY: list[str] = []
+CAPTURE = {SNAP + "ENABLE": "1", SNAP + "CAPTURE_REQUEST": f"chatcmpl-{SNAPPED_ID}",
+           SNAP + "MAX_CAPTURES": "64"}  # fmt: skip
 
 
 @dataclass
@@ -139,7 +143,7 @@ def stock(vllm_python: Path, tiny_model: str, work: Path) -> ServerRun:
 
 @pytest.fixture(scope="module")
 def cold(vllm_python: Path, tiny_model: str, work: Path, node_a: Node) -> ServerRun:
-    env = node_a.env("cold", VLLM_NEURON_MANIFEST_DIR=str(work / "manifests"))
+    env = node_a.env("cold", VLLM_NEURON_MANIFEST_DIR=str(work / "manifests"), **CAPTURE)
     run = run_server("cold", vllm_python, tiny_model, work, env, extra_args=DTYPE,
                      requests=REQUESTS, scrape=("/metrics",))
     run.extra["stats"] = delta(node_a.stats(), CacheStats())
@@ -175,13 +179,15 @@ SNAPSHOT_PATHS = {
 @pytest.fixture(scope="module", params=sorted(SNAPSHOT_PATHS))
 def snapshot_run(request: pytest.FixtureRequest, vllm_python: Path, tiny_model: str,
                  work: Path) -> tuple[ServerRun, Node, str]:
-    """Capture by request id, on one of the two kernel paths (see SNAPSHOT_PATHS)."""
+    """Capture by request id, on one of the two kernel paths (see SNAPSHOT_PATHS); the
+    oneDNN path's is the cold start's (float32, vLLM's defaults: one server start less)."""
     path: str = request.param
     args, extra = SNAPSHOT_PATHS[path]
+    if path == "onednn":
+        assert (args, extra) == (DTYPE, {})  # exactly how the cold start runs
+        return request.getfixturevalue("cold"), request.getfixturevalue("node_a"), path
     node = Node(work / f"node-snap-{path}")
-    env = node.env(f"snapshot-{path}", **{SNAP + "ENABLE": "1",
-                                          SNAP + "CAPTURE_REQUEST": f"chatcmpl-{SNAPPED_ID}",
-                                          SNAP + "MAX_CAPTURES": "64"}, **extra)
+    env = node.env(f"snapshot-{path}", **CAPTURE, **extra)
     run = run_server(f"snapshot-{path}", vllm_python, tiny_model, work, env, extra_args=args,
                      requests=REQUESTS)
     record(run, delta(node.stats(), CacheStats()))
