@@ -47,10 +47,24 @@ def remove(store: SurveyedStore, debris: Debris) -> Removal:
         return "gone"
     if max(s.mtime for s in seen) > debris.newest + TIME_SLACK:
         return "changed"  # written to since the survey: in use
+    if _directory_time(store, debris.prefix) > debris.newest + TIME_SLACK:
+        return "changed"  # refreshed since the survey (a compile's keep-alive): in use
     store.delete_tree(debris.prefix)
     if any(not s.directory for s in store._walk(debris.prefix)):
         raise OSError(f"{store.url}: {debris.prefix} is still there after its removal")
     return "removed"
+
+
+def _directory_time(store: SurveyedStore, prefix: str) -> float:
+    """The time of the directory at `prefix` itself on local disk (which a staging area's
+    writer refreshes, `Staging.keep_alive`), else 0."""
+    path = store.local_path(prefix)
+    if path is None:
+        return 0.0
+    try:
+        return os.stat(path).st_mtime
+    except OSError:
+        return 0.0
 
 
 def _remove_lease(store: SurveyedStore, debris: Debris) -> Removal:

@@ -371,10 +371,27 @@ def test_a_compile_silent_for_hours_keeps_its_staging_area(tmp_path, monkeypatch
         planned.extend(plan_gc(tier).items)  # a cache starting on the tier now
         return {}
 
-    result = TwoTierCache(str(tmp_path / "tier")).get_or_compile(KEY_D, silent_compile)
+    cache = TwoTierCache(str(tmp_path / "tier"))
+    assert cache.wait_for_upkeep()  # its own start's pass is over: the plan below is the one
+    result = cache.get_or_compile(KEY_D, silent_compile)
     assert result.source == "compiled"
     assert planned == []
     assert tier.read(join(tier.published(KEY_D), "graph.bin")) == b"half a graph"
+
+
+def test_a_staging_area_refreshed_after_the_plan_stays(tmp_path):
+    """Planned while its compile was silent, executed after the compile said alive."""
+    tier = open_store(str(tmp_path / "tier"))
+    with tier.stage(KEY_D) as staging:
+        with open(os.path.join(staging.output_dir(), "graph.bin"), "wb") as f:
+            f.write(b"half a graph")
+        age(tier, staging.prefix, 7 * HOURS)
+        plan = plan_gc(tier)
+        assert kinds(plan.items) == [("staging", staging.prefix)]
+        staging.keep_alive()
+        outcome = plan.execute()
+        assert not outcome.removed and [i.where for i, _ in outcome.stayed] == [staging.prefix]
+        assert os.path.isfile(os.path.join(staging.output_dir(), "graph.bin"))
 
 
 def test_keep_needs_an_age_bound(tier):

@@ -51,7 +51,7 @@ def _kept_alive(staging: Staging) -> Iterator[None]:
         yield
     finally:
         done.set()
-        beater.join()
+        beater.join(timeout=60)  # a refresh stuck on a dead mount never holds the compile
 
 
 def compile_and_publish(
