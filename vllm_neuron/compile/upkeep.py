@@ -34,6 +34,9 @@ logger = logging.getLogger("vllm_neuron.compile")
 UPKEEP_LOCK = "upkeep"
 """The tier-wide lock of the background pass (one process per tier at a time)."""
 
+SETTLE_LOCK_WAIT = 600.0
+"""Seconds the settling after an outage waits for the tier's upkeep lock."""
+
 _STOPPING = threading.Event()
 atexit.register(_STOPPING.set)  # background passes stop between items at exit
 
@@ -108,7 +111,7 @@ class TierUpkeep:
     def _remote_back(self) -> None:
         """The remote answers again after an outage: settle what was owed meanwhile now, not
         at the next start (a server runs for weeks), in the background, under the tier's
-        upkeep lock (a pass already at it, here or in another process, settles it)."""
+        upkeep lock (waiting for a pass that holds it, here or in another process)."""
         with self._started:
             if self._background is None or (self._settling and self._settling.is_alive()):
                 return  # not in use yet: the first use's pass settles everything
@@ -119,8 +122,12 @@ class TierUpkeep:
     def _settle_after_outage(self) -> None:
         lock = self.local.lock(UPKEEP_LOCK, lease_duration=self._lock_lease)
         try:
-            lock.acquire(timeout=0)
-        except Exception:  # noqa: BLE001 - held (another pass settles) or unusable: skip
+            # Waits (in the background) for a pass holding it: that pass may be another
+            # process's that still sees the remote down, and settles nothing.
+            lock.acquire(timeout=SETTLE_LOCK_WAIT)
+        except Exception as exc:  # noqa: BLE001 - the next outage's end or start settles
+            logger.debug("compile cache: settling what %s owes after the outage not "
+                         "started: %s", self.local.url, exc)  # fmt: skip
             return
         try:
             self._settle()
