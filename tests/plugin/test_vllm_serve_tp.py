@@ -192,6 +192,8 @@ def test_cache_stats_says_tensor_parallelism_cost_no_compile(cold: ServerRun, no
     by_rank = pieces_by_rank(cold)
     assert stats["pieces_compiled"] == len(by_rank[0]) == stats["compiles"]
     assert stats["rank_specific_compiles"] == 0
+    # Each named with vLLM's configuration hash, the same on both ranks: one engine.
+    assert len({label.split(" of engine ")[1] for label in stats["keys_by_piece"]}) == 1
     assert sorted(k for keys in stats["keys_by_piece"].values() for k in keys) == sorted(
         by_rank[0].values()
     )

@@ -68,6 +68,7 @@ class NeuronCompilerAdaptor(CompilerInterface):
         self.cache_dir: str | None = None
         self.prefix = ""
         self.calls = 0
+        self.engine = ""  # vLLM's configuration hash (`compute_hash`): whose pieces these are
 
     def initialize_cache(
         self, cache_dir: str, disable_cache: bool = False, prefix: str = ""
@@ -80,6 +81,12 @@ class NeuronCompilerAdaptor(CompilerInterface):
     def compute_hash(self, vllm_config: Any) -> str:
         """What decides this compiler's output beyond vLLM's own hash: package, key schema,
         toolchain, target, versions and flags (part of vLLM's cache directory name)."""
+        try:
+            # vLLM's own configuration hash (the same on every rank; vLLM names its cache
+            # directory by it): a piece's name is only unique within one configuration.
+            self.engine = str(vllm_config.compute_hash())[:10]
+        except Exception:  # noqa: BLE001 - only the stats' grouping of pieces needs it
+            self.engine = ""
         toolchain = get_runtime().toolchain
         material = {
             "package": __version__,
@@ -96,10 +103,13 @@ class NeuronCompilerAdaptor(CompilerInterface):
                        label: str, piece: Piece | None) -> tuple[Callable[..., Any], str]:
         self.calls += 1
         # The recorder reads the structured piece from the context; the cache's events get
-        # its label, so `cache stats` can count per-rank variants without the manifest.
+        # its label, and the engine configuration's, so `cache stats` can count per-rank
+        # variants without the manifest, and never takes another model's piece for one.
+        named = None
+        if piece is not None:
+            named = piece.label() + (f" of engine {self.engine}" if self.engine else "")
         with tracing_piece(piece):
-            fn, compiled = get_runtime().compile(
-                graph, example_inputs, piece=piece.label() if piece else None)
+            fn, compiled = get_runtime().compile(graph, example_inputs, piece=named)
         result = compiled.result
         logger.info(
             "vllm_neuron: vLLM %s() %s -> graph %s from %s in %.2f s",
