@@ -150,16 +150,14 @@ def test_a_forked_child_appends_although_a_parent_thread_held_the_log_at_the_for
             os._exit(1)
     release.set()
     holder.join()
-    # Bounded only against the hang this test is about; a working child exits at once.
-    for _ in range(600):
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        threading.Event().wait(0.1)
-    else:
+    statuses: list[int] = []
+    reaper = threading.Thread(target=lambda: statuses.append(os.waitpid(pid, 0)[1]))
+    reaper.start()
+    reaper.join(60)  # bounded only against the hang this test is about: a working child exits
+    if reaper.is_alive():
         os.kill(pid, 9)
-        os.waitpid(pid, 0)
+        reaper.join()
         pytest.fail("the forked child's first append waited for the parent thread's lock")
-    assert os.waitstatus_to_exitcode(status) == 0
+    assert os.waitstatus_to_exitcode(statuses[0]) == 0
     lines = [line for _, data in log.segment_data() for line in data.splitlines()]
     assert len(lines) == 1 and b'"miss"' in lines[0]

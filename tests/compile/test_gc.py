@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 import uuid
 from typing import Any
 
 import pytest
 
-from vllm_neuron.backends import LeaseLock, join, open_store
+from vllm_neuron.backends import LeaseLock, Staging, join, open_store
 from vllm_neuron.backends._local import LocalStore
 from vllm_neuron.backends.records import encode
 from vllm_neuron.backends.testing.handshakes import HANG, lease_record
@@ -356,6 +357,14 @@ def test_a_compile_silent_for_hours_keeps_its_staging_area(tmp_path, monkeypatch
     from vllm_neuron.compile import building
 
     monkeypatch.setattr(building, "STAGING_KEEPALIVE", 0.01)
+    refreshed = threading.Event()  # set after each refresh: what the compile waits on
+    keep_alive = Staging.keep_alive
+
+    def refresh_and_tell(staging: Staging) -> None:
+        keep_alive(staging)
+        refreshed.set()
+
+    monkeypatch.setattr(Staging, "keep_alive", refresh_and_tell)
     tier = open_store(str(tmp_path / "tier"))
     planned: list[Any] = []
 
@@ -364,10 +373,9 @@ def test_a_compile_silent_for_hours_keeps_its_staging_area(tmp_path, monkeypatch
             f.write(b"half a graph")
         (prefix,) = [d.prefix for d in tier.survey(older_than=0.0, lease_grace=600.0).debris]
         age(tier, prefix, 7 * HOURS)  # seven hours without a write
-        deadline = time.monotonic() + HANG
         while time.time() - os.stat(out_dir).st_mtime > HOURS:  # until the compile says alive
-            assert time.monotonic() < deadline, "the staging area was never refreshed"
-            time.sleep(0.01)
+            refreshed.clear()
+            assert refreshed.wait(HANG), "the staging area was never refreshed"
         planned.extend(plan_gc(tier).items)  # a cache starting on the tier now
         return {}
 
