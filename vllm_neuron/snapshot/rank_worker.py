@@ -7,8 +7,11 @@ needs a process that has joined the group the way vLLM's worker did.
 
 1. Join the group with vLLM's own set-up (``init_distributed_environment`` over gloo with a
    file rendezvous in the job directory, then ``initialize_model_parallel``), after loading
-   vLLM's kernel library, so the tensor-parallel group gets the same name and the same
-   shared-memory handle as in the server.
+   the build of vLLM's kernel library that vLLM picks for this CPU (never ``vllm._C`` by
+   name: that build dies with SIGILL on a CPU without AVX-512), so the tensor-parallel group
+   gets the same name and, where that library has them, the same shared-memory collectives
+   as in the server (``_C::shm_allreduce`` with AVX-512; torch's functional collectives on
+   the group's name with AVX2).
 2. Load every bundle of this rank (runner, inputs, captured outputs), then agree with the
    other ranks on which groups every rank could load: a rank that failed to load its
    bundle must not leave the others waiting in a collective.
@@ -25,6 +28,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from vllm_neuron.compile.toolchains.op_libraries import import_vllm_kernels
+
 from .bundles import ReplayError, load_bundle, open_snapshot_root
 from .compare import compare_outputs
 from .replay import PreparedReplay, ReplayReport, prepare_bundle
@@ -36,14 +41,15 @@ def join_group(tp_size: int, rank: int, init: str, ident: str) -> Any:
     os.environ["VLLM_DIST_IDENT"] = ident  # names the shared-memory group: one per replay
     try:
         # Lazy and optional: only a collective replay needs vLLM (and its kernel library,
-        # which provides the CPU shared-memory collectives).
-        import vllm._C  # noqa: F401
+        # which provides the CPU shared-memory collectives where the CPU has AVX-512).
         from vllm.config import VllmConfig, set_current_vllm_config
         from vllm.distributed.parallel_state import (
             get_world_group,
             init_distributed_environment,
             initialize_model_parallel,
         )
+
+        import_vllm_kernels()
     except ImportError as exc:
         raise ReplayError(
             f"replaying a collective needs vLLM's distributed runtime and kernels ({exc}); "

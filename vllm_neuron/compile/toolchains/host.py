@@ -36,6 +36,11 @@ from vllm_neuron.compile.toolchains.base import (
     format_shape,
     restore_output_structure,
 )
+from vllm_neuron.compile.toolchains.host_collectives import (
+    calls_functional_collectives,
+    register_collective_ops,
+    route_collectives,
+)
 from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
 
 __all__ = ["HostToolchain"]
@@ -52,6 +57,10 @@ _CPU_FEATURE_PROBES = (
     ("amx_tile", "_is_amx_tile_supported"),
     ("amx_fp16", "_is_amx_fp16_supported"),
 )
+# What this module does to a graph before export (`_derive_integer_inputs`): the rewrites
+# change the compiled program but not the graph's hash, so their version is in the key.
+# 2: functional collectives routed through Python (host_collectives).
+PROGRAM_REWRITES = "2"
 
 
 class HostToolchain(Toolchain):
@@ -77,6 +86,7 @@ class HostToolchain(Toolchain):
             "machine": platform.machine(),
             "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
             "cpu_features": ",".join(features),
+            "program_rewrites": PROGRAM_REWRITES,
         }
 
     def compiler_args(self) -> list[str]:
@@ -130,6 +140,7 @@ class HostToolchain(Toolchain):
         self.check_meta(meta)
         path = os.path.join(entry_dir, meta.files[0])
         try:
+            register_collective_ops()  # what a graph with collectives calls (host_collectives)
             runner = _load_package(path)
         except Exception as exc:  # MissingOpLibrary says which kernel library and how to get it
             raise ToolchainError(f"cannot load AOTInductor package {path}: {exc}") from exc
@@ -207,6 +218,8 @@ def _export_plan(gm: Any, inputs: tuple[Any, ...]) -> _ExportPlan:
         )
 
     if not any(symbolic_tensor(x) or isinstance(x, torch.SymInt) for x in inputs):
+        if calls_functional_collectives(gm):  # rewritten, on a copy (see _derive_integer_inputs)
+            return _ExportPlan(_derive_integer_inputs(gm, {}), inputs)
         return _ExportPlan(gm, inputs)
 
     # Integer inputs that some tensor input carries as a dimension: read them from there.
@@ -295,6 +308,10 @@ def _derive_integer_inputs(gm: Any, derived: Mapping[int, tuple[int, int]]) -> A
             # zeros are one valid content, and make the program deterministic, so a
             # snapshot's reference outputs replay exactly. The cost is one memset.
             node.target = empty_to_zeros[node.target]
+    try:
+        route_collectives(graph)  # GIL-free collectives; see host_collectives
+    except ValueError as exc:
+        raise ToolchainError(str(exc)) from exc
     graph.lint()
     return torch.fx.GraphModule(gm, graph)
 

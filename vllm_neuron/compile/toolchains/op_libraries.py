@@ -11,7 +11,9 @@ replay process (``vllm-neuron snapshot replay``) or a fresh loader must load it 
 :func:`load_for_missing_schema` turns that failure into either "loaded it, retry" or a
 :class:`MissingOpLibrary` that names the op, the library, and how to get it. vLLM picks the
 build of its library that matches the CPU (``_C``, ``_C_AVX512``, ``_C_AVX2``), so the
-loader asks vLLM's CPU platform to import its kernels rather than importing one file.
+loader asks vLLM's platform to import its kernels rather than importing one file: ``import
+vllm._C`` is the AVX-512-BF16 build, and kills the process with SIGILL on an AVX2-only CPU.
+:func:`import_vllm_kernels` is the one way this package loads vLLM's kernels.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ __all__ = [
     "KNOWN_OP_LIBRARIES",
     "MissingOpLibrary",
     "OpLibrary",
+    "import_vllm_kernels",
     "load_for_missing_schema",
     "missing_schema",
 ]
@@ -46,20 +49,51 @@ class OpLibrary:
     load: Callable[[], None]
 
 
-def _import_vllm_cpu_kernels() -> None:
+def import_vllm_kernels() -> str:
+    """Load the build of vLLM's kernel library that vLLM itself picks for this process
+    (``current_platform.import_kernels()``: ``_C``, ``_C_AVX512`` or ``_C_AVX2`` on x86 by
+    the CPU's AVX-512 and AVX-512-BF16 support), and vLLM's Python-side op registrations.
+    Returns the library's file name, for messages. Raises ImportError without vLLM."""
     # vLLM is optional and heavy: imported only when a graph needs its kernels.
-    from vllm.platforms.cpu import CpuPlatform
+    from vllm.platforms import current_platform
 
-    CpuPlatform.import_kernels()
+    current_platform.import_kernels()
     importlib.import_module("vllm._custom_ops")  # registers the Python-side fake kernels
+    return loaded_vllm_kernel_library() or "none"
+
+
+def loaded_vllm_kernel_library() -> str | None:
+    """The file name of the vLLM kernel library this process has loaded (``_C_AVX2.abi3.so``),
+    read from the process's own memory map, or None. vLLM loads ``_C_AVX2``/``_C_AVX512`` as a
+    library whose module name is ``_C``, so ``sys.modules`` cannot tell which one it is."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            names = {line.rsplit("/", 1)[-1].strip() for line in maps if "/vllm/_C" in line}
+    except OSError:
+        return None
+    kernels = sorted(n for n in names if n.startswith("_C") and not n.startswith("_C_utils"))
+    return ", ".join(kernels) or None
+
+
+def _register_host_collectives() -> None:
+    # Imported here: host_collectives is this package's own, and light until called.
+    from .host_collectives import register_collective_ops
+
+    register_collective_ops()
 
 
 KNOWN_OP_LIBRARIES: dict[str, OpLibrary] = {
+    "vllm_neuron": OpLibrary(
+        namespace="vllm_neuron",
+        provider="vllm-neuron (this package)",
+        module="vllm_neuron.compile.toolchains.host_collectives",
+        load=_register_host_collectives,
+    ),
     "_C": OpLibrary(
         namespace="_C",
         provider="vLLM (the vllm-cpu package the graph was traced with)",
         module="vllm._C",
-        load=_import_vllm_cpu_kernels,
+        load=import_vllm_kernels,
     ),
 }
 
