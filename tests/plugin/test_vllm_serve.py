@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cpu_kernels import AVX2, kernel_env, native_path, note
 from plugin_support import (
     MAX_TOKENS,
     PROMPTS,
@@ -168,12 +169,19 @@ def restart(vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
 # Which CPU kernels vLLM runs the linear layers with decides what a captured piece calls:
 # its oneDNN kernel (float32 wherever vLLM is built with oneDNN; bfloat16 on CPUs with
 # AVX-512-BF16): the piece calls _C::onednn_mm and takes a pointer to a prepacked weight as
-# an input; or plain torch (bfloat16 where oneDNN cannot run it: capped at AVX2 here, as on
-# a CPU without AVX-512). Both are captured and replayed on every machine.
-SNAPSHOT_PATHS = {
-    "onednn": (("--dtype", "float32"), {}),
-    "plain": (("--dtype", "bfloat16"), {"ONEDNN_MAX_CPU_ISA": "AVX2"}),
+# an input; or plain torch (bfloat16 where oneDNN cannot run it: on vLLM's AVX2 kernels,
+# forced here where the CPU has AVX-512, as on a CPU without it; tests/cpu_kernels.py).
+# Both are captured and replayed on every machine. The value: the dtype, and the kernel path
+# forced on the server and the replays (None: the CPU's own).
+SNAPSHOT_PATHS: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "onednn": (("--dtype", "float32"), None),
+    "plain": (("--dtype", "bfloat16"), AVX2),
 }
+
+
+def snapshot_env(path: str) -> dict[str, str]:
+    forced_path = SNAPSHOT_PATHS[path][1]
+    return kernel_env(forced_path) if forced_path else {}
 
 
 @pytest.fixture(scope="module", params=sorted(SNAPSHOT_PATHS))
@@ -182,12 +190,13 @@ def snapshot_run(request: pytest.FixtureRequest, vllm_python: Path, tiny_model: 
     """Capture by request id, on one of the two kernel paths (see SNAPSHOT_PATHS); the
     oneDNN path's is the cold start's (float32, vLLM's defaults: one server start less)."""
     path: str = request.param
-    args, extra = SNAPSHOT_PATHS[path]
+    args, forced_path = SNAPSHOT_PATHS[path]
     if path == "onednn":
-        assert (args, extra) == (DTYPE, {})  # exactly how the cold start runs
+        assert (args, forced_path) == (DTYPE, None)  # exactly how the cold start runs
         return request.getfixturevalue("cold"), request.getfixturevalue("node_a"), path
+    note(f"vllm serve snapshot-{path}", forced_path or native_path())
     node = Node(work / f"node-snap-{path}")
-    env = node.env(f"snapshot-{path}", **CAPTURE, **extra)
+    env = node.env(f"snapshot-{path}", **CAPTURE, **snapshot_env(path))
     run = run_server(f"snapshot-{path}", vllm_python, tiny_model, work, env, extra_args=args,
                      requests=REQUESTS)
     record(run, delta(node.stats(), CacheStats()))
@@ -423,7 +432,7 @@ def test_snapshot_captures_exactly_the_forwards_of_the_request(
         # another instruction set, beyond the default tolerances (a user passes --rtol).
         args = ("snapshot", "replay", str(root / key / "rank0"),
                 "--cache-dir", str(node.compile_cache))
-        return cli(*args, python=python, env=SNAPSHOT_PATHS[path][1])
+        return cli(*args, python=python, env=snapshot_env(path))
 
     for key in sorted(keys):
         # Where vLLM is installed, every bundle replays through the cached artifact.

