@@ -62,7 +62,9 @@ def kernel_env(path: str) -> dict[str, str]:
 
 
 def describe(path: str) -> str:
-    return f"{path} (forced on this {native_path()} CPU)" if forced(path) else f"{path} (this CPU's)"
+    if forced(path):
+        return f"{path} (forced on this {native_path()} CPU)"
+    return f"{path} (this CPU's)"
 
 
 RAN: list[str] = []  # "what: path" lines, printed at the end of the session (conftest)

@@ -1,4 +1,4 @@
-"""Host artifacts call collectives through Python (vllm_neuron/compile/toolchains/host_collectives.py).
+"""Host artifacts call collectives through Python (compile/toolchains/host_collectives.py).
 
 The deadlock this guards against formed between two threads of one rank: the caller of a
 loaded AOTInductor package (holding the GIL, waiting for gloo's queue lock) and gloo's

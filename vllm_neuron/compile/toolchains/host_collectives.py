@@ -29,7 +29,12 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LIBRARY", "calls_functional_collectives", "register_collective_ops", "route_collectives"]
+__all__ = [
+    "LIBRARY",
+    "calls_functional_collectives",
+    "register_collective_ops",
+    "route_collectives",
+]
 
 LIBRARY = "vllm_neuron"
 _FUNCTIONAL = "_c10d_functional"
@@ -126,8 +131,11 @@ def route_collectives(graph: Any) -> int:
     # Lazy: torch is heavy and optional; only the host toolchain needs it.
     import torch
 
-    found = [(n, _functional_name(n.target)) for n in graph.nodes if n.op == "call_function"]
-    found = [(n, name) for n, name in found if name is not None]
+    found: list[tuple[Any, str]] = []
+    for node in graph.nodes:
+        name = _functional_name(node.target) if node.op == "call_function" else None
+        if name is not None:
+            found.append((node, name))
     if not found:
         return 0
     register_collective_ops()

