@@ -10,13 +10,16 @@ hooks, the demo) gets it here with `get_runtime`.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 
 from vllm_neuron.compile.cache import TwoTierCache
-from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
+from vllm_neuron.compile.local_tier import resolve_local_tier
 from vllm_neuron.compile.runtime import CompileRuntime
 from vllm_neuron.compile.toolchains.select import select_toolchain
 from vllm_neuron.envs import (
+    ConfigError,
     check_snapshot_root,
     compile_cache_settings,
     fault_settings,
@@ -26,6 +29,8 @@ from vllm_neuron.envs import (
 from vllm_neuron.manifest.recorder import install_recorder
 from vllm_neuron.snapshot.capture import install_snapshot_capture
 from vllm_neuron.snapshot.config import snapshot_config
+
+logger = logging.getLogger("vllm_neuron")
 
 _RUNTIME: CompileRuntime | None = None
 _RUNTIME_LOCK = threading.Lock()
@@ -40,7 +45,18 @@ def build_runtime() -> CompileRuntime:
     """
     fault_settings()  # VLLM_NEURON_FAULT (crash tests) armed before anything is written
     settings = compile_cache_settings()
-    local_dir = get_neuron_compile_cache_dir()
+    local_dir, bypassed = resolve_local_tier(settings)
+    if bypassed is not None:
+        if settings.disable_warmup_compile:
+            raise ConfigError(
+                f"{bypassed}; VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 serves only pre-compiled "
+                "graphs from the local tier, so nothing could be served"
+            )
+        logger.warning("vllm_neuron: %s; the compile cache is bypassed for this process: "
+                       "every graph is compiled and served, nothing is cached", bypassed)
+        # A tier in memory that nothing is published to: the cache's events stay readable
+        # in-process (metrics) and nothing touches the refused directory.
+        local_dir = f"memory://vllm-neuron-bypassed-{os.getpid()}"
     manifest_dir = manifest_settings().manifest_dir
     snapshots = snapshot_config()
     if snapshots.enabled:
@@ -51,9 +67,9 @@ def build_runtime() -> CompileRuntime:
     toolchain = select_toolchain(name)
     cache = TwoTierCache(
         local_dir,
-        remote=settings.remote_cache,
+        remote=None if bypassed else settings.remote_cache,
         timeout=settings.compilation_timeout,
-        disabled=settings.disable_compile_cache,
+        disabled=settings.disable_compile_cache or bypassed is not None,
         precompiled_only=settings.disable_warmup_compile,
         toolchain=toolchain.name,
         target=toolchain.target,

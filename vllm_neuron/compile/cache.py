@@ -53,6 +53,7 @@ from .events import (
     CacheHit,
     CacheMiss,
     Fetched,
+    LoadFailed,
     LockWaited,
     VerificationFailed,
 )
@@ -202,6 +203,22 @@ class TwoTierCache:
         return CacheResult(key, local.local_dir_of(prefix), record, "local",
                            time.perf_counter() - start, prefix)
 
+    def withdraw_unloadable(self, result: CacheResult, error: str) -> None:
+        """`result`'s entry passed its checksums but would not load here: withdraw it from
+        the local tier (a quarantine note kept), unless it was replaced meanwhile (another
+        rank already did so and compiled), and record a `load_failed` event. A fetched
+        entry is not withdrawn from the remote on this node's word alone."""
+        key = result.key
+        self._loaded.pop(key, None)
+        self._record(LoadFailed(key=key, at=time.time(), source=result.source, error=error))
+        with self.local.lock(key, lease_duration=self.lease_duration, timeout=self.timeout):
+            try:
+                still = self.read_entry(key) == result.record
+            except EntryProblem:
+                still = False
+            if still:
+                quarantine_entry(self.local, key, f"does not load here: {error}", warn=False)
+
     def quarantine(
         self, store: Store, key: str, reason: str, *, tier: str, version: str | None = None
     ) -> None:
@@ -251,12 +268,14 @@ class TwoTierCache:
     # ------------------------------------------------------------ compile
     def get_or_compile(
         self, key: str, compile_fn: CompileFn, *, components: Mapping[str, str] | None = None,
-        piece: str | None = None,
+        piece: str | None = None, unloadable: str | None = None,
     ) -> CacheResult:
         """The artifacts for `key`: from memory, local, remote, or a compile, in that order.
-        `piece` (which piece of the model it is) only labels the compile's events (stats)."""
+        `piece` (which piece of the model it is) only labels the compile's events (stats).
+        `unloadable`: why the entry this process got before would not load (see
+        `withdraw_unloadable`): the remote is not asked again, the graph compiles here."""
         validate_hex(key, length=32, what="compile cache key")
-        cached = self._loaded.get(key)
+        cached = None if unloadable else self._loaded.get(key)
         if cached is not None:
             self._record(CacheHit(key=key, at=time.time(), tier="memory"))
             return msgspec.structs.replace(cached, source="memory", seconds=0.0)
@@ -273,14 +292,15 @@ class TwoTierCache:
             )
             self._loaded[key] = hit
             return hit
-        result = self._locked_miss(key, compile_fn, components or {}, piece)
+        result = self._locked_miss(key, compile_fn, components or {}, piece, unloadable)
         self._loaded[key] = result
         if result.source in ("compiled", "remote"):  # published: the tier grew
             self.keep_within_bound()
         return result
 
     def _locked_miss(
-        self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None,
+        unloadable: str | None = None,
     ) -> CacheResult:
         wait_start = time.time()
         deadline = time.monotonic() + self.timeout
@@ -311,7 +331,7 @@ class TwoTierCache:
                     f"compile of {key} failed in process {failure.pid} on {failure.host}: "
                     f"{failure.error}"
                 )
-            fetched = self.fetch_remote(key)
+            fetched = None if unloadable else self.fetch_remote(key)
             if fetched is not None:
                 return fetched
             if self.precompiled_only:
@@ -319,11 +339,16 @@ class TwoTierCache:
                 where = f"the local cache {self.local_dir}"
                 if self.remote_url:
                     where += f" or the remote cache {self.remote_url}"
+                what = f"compile cache miss for {key} in {where}"
+                if unloadable:
+                    what = f"the compile cache entry {key} does not load here ({unloadable})"
                 raise PrecompiledOnlyMiss(
-                    f"compile cache miss for {key} in {where}, and "
-                    "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 forbids compiling at runtime"
+                    f"{what}, and VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 forbids compiling at "
+                    "runtime"
                 )
-            if self._remote.read_only:  # VLLM_NEURON_REMOTE_WRITE=off, or writes refused
+            # Compiled here, not for the fleet: after a load failure (this node's word only),
+            # or with a read-only remote (VLLM_NEURON_REMOTE_WRITE=off, or writes refused).
+            if unloadable or self._remote.read_only:
                 return self._compile_and_publish(key, compile_fn, components, piece)
             return self._fleet.run(
                 key,

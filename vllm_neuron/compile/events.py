@@ -82,6 +82,17 @@ class VerificationFailed(Record, frozen=True, tag="verify_failed"):
     reason: str
 
 
+class LoadFailed(Record, frozen=True, tag="load_failed"):
+    """An entry that passed its checksums but that the toolchain could not load in this
+    process: withdrawn from the local tier (a quarantine note kept) and compiled again.
+    ``source`` is where the entry came from this time ("local", "remote": fetched)."""
+
+    key: str
+    at: float
+    source: str
+    error: str
+
+
 class LeaseWaited(Record, frozen=True, tag="lease_wait"):
     """This node waited on the fleet: another node held the key's remote lease."""
 
@@ -127,6 +138,7 @@ CACHE_EVENTS: tuple[type[Record], ...] = (
     Fetched,
     Promoted,
     VerificationFailed,
+    LoadFailed,
     RemoteUnavailable,
     LeaseWaited,
     LeaseTakenOver,
@@ -160,6 +172,7 @@ class CacheStats:
     fetches: int = 0
     promotions: int = 0
     verification_failures: int = 0
+    load_failures: int = 0
     remote_outages: int = 0
     compile_seconds: float = 0.0
     lock_wait_seconds: float = 0.0
@@ -199,6 +212,8 @@ class CacheStats:
             self.promotions += int(event.published)
         elif isinstance(event, VerificationFailed):
             self.verification_failures += 1
+        elif isinstance(event, LoadFailed):
+            self.load_failures += 1
         elif isinstance(event, RemoteUnavailable):
             self.remote_outages += 1
         elif isinstance(event, LeaseWaited):

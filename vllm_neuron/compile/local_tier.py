@@ -7,7 +7,8 @@ renames coordinate the ranks of one node, and on NFS they are slow or unreliable
 decision belongs to the compile feature. A home directory on NFS is common on clusters,
 so when VLLM_CACHE_ROOT is unset and its default is on NFS the local tier moves to
 ``/tmp/vllm_neuron_wdir_$USER``; sharing through NFS is the remote tier's job. An explicit
-VLLM_CACHE_ROOT is the user's decision and is never second-guessed.
+VLLM_CACHE_ROOT is the user's decision and is never second-guessed. That fallback lives in
+a directory every local user can write, so it must be this user's own (`tier_health`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,15 @@ from vllm_neuron.envs import (
 )
 from vllm_neuron.envs.compile_cache import VLLM_CACHE_ROOT
 
-__all__ = ["NFS_FALLBACK_BASE", "get_neuron_compile_cache_dir", "local_tier_moves"]
+from .tier_health import LocalTierUnusable, check_private_directory, local_tier_problem
+
+__all__ = [
+    "NFS_FALLBACK_BASE",
+    "get_neuron_compile_cache_dir",
+    "local_tier_moves",
+    "resolve_local_tier",
+    "trusted_local_tier_dir",
+]
 
 # Where the local tier goes when the default cache root is on NFS.
 NFS_FALLBACK_BASE = "/tmp"
@@ -69,7 +78,8 @@ def get_neuron_compile_cache_dir(
     ``settings`` default to the process's (or those of ``environ``, when given; tests
     feed dicts). Raises :class:`vllm_neuron.envs.ConfigError` naming the setting when a
     regular file is in the way (the root itself or ``neuron/`` under it), since that
-    directory can then never be created.
+    directory can then never be created. Only computes the path: a process that will use
+    the tier (load what it holds) asks `trusted_local_tier_dir`.
     """
     if settings is None:
         settings = (
@@ -81,8 +91,64 @@ def get_neuron_compile_cache_dir(
         root = os.path.join(NFS_FALLBACK_BASE, f"vllm_neuron_wdir_{_login_name(user)}")
         setting = (f"{VLLM_CACHE_ROOT} (unset; its default {settings.cache_root} is on NFS, "
                    f"so the local tier is under {NFS_FALLBACK_BASE})")  # fmt: skip
+
     return require_directory(
         os.path.join(root, "neuron", "compile_cache"),
         setting=setting,
         purpose="the local compile cache",
     )
+
+
+def trusted_local_tier_dir(
+    settings: CompileCacheSettings | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    mounts_text: str | None = None,
+) -> str:
+    """`get_neuron_compile_cache_dir`, for a process that will load what the tier holds: the
+    /tmp fallback is created 0700 when missing, and one that is not this user's private
+    directory raises :class:`LocalTierUnusable` naming it (never used)."""
+    if settings is None:
+        settings = (
+            compile_cache_settings() if environ is None else load_compile_cache_settings(environ)
+        )
+    local_dir = get_neuron_compile_cache_dir(settings, environ=environ, mounts_text=mounts_text)
+    if local_tier_moves(settings, mounts_text):
+        root = os.path.dirname(os.path.dirname(local_dir))  # <root>/neuron/compile_cache
+        try:
+            check_private_directory(root)
+        except LocalTierUnusable as exc:
+            raise LocalTierUnusable(
+                f"{VLLM_CACHE_ROOT} (unset; its default {settings.cache_root} is on NFS): "
+                f"refused the fallback directory: {exc}"
+            ) from None
+    return local_dir
+
+
+def resolve_local_tier(
+    settings: CompileCacheSettings | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+    mounts_text: str | None = None,
+) -> tuple[str, str | None]:
+    """The local tier's directory and, when this process cannot use it, why (naming the
+    setting): the fallback refused, or the directory cannot be written (read-only, no
+    permission, no space). Probed with one real write, once per process (by the assembly);
+    with the cache disabled nothing is probed. A malformed setting still raises ConfigError.
+    """
+    if settings is None:
+        settings = (
+            compile_cache_settings() if environ is None else load_compile_cache_settings(environ)
+        )
+    try:
+        local_dir = trusted_local_tier_dir(settings, environ=environ, mounts_text=mounts_text)
+    except LocalTierUnusable as exc:
+        return "", str(exc)
+    if settings.disable_compile_cache:
+        return local_dir, None
+    problem = local_tier_problem(local_dir)
+    if problem is None:
+        return local_dir, None
+    setting = (f"{VLLM_CACHE_ROOT}={settings.cache_root}" if settings.cache_root_explicit
+               else f"the local compile cache {local_dir}")  # fmt: skip
+    return local_dir, f"{setting}: cannot write {local_dir}: {problem}"

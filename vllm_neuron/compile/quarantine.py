@@ -59,19 +59,20 @@ def _rebuild_problem(message: str, version: str | None) -> PublicationProblem:
     return PublicationProblem(message, version=version)
 
 
-def quarantine_entry(store: Store, key: str, reason: str, *, version: str | None = None) -> bool:
+def quarantine_entry(
+    store: Store, key: str, reason: str, *, version: str | None = None, warn: bool = True
+) -> bool:
     """Unpublish `key` from `store` and note why; True if this call withdrew it.
 
     `version`: the publication judged (`Publication.version`); one published in its place
     since is left alone (False). None withdraws whatever is published (a caller under the
-    key's lock).
+    key's lock). `warn=False`: the caller has said why already (one warning per fault).
     """
-    logger.warning(
-        "compile cache entry %s/%s failed verification (%s); quarantined, treating as a miss",
-        store.url,
-        key,
-        reason,
-    )
+    if warn:
+        logger.warning(
+            "compile cache entry %s/%s failed verification (%s); quarantined, treating as "
+            "a miss", store.url, key, reason,
+        )  # fmt: skip
     with contextlib.suppress(Exception):
         note = QuarantineNote(key=key, at=time.time(), reason=reason)
         store.write(join(QUARANTINE_DIR, f"{key}.json"), encode(note))

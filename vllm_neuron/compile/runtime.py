@@ -17,7 +17,8 @@ from typing import Any
 import msgspec
 
 from .cache import CacheResult, TwoTierCache
-from .toolchains.base import ARTIFACTS, CompiledArtifact, Toolchain
+from .toolchains.base import ARTIFACTS, CompiledArtifact, Toolchain, ToolchainError
+from .toolchains.op_libraries import MissingOpLibrary
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -107,15 +108,23 @@ class CompileRuntime:
 
         result = self.cache.get_or_compile(key.key, compile_into, components=key.components,
                                            piece=piece)
-        artifact = ARTIFACTS.convert(
-            result.record.meta, source=f"{self.cache.local_dir}/{key.key}/entry.json meta"
-        )
-        if result.path is None:
-            raise RuntimeError(
-                f"the local compile cache {self.cache.local_dir} is not on local disk; "
-                "compiled artifacts can only be loaded from a local directory"
-            )
-        compiled = toolchain.load(result.path, artifact)
+        try:
+            artifact, compiled = self._load(result)
+        except ToolchainError as exc:
+            if result.source in ("compiled", "uncached") or isinstance(
+                exc.__cause__, MissingOpLibrary
+            ):
+                # Made just now and still not loadable: the toolchain's failure. A kernel
+                # library this process lacks is the process's problem, not the entry's.
+                raise
+            # An entry that verified but will not load (another build of a library, a
+            # truncated artifact with the right checksum...): healed, never fatal.
+            _warn_once(f"vllm_neuron: compile cache entry {key.key} ({result.source}) does not "
+                       f"load here ({exc}); withdrawn, compiling the graph again")  # fmt: skip
+            self.cache.withdraw_unloadable(result, str(exc))
+            result = self.cache.get_or_compile(key.key, compile_into, components=key.components,
+                                               piece=piece, unloadable=str(exc))  # fmt: skip
+            artifact, compiled = self._load(result)
         event = CompiledGraph(
             key=key.key,
             components=dict(key.components),
@@ -136,3 +145,23 @@ class CompileRuntime:
         for wrapper in self._wrappers:
             compiled = wrapper(event, compiled)
         return compiled, event
+
+    def _load(self, result: CacheResult) -> tuple[CompiledArtifact, Callable[..., Any]]:
+        artifact = ARTIFACTS.convert(
+            result.record.meta, source=f"{self.cache.local_dir}/{result.key}/entry.json meta"
+        )
+        if result.path is None:
+            raise RuntimeError(
+                f"the local compile cache {self.cache.local_dir} is not on local disk; "
+                "compiled artifacts can only be loaded from a local directory"
+            )
+        return artifact, self.toolchain.load(result.path, artifact)
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        logger.warning("%s", message)

@@ -21,7 +21,8 @@ from typing import Any
 
 from vllm_neuron.backends import join, local_root_missing, open_store
 from vllm_neuron.compile.entry import read_record
-from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
+from vllm_neuron.compile.local_tier import trusted_local_tier_dir
+from vllm_neuron.compile.tier_health import LocalTierUnusable
 from vllm_neuron.compile.toolchains.base import ARTIFACTS
 from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
 from vllm_neuron.compile.toolchains.select import select_toolchain
@@ -36,7 +37,10 @@ RUNNERS = ("auto", "cache", "eager")
 
 def _cache_runner(compilation_hash: str, cache_dir: str | None) -> Callable[..., Any]:
     if cache_dir is None:
-        cache_dir = get_neuron_compile_cache_dir()
+        try:  # what this process will load from: never a fallback another user made
+            cache_dir = trusted_local_tier_dir()
+        except LocalTierUnusable as exc:
+            raise ReplayError(str(exc)) from None
     if local_root_missing(cache_dir):
         raise ReplayError(f"no compile cache at {cache_dir}")
     store = open_store(cache_dir, create=False)

@@ -1,0 +1,214 @@
+"""The cache never takes a server down: a read-only cache root, an entry that verifies but
+will not load, a fallback directory another user owns (vllm_neuron/compile/tier_health.py,
+runtime.py).
+
+Real processes (tests/compile/serve_worker.py: a model served through
+``torch.compile(backend="vllm_neuron")``) on real filesystems: a tmpfs mounted read-only as
+``VLLM_CACHE_ROOT``. CI runs as root and can mount; a machine that cannot fails these tests
+saying so, never skips them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from vllm_neuron.backends import encode, join, open_store
+from vllm_neuron.compile.entry import ENTRY_RECORD, read_record
+from vllm_neuron.compile.events import read_stats
+from vllm_neuron.compile.local_tier import resolve_local_tier, trusted_local_tier_dir
+from vllm_neuron.compile.tier_health import LocalTierUnusable, check_private_directory
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+RESULT = "SERVE_WORKER_RESULT "
+_STRIP = ("VLLM_CACHE_ROOT", "NEURON_LIBTORCH_REMOTE_CACHE", "VLLM_NEURON_DISABLE_WARMUP_COMPILE",
+          "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE", "VLLM_NEURON_MANIFEST_DIR")  # fmt: skip
+
+
+def serve(cache_root: Path, **env: str) -> tuple[int, dict[str, Any] | None, str]:
+    """Run the serving worker; (exit status, its result or None, stderr)."""
+    base = {k: v for k, v in os.environ.items() if k not in _STRIP}
+    done = subprocess.run(
+        [sys.executable, str(HERE / "serve_worker.py")],
+        env={**base, "VLLM_CACHE_ROOT": str(cache_root),
+             "TORCHINDUCTOR_CACHE_DIR": str(cache_root.parent / f"inductor-{uuid.uuid4().hex}"),
+             "PYTHONPATH": str(ROOT), **env},
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    result = json.loads(lines[-1][len(RESULT):]) if lines else None
+    return done.returncode, result, done.stderr
+
+
+def mount(args: list[str], target: Path) -> None:
+    target.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", *args, str(target)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"this test needs to mount a tmpfs (as root, as CI runs): mount {args} "
+                    f"{target} failed: {done.stderr.strip()}")  # fmt: skip
+
+
+@pytest.fixture
+def tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """A real 64 MiB tmpfs, unmounted after the test."""
+    target = tmp_path / "tmpfs"
+    mount(["-t", "tmpfs", "-o", "size=64m", "tmpfs"], target)
+    try:
+        yield target
+    finally:
+        subprocess.run(["umount", "-l", str(target)], capture_output=True)
+
+
+def remount(target: Path, mode: str) -> None:
+    mount(["-o", f"remount,{mode}"], target)
+
+
+def test_a_read_only_cache_root_is_bypassed_with_one_warning_and_the_graph_served(
+    tmpfs: Path,
+) -> None:
+    code, first, err = serve(tmpfs)  # writable: compiles and publishes
+    assert code == 0 and first is not None, err[-3000:]
+    assert first["matched"] and first["sources"] == ["compiled"], first
+    remount(tmpfs, "ro")
+    try:
+        code, result, err = serve(tmpfs)
+        assert code == 0 and result is not None, err[-3000:]
+        assert result["matched"] and result["sources"] == ["uncached"], result
+        said = [w for w in result["warnings"] if "bypassed" in w]
+        assert len(said) == 1, result["warnings"]
+        assert f"VLLM_CACHE_ROOT={tmpfs}" in said[0] and "read-only file system" in said[0]
+        assert "Traceback" not in err
+        # Pre-compiled only: nothing could be served, so it is a start-up error naming both.
+        code, result, err = serve(tmpfs, VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")
+        assert code != 0 and result is None
+        assert "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1" in err and "read-only" in err, err[-3000:]
+    finally:
+        remount(tmpfs, "rw")
+    # Writable again: the next start hits the entry compiled before, no manual step.
+    code, again, err = serve(tmpfs)
+    assert code == 0 and again is not None, err[-3000:]
+    assert again["matched"] and again["sources"] == ["local"], again
+    assert again["keys"] == first["keys"] and again["warnings"] == []
+
+
+def make_unloadable(cache_dir: Path, key: str) -> None:
+    """Replace ``key``'s artifact by bytes that are no AOTInductor package, and record their
+    sizes and digests in entry.json: the entry verifies, but will not load."""
+    store = open_store(str(cache_dir), create=False)
+    prefix = store.published(key)
+    assert prefix is not None
+    record = read_record(store, prefix)
+    (artifact,) = [name for name in record.files if name.endswith(".pt2")]
+    path = Path(store.local_dir_of(prefix) or "") / artifact
+    path.write_bytes(b"PK not a package at all " * 64)
+    files = {name: store.digest(join(prefix, name)) for name in record.files}
+    (path.parent / ENTRY_RECORD).write_bytes(encode(msgspec.structs.replace(record, files=files)))
+
+
+def test_an_entry_that_verifies_but_will_not_load_is_healed(tmp_path: Path) -> None:
+    cache_root = tmp_path / "cache"
+    code, first, err = serve(cache_root)
+    assert code == 0 and first is not None, err[-3000:]
+    cache_dir = cache_root / "neuron" / "compile_cache"
+    (key,) = first["keys"]
+    make_unloadable(cache_dir, key)
+    done = subprocess.run([sys.executable, "-m", "vllm_neuron.cli", "cache", "--cache-dir",
+                           str(cache_dir), "verify"], capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr  # its checksums are right
+    code, healed, err = serve(cache_root)
+    assert code == 0 and healed is not None, err[-3000:]
+    assert healed["matched"] and healed["sources"] == ["compiled"], healed
+    said = [w for w in healed["warnings"] if "does not load here" in w]
+    assert len(said) == 1 and key in said[0], healed["warnings"]
+    stats = read_stats(str(cache_dir))
+    assert stats.load_failures == 1 and stats.compiles == 2
+    notes = list((cache_dir / ".quarantine").glob(f"{key}*"))
+    assert notes, "the withdrawn entry leaves its quarantine note"
+    # The next start hits the recompiled entry.
+    code, again, err = serve(cache_root)
+    assert code == 0 and again is not None, err[-3000:]
+    assert again["sources"] == ["local"] and again["matched"], again
+    # Pre-compiled only: the unloadable entry is a PrecompiledOnlyMiss saying why.
+    make_unloadable(cache_dir, key)
+    code, result, err = serve(cache_root, VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")
+    assert code != 0 and result is None
+    assert "PrecompiledOnlyMiss" in err and "does not load" in err, err[-3000:]
+
+
+@pytest.fixture
+def shared_tmp() -> Iterator[Path]:
+    """A directory every user may create things in, as /tmp is (pytest's own is private)."""
+    path = Path(tempfile.mkdtemp(dir="/tmp", prefix="vllm-neuron-shared-"))
+    path.chmod(0o1777)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def squat(path: Path, mode: str = "0700") -> None:
+    """``mkdir`` as another user (uid 65534), the way a stranger gets there first."""
+    done = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                           "mkdir", "-m", mode, str(path)],
+                          capture_output=True, text=True)  # fmt: skip
+    if done.returncode != 0:
+        pytest.fail(f"this test needs setpriv, as root: {done.stderr.strip()}")
+
+
+def test_a_private_directory_is_made_0700_and_a_shared_or_squatted_one_refused(
+    shared_tmp: Path,
+) -> None:
+    mine = shared_tmp / "mine"
+    assert check_private_directory(str(mine)) == str(mine)
+    assert (mine.stat().st_mode & 0o777) == 0o700
+    open_to_all = shared_tmp / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    with pytest.raises(LocalTierUnusable, match=r"writable by other users \(mode 0777\)"):
+        check_private_directory(str(open_to_all))
+    squatted = shared_tmp / "squatted"
+    squat(squatted)
+    with pytest.raises(LocalTierUnusable, match=r"belongs to uid 65534"):
+        check_private_directory(str(squatted))
+    link = shared_tmp / "link"
+    link.symlink_to(mine)
+    with pytest.raises(LocalTierUnusable, match="not a directory of its own"):
+        check_private_directory(str(link))
+
+
+NFS_HOME = "server:/export/home /home nfs4 rw 0 0\n"
+
+
+def test_the_nfs_fallback_squatted_by_another_user_bypasses_the_cache(tmp_path: Path) -> None:
+    user = f"vn-test-{uuid.uuid4().hex[:8]}"
+    fallback = Path("/tmp") / f"vllm_neuron_wdir_{user}"
+    environ = {"HOME": "/home/alice", "USER": user}
+    try:
+        squat(fallback)
+        local_dir, bypassed = resolve_local_tier(environ=environ, mounts_text=NFS_HOME)
+        assert bypassed is not None and "refused the fallback directory" in bypassed
+        assert str(fallback) in bypassed and "uid 65534" in bypassed
+        with pytest.raises(LocalTierUnusable):
+            trusted_local_tier_dir(environ=environ, mounts_text=NFS_HOME)
+    finally:
+        shutil.rmtree(fallback, ignore_errors=True)
+    # Not there yet: this user's own, made 0700, used.
+    try:
+        local_dir, bypassed = resolve_local_tier(environ=environ, mounts_text=NFS_HOME)
+        assert bypassed is None and local_dir.startswith(str(fallback))
+        assert fallback.stat().st_uid == os.getuid()
+        assert (fallback.stat().st_mode & 0o777) == 0o700
+    finally:
+        shutil.rmtree(fallback, ignore_errors=True)
