@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
+import logging
 import os
 import shutil
 import tempfile
@@ -25,6 +27,16 @@ from vllm_neuron.backends import Record, Staging, Store, fault_point, open_store
 from .entry import ENTRY_RECORD, EntryRecord, build_record, encode_record
 from .events import CacheMiss, Compiled, CompileFailed
 from .failures import clear_failure_note, describe, write_failure_note
+from .tier_health import (
+    COMPILE_SPACE_RESERVE,
+    LocalTierFault,
+    free_bytes,
+    mib,
+    unwritable_cause,
+    why_unwritable,
+)
+
+logger = logging.getLogger("vllm_neuron.compile")
 
 CompileFn = Callable[[str], Mapping[str, Any]]
 """Compiles into the given empty directory; returns the toolchain's metadata (JSON-able)."""
@@ -85,14 +97,55 @@ def compile_and_publish(
             fault_point("compile.staging-written")
         except BaseException as exc:
             staging.abort()
+            fault = unwritable_cause(exc)
+            if fault is not None:  # the place's fault, not the graph's: no failure note
+                raise LocalTierFault(_fault_reason(fault, local)) from exc
             if isinstance(exc, Exception):
                 on_failure(exc)
             raise
-        staging.write(ENTRY_RECORD, encode_record(record))
-        fault_point("compile.record-written")
-        staging.commit()
+        try:
+            staging.write(ENTRY_RECORD, encode_record(record))
+            fault_point("compile.record-written")
+            staging.commit()
+        except OSError as exc:
+            staging.abort()  # nothing half-written stays visible
+            if unwritable_cause(exc) is None:
+                raise
+            raise LocalTierFault(_fault_reason(exc, local)) from exc
         fault_point("compile.published")
     return record, seconds
+
+
+def _fault_reason(exc: OSError, local: Store) -> str:
+    staging_dir = local.local_dir_of(".staging")
+    where = os.path.dirname(staging_dir) if staging_dir else local.url
+    return why_unwritable(exc, where) or str(exc)
+
+
+def room_to_compile(path: str) -> str | None:
+    """Why a compile must not write under ``path`` (too little space: see
+    `COMPILE_SPACE_RESERVE`), or None."""
+    free = free_bytes(path)
+    if free is None or free >= COMPILE_SPACE_RESERVE:
+        return None
+    return f"no space left: {mib(free)} free, a compile needs {mib(COMPILE_SPACE_RESERVE)}"
+
+
+def adopt_into_tier(local: Store, key: str, out_dir: str, record: EntryRecord) -> bool:
+    """Publish a graph compiled outside the tier (in a scratch area) into it, as a compile
+    there would have; False when another writer published the key first. Raises
+    `LocalTierFault` when the tier cannot take it (nothing stays visible)."""
+    with local.stage(key) as staging:
+        try:
+            for name in record.files:
+                staging.put_file(name, os.path.join(out_dir, name))
+            staging.write(ENTRY_RECORD, encode_record(record))
+            return bool(staging.commit())
+        except OSError as exc:
+            staging.abort()
+            if unwritable_cause(exc) is None:
+                raise
+            raise LocalTierFault(_fault_reason(exc, local)) from exc
 
 
 _SCRATCH: tuple[int, str] | None = None  # (the pid that made it, its path)
@@ -132,7 +185,17 @@ def compile_uncached(
     The directory is the toolchain's to load from for as long as the process lives, under
     this process's scratch directory (`uncached_scratch`), removed when the process exits.
     """
-    out_dir = tempfile.mkdtemp(prefix=f"{key[:8]}_", dir=uncached_scratch())
+    try:
+        scratch = uncached_scratch()
+        out_dir = tempfile.mkdtemp(prefix=f"{key[:8]}_", dir=scratch)
+    except OSError as exc:
+        raise OSError(exc.errno, f"no writable place to compile graph {key}: the temporary "
+                      f"directory {tempfile.gettempdir()} (TMPDIR): {exc.strerror}") from exc
+    short = room_to_compile(scratch)
+    if short is not None:
+        shutil.rmtree(out_dir, ignore_errors=True)
+        raise OSError(errno.ENOSPC, f"no room to compile graph {key}: the temporary directory "
+                      f"{scratch} (TMPDIR) has {short}")  # fmt: skip
     start = time.perf_counter()
     try:
         meta = dict(compile_fn(out_dir))
@@ -158,6 +221,7 @@ class Compiler:
         self.toolchain = toolchain
         self.target = target
         self._record = record
+        self._bypass_said = False  # the tier's lack of room is said once per process
 
     def publish(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
@@ -174,6 +238,44 @@ class Compiler:
         clear_failure_note(self.local, key)
         self._compiled(key, record, seconds, piece)
         return record, seconds
+
+    def publish_where_room(
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
+        piece: str | None = None,
+    ) -> tuple[str | None, EntryRecord, float]:
+        """`publish`, unless the tier has no room for it: too little space to compile there
+        (`room_to_compile`), or a write it refused (no space, read-only, no permission). Then
+        the graph compiles in this process's scratch area, is adopted into the tier if it
+        fits, and is served from the scratch area if not, said once per process naming
+        VLLM_CACHE_ROOT and the reason: (the scratch directory, or None when published;
+        record; seconds). Nothing half-written stays in the tier."""
+        staging_dir = self.local.local_dir_of(".staging")  # None: the tier is not on disk
+        tier_dir = os.path.dirname(staging_dir) if staging_dir else None
+        short = room_to_compile(tier_dir) if tier_dir else None
+        if short is None:
+            try:
+                record, seconds = self.publish(key, compile_fn, components, piece)
+                return None, record, seconds
+            except LocalTierFault as exc:
+                short = str(exc)
+        out_dir, record, seconds = self.uncached(key, compile_fn, components, piece)
+        free = free_bytes(tier_dir) if tier_dir else None
+        if free is not None and free >= record.total_size + (1 << 20):
+            try:
+                adopt_into_tier(self.local, key, out_dir, record)
+                return None, record, seconds
+            except LocalTierFault as exc:
+                short = str(exc)
+        elif free is not None:
+            short = f"no space left: {mib(free)} free, the artifact is {mib(record.total_size)}"
+        if not self._bypass_said:
+            self._bypass_said = True
+            logger.warning(
+                "vllm_neuron: VLLM_CACHE_ROOT (the local compile cache %s): %s; the tier is "
+                "bypassed for graph %s (served from %s, not cached), and for any other graph "
+                "it cannot take", self.local.url, short, key, out_dir,
+            )  # fmt: skip
+        return out_dir, record, seconds
 
     def uncached(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str],

@@ -381,7 +381,10 @@ class TwoTierCache:
     def _compile_and_publish(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None
     ) -> CacheResult:
-        record, seconds = self._compiler.publish(key, compile_fn, components, piece)
+        scratch, record, seconds = self._compiler.publish_where_room(
+            key, compile_fn, components, piece)
+        if scratch is not None:  # the tier had no room: served from the scratch area
+            return CacheResult(key, scratch, record, "uncached", seconds, "")
         published = self.lookup_local(key)
         if published is None:
             raise CompileError(f"compiled {key} but its entry in {self.local_dir} is not readable")

@@ -24,7 +24,12 @@ import stat
 import tempfile
 
 __all__ = [
+    "COMPILE_SPACE_RESERVE",
+    "LocalTierFault",
     "LocalTierUnusable",
+    "free_bytes",
+    "mib",
+    "unwritable_cause",
     "check_private_directory",
     "local_tier_problem",
     "why_unwritable",
@@ -36,13 +41,49 @@ UNWRITABLE = {errno.EROFS: "read-only file system", errno.EACCES: "permission de
               errno.EDQUOT: "disk quota exceeded"}  # fmt: skip
 
 
+COMPILE_SPACE_RESERVE = 64 << 20
+"""Free bytes a filesystem must have before a compile writes there. AOTInductor packaging
+onto a filesystem that runs out of space aborts the whole process in C++ (``unexpected
+pos``), which no ``except`` catches: a compile goes where this much is free, or fails with
+an error that says so."""
+
+
+class LocalTierFault(RuntimeError):
+    """A write to the local tier failed for a reason of the place, not of the graph (no
+    space, read-only, no permission): the graph is served from a scratch area instead."""
+
+
 class LocalTierUnusable(RuntimeError):
     """The local tier cannot be used by this process; the message says which setting and
     why (the caller bypasses the tier, or refuses to start in pre-compiled-only mode)."""
 
 
-def _mib(n: float) -> str:
+def mib(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB"
+
+
+def free_bytes(path: str) -> int | None:
+    """Bytes free for this user on ``path``'s filesystem (its nearest existing ancestor)."""
+    probe = path
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        return shutil.disk_usage(probe).free
+    except OSError:
+        return None
+
+
+def unwritable_cause(exc: BaseException) -> OSError | None:
+    """The OSError in ``exc``'s chain that says a place cannot take files, if any (a
+    toolchain wraps the failure of its own writes in its error)."""
+    seen: BaseException | None = exc
+    for _ in range(16):  # a chain is short; a cycle must not loop
+        if seen is None:
+            return None
+        if isinstance(seen, OSError) and seen.errno in UNWRITABLE:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def why_unwritable(exc: OSError, path: str) -> str | None:
@@ -53,7 +94,7 @@ def why_unwritable(exc: OSError, path: str) -> str | None:
         return None
     if exc.errno in (errno.ENOSPC, errno.EDQUOT):
         with contextlib.suppress(OSError):  # the free space is a detail of the reason
-            reason += f": {_mib(shutil.disk_usage(path).free)} free"
+            reason += f": {mib(shutil.disk_usage(path).free)} free"
     return reason
 
 
