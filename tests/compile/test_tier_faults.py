@@ -21,11 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import msgspec
 import pytest
+from entry_faults import make_unloadable  # tests/entry_faults.py
 
-from vllm_neuron.backends import encode, join, open_store
-from vllm_neuron.compile.entry import ENTRY_RECORD, read_record
 from vllm_neuron.compile.events import read_stats
 from vllm_neuron.compile.local_tier import resolve_local_tier, trusted_local_tier_dir
 from vllm_neuron.compile.tier_health import LocalTierUnusable, check_private_directory
@@ -137,20 +135,6 @@ def test_a_read_only_cache_root_is_bypassed_with_one_warning_and_the_graph_serve
     assert again["keys"] == first["keys"] and again["warnings"] == []
 
 
-def make_unloadable(cache_dir: Path, key: str) -> None:
-    """Replace ``key``'s artifact by bytes that are no AOTInductor package, and record their
-    sizes and digests in entry.json: the entry verifies, but will not load."""
-    store = open_store(str(cache_dir), create=False)
-    prefix = store.published(key)
-    assert prefix is not None
-    record = read_record(store, prefix)
-    (artifact,) = [name for name in record.files if name.endswith(".pt2")]
-    path = Path(store.local_dir_of(prefix) or "") / artifact
-    path.write_bytes(b"PK not a package at all " * 64)
-    files = {name: store.digest(join(prefix, name)) for name in record.files}
-    (path.parent / ENTRY_RECORD).write_bytes(encode(msgspec.structs.replace(record, files=files)))
-
-
 def test_an_entry_that_verifies_but_will_not_load_is_healed(tmp_path: Path) -> None:
     cache_root = tmp_path / "cache"
     code, first, err = serve(cache_root)
@@ -161,6 +145,12 @@ def test_an_entry_that_verifies_but_will_not_load_is_healed(tmp_path: Path) -> N
     done = subprocess.run([sys.executable, "-m", "vllm_neuron.cli", "cache", "--cache-dir",
                            str(cache_dir), "verify"], capture_output=True, text=True)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr  # its checksums are right
+    # Whether the tier's entries load on this node: the operator's question, answered.
+    done = subprocess.run([sys.executable, "-m", "vllm_neuron.cli", "cache", "--cache-dir",
+                           str(cache_dir), "verify", "--load"], capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"NO-LOAD {key} does not load here" in done.stdout, done.stdout
+    assert "1 do not load here" in done.stdout and (cache_dir / key).is_dir()  # not withdrawn
     code, healed, err = serve(cache_root)
     assert code == 0 and healed is not None, err[-3000:]
     assert healed["matched"] and healed["sources"] == ["compiled"], healed
@@ -174,6 +164,10 @@ def test_an_entry_that_verifies_but_will_not_load_is_healed(tmp_path: Path) -> N
     code, again, err = serve(cache_root)
     assert code == 0 and again is not None, err[-3000:]
     assert again["sources"] == ["local"] and again["matched"], again
+    done = subprocess.run([sys.executable, "-m", "vllm_neuron.cli", "cache", "--cache-dir",
+                           str(cache_dir), "verify", "--load", "--json"],
+                          capture_output=True, text=True)  # fmt: skip
+    assert done.returncode == 0 and json.loads(done.stdout)[0]["ok"], done.stdout + done.stderr
     # Pre-compiled only: the unloadable entry is a PrecompiledOnlyMiss saying why.
     make_unloadable(cache_dir, key)
     code, result, err = serve(cache_root, VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")

@@ -42,6 +42,7 @@ from typing import Any
 
 import pytest
 from cpu_kernels import AVX2, kernel_env, native_path, note
+from entry_faults import make_unloadable
 from plugin_support import (
     MAX_TOKENS,
     PROMPTS,
@@ -100,7 +101,7 @@ def delta(after: CacheStats, before: CacheStats) -> dict[str, int]:
     return {
         name: getattr(after, name) - getattr(before, name)
         for name in ("hits", "misses", "compiles", "compile_failures", "fetches",
-                     "verification_failures")
+                     "verification_failures", "load_failures")
     }
 
 
@@ -486,6 +487,12 @@ def test_profile_capture_against_a_host_mode_server(
                 ["--concurrency", "4", "--num-requests", "4", "--output-len", "256",
                  "--input-len", "64", "--stats-interval", "0.25"])
     server = [f"--server-env={k}={v}" for k, v in node_a.env(f"profile-{recipe}").items()]
+    broken = None
+    if recipe == "prefill":
+        # One piece's entry verifies but will not load: the server must heal it (withdraw,
+        # compile again) and serve, never fail its start (docs/compile-cache.md).
+        broken = adaptor_calls(restart.log())[0][1]
+        make_unloadable(node_a.compile_cache, broken)
     before = node_a.stats()
     done = subprocess.run(
         [sys.executable, "-m", "vllm_neuron.cli", "profile", "capture",
@@ -509,7 +516,9 @@ def test_profile_capture_against_a_host_mode_server(
     assert launches and manifest.attempts[-1].outcome == "captured", manifest.attempts
     for log_path, kv_transfer in launches.items():
         calls = adaptor_calls(Path(log_path).read_text(errors="replace"))
-        assert calls and {c[2] for c in calls} == {"local"}, (log_path, calls)
+        healed = {c[1] for c in calls if c[2] == "compiled"}
+        assert healed <= {broken}, (log_path, calls)
+        assert calls and {c[2] for c in calls if c[1] not in healed} == {"local"}, calls
         # Without a KV connector the server's vLLM config is the restart's, so vLLM kept its
         # own handles and loads each piece. The decode fallback adds a connector, which is
         # part of vLLM's own cache key: vLLM then calls compile(), and the piece still
@@ -517,5 +526,10 @@ def test_profile_capture_against_a_host_mode_server(
         expected = {"load"} if kv_transfer is None else {"compile"}
         assert {c[0] for c in calls} == expected, (log_path, kv_transfer, calls)
     stats = delta(node_a.stats(), before)
-    assert stats["compiles"] == 0
+    if broken is None:
+        assert stats["compiles"] == 0 and stats["load_failures"] == 0
+    else:  # the unloadable entry: withdrawn and compiled again, once
+        assert stats["compiles"] == 1 and stats["load_failures"] == 1, stats
+        log = Path(next(iter(launches))).read_text(errors="replace")
+        assert f"compile cache entry {broken} (local) does not load here" in log
     SUMMARY.append(f"profile-{recipe}: launches {len(launches)}, cache {stats}")

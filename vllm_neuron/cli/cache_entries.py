@@ -12,12 +12,14 @@ Registered by `cli/cache.py` (`register`), whose ``--cache-dir`` they read.
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from typing import Any
 
 from vllm_neuron.backends import check_location, open_store, probe_store
 from vllm_neuron.compile.gc import STAGING_MAX_AGE, plan_gc
 from vllm_neuron.compile.inventory import (
     EntryInfo,
+    VerifyResult,
     explain_entries,
     list_entries,
     parse_duration,
@@ -25,6 +27,7 @@ from vllm_neuron.compile.inventory import (
     verify_entries,
     verify_entry,
 )
+from vllm_neuron.compile.load_check import load_problem
 from vllm_neuron.compile.promote import save_cache
 from vllm_neuron.compile.prune import plan_prune
 from vllm_neuron.compile.quarantine import quarantine_entry
@@ -46,6 +49,10 @@ def register(cmds: Any) -> None:
     verify = cmds.add_parser("verify", help="check every checksum; exit 1 on any corrupt entry")
     verify.add_argument("url", nargs="?", help="a tier to verify (default: the local cache)")
     verify.add_argument("--keep", action="store_true", help="report only; do not quarantine")
+    verify.add_argument("--load", action="store_true",
+                        help="also load every sound entry with its toolchain, in this Python: "
+                        "exit 1 naming each that does not load on this node (never withdrawn "
+                        "for it)")  # fmt: skip
     verify.add_argument("--json", action="store_true")
     verify.set_defaults(handler=cmd_verify)
 
@@ -122,14 +129,23 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     results = verify_entries(store, quarantine=None if args.keep else quarantine)
     bad = [r for r in results if not r.ok]
+    unloadable: list[VerifyResult] = []
+    if args.load:  # this node's word only: reported, never quarantined for it
+        for i, r in enumerate(results):
+            problem = load_problem(store, r.key) if r.ok else None
+            if problem is not None:
+                results[i] = replace(r, ok=False, problem=problem)
+                unloadable.append(results[i])
     if args.json:
         print_json(results)
     else:
         for r in results:
-            print(f"{'ok     ' if r.ok else 'CORRUPT'} {r.key} {r.problem or ''}".rstrip())
+            label = "ok     " if r.ok else "NO-LOAD" if r in unloadable else "CORRUPT"
+            print(f"{label} {r.key} {r.problem or ''}".rstrip())
         verb = "reported" if args.keep else "quarantined"
-        print(f"{len(results)} entries checked, {len(bad)} corrupt" + (f" ({verb})" if bad else ""))
-    return 1 if bad else 0
+        print(f"{len(results)} entries checked, {len(bad)} corrupt" + (f" ({verb})" if bad else "")
+              + (f", {len(unloadable)} do not load here" if args.load else ""))  # fmt: skip
+    return 1 if bad or unloadable else 0
 
 
 # ---------------------------------------------------------------- promote
