@@ -240,3 +240,24 @@ def test_the_nfs_fallback_squatted_by_another_user_bypasses_the_cache(tmp_path: 
         assert (fallback.stat().st_mode & 0o777) == 0o700
     finally:
         shutil.rmtree(fallback, ignore_errors=True)
+
+
+def test_a_full_manifest_directory_costs_the_manifest_one_warning_not_the_graph(
+    tmpfs: Path, tmp_path: Path
+) -> None:
+    manifests = tmpfs / "manifests"
+    manifests.mkdir()
+    remount(tmpfs, "size=64k")
+    fd = os.open(tmpfs / "ballast", os.O_WRONLY | os.O_CREAT)
+    try:  # fill it: every further write is ENOSPC
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    code, result, err = serve(tmp_path / "cache", VLLM_NEURON_MANIFEST_DIR=str(manifests))
+    assert code == 0 and result is not None, err[-3000:]
+    assert result["matched"] and result["sources"] == ["compiled"], result
+    said = [w for w in result["warnings"] if "VLLM_NEURON_MANIFEST_DIR" in w]
+    assert len(said) == 1 and "No space left" in said[0], result["warnings"]
