@@ -51,6 +51,15 @@ def local_tier_moves(settings: CompileCacheSettings, mounts_text: str | None = N
     )
 
 
+def _settings(
+    settings: CompileCacheSettings | None, environ: Mapping[str, str] | None
+) -> CompileCacheSettings:
+    """``settings``, else the process's (or those of ``environ``: tests feed dicts)."""
+    if settings is not None:
+        return settings
+    return compile_cache_settings() if environ is None else load_compile_cache_settings(environ)
+
+
 def _login_name(user: str | None) -> str:
     """The user name for the /tmp fallback, safe to use as one path component.
 
@@ -81,10 +90,7 @@ def get_neuron_compile_cache_dir(
     directory can then never be created. Only computes the path: a process that will use
     the tier (load what it holds) asks `trusted_local_tier_dir`.
     """
-    if settings is None:
-        settings = (
-            compile_cache_settings() if environ is None else load_compile_cache_settings(environ)
-        )
+    settings = _settings(settings, environ)
     root, setting = settings.cache_root, settings.cache_root_setting
     if local_tier_moves(settings, mounts_text):
         user = load_identity_settings(environ).user
@@ -108,10 +114,7 @@ def trusted_local_tier_dir(
     """`get_neuron_compile_cache_dir`, for a process that will load what the tier holds: the
     /tmp fallback is created 0700 when missing, and one that is not this user's private
     directory raises :class:`LocalTierUnusable` naming it (never used)."""
-    if settings is None:
-        settings = (
-            compile_cache_settings() if environ is None else load_compile_cache_settings(environ)
-        )
+    settings = _settings(settings, environ)
     local_dir = get_neuron_compile_cache_dir(settings, environ=environ, mounts_text=mounts_text)
     if local_tier_moves(settings, mounts_text):
         root = os.path.dirname(os.path.dirname(local_dir))  # <root>/neuron/compile_cache
@@ -136,10 +139,7 @@ def resolve_local_tier(
     permission, no space). Probed with one real write, once per process (by the assembly);
     with the cache disabled nothing is probed. A malformed setting still raises ConfigError.
     """
-    if settings is None:
-        settings = (
-            compile_cache_settings() if environ is None else load_compile_cache_settings(environ)
-        )
+    settings = _settings(settings, environ)
     try:
         local_dir = trusted_local_tier_dir(settings, environ=environ, mounts_text=mounts_text)
     except LocalTierUnusable as exc:
