@@ -12,7 +12,11 @@ step:
   recompile on that node;
 * with VLLM_NEURON_REMOTE_WRITE=auto (compiles promote, coordinated by remote leases), at
   most one compile per key in the whole fleet, plus one per corruption; a crash leaves an
-  expired remote lease behind, which the next compile of the key takes over.
+  expired remote lease behind, which the next compile of the key takes over;
+* a local tier that fills up or turns read-only while a compile writes into it never fails
+  the get: the graph compiles again in the process's scratch area and is adopted into the
+  tier when it has room (a tier on disk), else served from scratch and not cached (a tier
+  without local paths), one more compile on that node and in the fleet.
 
 It runs on three pairs of tiers, with examples under the ``ci`` profile
 (tests/hypothesis_profiles.py) in proportion to what an example costs:
@@ -27,6 +31,7 @@ It runs on three pairs of tiers, with examples under the ``ci`` profile
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -109,6 +114,8 @@ class TwoTierModel(RuleBasedStateMachine):
         # Fleet-wide: one compile per key, plus one per event that can force another (a
         # corruption, a holder that died); only when compiles promote (remote_write=auto).
         self.fleet_budget = dict.fromkeys(KEYS, 1)
+        # A node whose next compile into its tier meets a full or read-only disk.
+        self.disk_fault: dict[int, int] = {}
 
     def teardown(self) -> None:
         self.tiers.close()
@@ -135,6 +142,10 @@ class TwoTierModel(RuleBasedStateMachine):
 
     def _compile_fn(self, node: int, key: str):  # noqa: ANN202 - a CompileFn
         def compile_into(out_dir: str) -> dict[str, str]:
+            fault = self.disk_fault.pop(node, None)
+            if fault is not None and "vllm_neuron_uncached_" not in out_dir:
+                # The tier's disk (not the scratch area) is full or read-only right now.
+                raise OSError(fault, os.strerror(fault), os.path.join(out_dir, FILES[0]))
             self.compiles[(node, key)] += 1
             for name in FILES:
                 path = os.path.join(out_dir, name)
@@ -157,8 +168,23 @@ class TwoTierModel(RuleBasedStateMachine):
             want = "remote"
         else:
             want = "compiled"
+        faulted = want == "compiled" and node in self.disk_fault
+        served_from_scratch = faulted and self.tiers.disk_dir is None  # nowhere to adopt it
+        if served_from_scratch:
+            want = "uncached"
         result = self.caches[node].get_or_compile(key, self._compile_fn(node, key))
+        self.disk_fault.pop(node, None)  # the fault was for this get only
         assert result.source == want, (result.source, want, state, remote)
+        if served_from_scratch:  # not cached: later starts, and other nodes, compile again
+            if remote == CORRUPT:
+                self.remote_state[key] = ABSENT  # quarantined by the failed fetch
+            self.local_state[(node, key)] = ABSENT  # a corrupt one was quarantined
+            self.loaded[node].add(key)
+            self.budget[(node, key)] += 1
+            self.fleet_budget[key] += 1
+            for name in FILES:
+                assert Path(result.path or "", name).read_bytes() == expected(key, name)
+            return
         if self.tiers.disk_dir is not None:  # the entry's own directory on local disk
             assert result.path == os.path.join(self.tiers.disk_dir, f"node-{node}", key)
         if want != "memory":
@@ -261,6 +287,12 @@ class TwoTierModel(RuleBasedStateMachine):
             record = {"owner": "dead-host:1:0", "generation": gen,
                       "expires": time.time() - 1, "released": False}
             assert store.create(join(locks, f"{gen:012d}"), json.dumps(record).encode())
+
+    @rule(node=st.integers(0, NODES - 1),
+          fault=st.sampled_from([errno.ENOSPC, errno.EROFS, errno.EACCES]))
+    def disk_fails(self, node: int, fault: int) -> None:
+        """The node's local disk fills up (or turns read-only) under its next compile."""
+        self.disk_fault[node] = fault
 
     @rule(node=st.integers(0, NODES - 1))
     def restart(self, node: int) -> None:

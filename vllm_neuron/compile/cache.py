@@ -375,7 +375,10 @@ class TwoTierCache:
         return self._compile_and_publish(key, compile_fn, components, piece)
 
     def _promote(self, remote: Store, key: str) -> None:
-        promote_entry(self.local, remote, key)
+        if self.local.published(key) is not None:
+            promote_entry(self.local, remote, key)
+        # else: served from scratch (the tier had no room): nothing to promote; the lease
+        # comes free and another node compiles it. A local fault is no remote outage.
         self._upkeep.settled(key)
 
     def _compile_and_publish(
