@@ -20,11 +20,18 @@ points is on a per-graph hot path: a cache hit and a ledger line pass none of th
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 from dataclasses import dataclass
 
-__all__ = ["POINTS", "FaultPoint", "arm", "armed", "fault_point"]
+__all__ = ["FAULT_KINDS", "POINTS", "FaultPoint", "arm", "armed", "fault_point"]
+
+FAULT_KINDS: dict[str, int | None] = {"kill": None, "full": errno.ENOSPC,
+                                      "read-only": errno.EROFS}  # fmt: skip
+"""What an armed point does: ``kill`` (SIGKILL, the default), or fail the write in progress
+as if the disk had just filled up (``full``: ENOSPC) or turned read-only (``read-only``:
+EROFS), once: the process must carry on (``VLLM_NEURON_FAULT=<point>@full``)."""
 
 
 @dataclass(frozen=True)
@@ -102,27 +109,36 @@ POINTS: dict[str, FaultPoint] = _points(
 )
 
 _armed: str | None = None
+_kind: int | None = None  # the errno a disk fault raises; None: kill
 
 
 def fault_point(name: str) -> None:
-    """Die here by SIGKILL if this process was armed with `name`; otherwise nothing."""
+    """Die here by SIGKILL if this process was armed with `name` (or, for a disk fault, fail
+    the write in progress once with its OSError); otherwise nothing."""
+    global _armed
     if _armed is None:
         return
     if name == _armed:
-        os.kill(os.getpid(), signal.SIGKILL)
+        if _kind is None:
+            os.kill(os.getpid(), signal.SIGKILL)
+        _armed = None  # once: the disk is full (read-only) at this moment, not forever
+        raise OSError(_kind, f"{os.strerror(_kind)} (fault point {name})")
 
 
-def arm(point: str | None) -> None:
-    """Make `point` kill this process when it is reached (None: disarm).
+def arm(point: str | None, kind: str = "kill") -> None:
+    """Make `point` kill this process when it is reached (None: disarm), or with a `kind`
+    of `FAULT_KINDS` fail the write there once.
 
-    ``ValueError`` for a name that is not in `POINTS`, listing them.
+    ``ValueError`` for a name that is not in `POINTS`, listing them, or an unknown kind.
     """
-    global _armed
+    global _armed, _kind
     if point is not None and point not in POINTS:
         raise ValueError(f"unknown fault point {point!r}; the points are: {', '.join(POINTS)}")
-    _armed = point
+    if kind not in FAULT_KINDS:
+        raise ValueError(f"unknown fault kind {kind!r}; the kinds are: {', '.join(FAULT_KINDS)}")
+    _armed, _kind = point, FAULT_KINDS[kind]
 
 
 def armed() -> str | None:
-    """The point this process dies at, or None."""
+    """The point this process dies (or fails a write) at, or None."""
     return _armed

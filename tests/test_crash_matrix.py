@@ -119,7 +119,7 @@ def run_worker(mode: str, args: dict[str, Any], *, fault: str | None,
         env["VLLM_NEURON_FAULT"] = fault
     done = subprocess.run(worker.command(mode, args), env=env, capture_output=True,
                           text=True, timeout=worker.SAFETY)  # fmt: skip
-    if fault is not None:
+    if fault is not None and "@" not in fault:  # <point>@<disk fault>: the process goes on
         assert done.returncode == -signal.SIGKILL, (
             f"expected death by SIGKILL at {fault}, got exit {done.returncode}:\n"
             f"{done.stdout}\n{done.stderr}")
@@ -561,6 +561,13 @@ class SnapshotScenario:
         pass  # the capture of the same call replaced the incomplete bundle
 
 
+# Points inside a write to the local tier, where the disk can fill up or turn read-only.
+DISK_FAULT_POINTS = ("compile.staging-written", "compile.record-written", "fetch.mid-copy",
+                     "fetch.copied")  # fmt: skip
+DISK_FAULTS = [pytest.param(point, kind, backend, id=f"{point}@{kind}-{backend}")
+               for point in DISK_FAULT_POINTS for kind in ("full", "read-only")
+               for backend in ("local", "nfs")]  # fmt: skip
+
 SCENARIOS: dict[str, Any] = {
     "get": GetScenario, "fetch": FetchScenario, "promote": PromoteScenario,
     "gc": GcScenario, "evict": EvictScenario, "manifest": ManifestScenario,
@@ -586,6 +593,29 @@ def crash_and_heal(scenario: Any, point: str) -> None:
 @pytest.mark.parametrize(("point", "backend"), MATRIX, indirect=["backend"])
 def test_a_crash_heals(point: str, backend: Backend) -> None:
     crash_and_heal(SCENARIOS[WORK[point][0]](point, backend), point)
+
+
+@pytest.mark.timeout(4 * worker.SAFETY)
+@pytest.mark.parametrize(("point", "kind", "backend"), DISK_FAULTS, indirect=["backend"])
+def test_a_disk_fault_degrades(point: str, kind: str, backend: Backend) -> None:
+    """The local disk fills up (or turns read-only) at the point: the process still gets a
+    right artifact, says nothing failed (no failure note for waiters, no remote outage),
+    leaves nothing partial, and the next process finishes the work."""
+    from vllm_neuron.compile.events import RemoteUnavailable, read_stats
+    from vllm_neuron.compile.failures import recent_failure
+
+    scenario = SCENARIOS[WORK[point][0]](point, backend)
+    scenario.setup()
+    result = scenario.run(f"{point}@{kind}")
+    assert result["wrong"] is None, result
+    scenario.check(healed=False)
+    store = scenario.node1.store()
+    assert recent_failure(store, scenario.key, since=0.0) is None
+    assert read_stats(scenario.node1.url).remote_outages == 0, RemoteUnavailable
+    again = scenario.run(None)  # the next process: the entry from one tier or the other
+    assert again["wrong"] is None and again["source"] in ("local", "remote"), again
+    scenario.check(healed=True)
+    scenario.collect()
 
 
 # The same points, reached by a real Inductor compile ----------------------------------------------

@@ -10,6 +10,7 @@ process dies by SIGKILL at its point and only there, and the CLI lists them.
 from __future__ import annotations
 
 import ast
+import errno
 import json
 import re
 import signal
@@ -44,6 +45,23 @@ def test_an_unknown_point_names_the_variable_and_lists_the_points() -> None:
     assert all(name in message for name in POINTS)
     with pytest.raises(ValueError, match="unknown fault point"):
         faults.arm("compile.staged")
+
+
+def test_a_disk_fault_fails_the_write_at_its_point_once() -> None:
+    settings = envs.load_fault_settings({"VLLM_NEURON_FAULT": "fetch.copied@full"})
+    assert (settings.point, settings.kind) == ("fetch.copied", "full")
+    with pytest.raises(ConfigError, match=r"'sideways' is not a fault kind.*full, read-only"):
+        envs.load_fault_settings({"VLLM_NEURON_FAULT": "fetch.copied@sideways"})
+    for kind, code in (("full", errno.ENOSPC), ("read-only", errno.EROFS)):
+        faults.arm("fetch.copied", kind)
+        try:
+            fault_point("fetch.mid-copy")  # another point: nothing happens
+            with pytest.raises(OSError) as caught:
+                fault_point("fetch.copied")
+            assert caught.value.errno == code and "fault point fetch.copied" in str(caught.value)
+            fault_point("fetch.copied")  # once: the next write goes through
+        finally:
+            faults.arm(None)
 
 
 def test_loading_arms_and_reset_disarms(monkeypatch: pytest.MonkeyPatch) -> None:

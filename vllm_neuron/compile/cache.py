@@ -68,6 +68,7 @@ from .outcomes import CacheResult, CompileError, PrecompiledOnlyMiss, RemoteWrit
 from .promote import promote_entry
 from .quarantine import PublicationProblem, quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
+from .tier_health import LOCAL_DISK_FULL_OR_READ_ONLY, unwritable_cause
 from .upkeep import TierUpkeep
 
 __all__ = [  # noqa: RUF022 - grouped: settings and names, then types
@@ -254,6 +255,13 @@ class TwoTierCache:
                            remote.url, key, exc)
             return None
         except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+            fault = unwritable_cause(exc)
+            if fault is not None and fault.errno in LOCAL_DISK_FULL_OR_READ_ONLY:
+                # This node's disk refused the copy: no remote outage. The graph compiles,
+                # and is served from scratch if the tier still has no room.
+                logger.warning("compile cache: fetching %s into %s failed: %s; compiling it "
+                               "here instead", key, self.local_dir, fault)  # fmt: skip
+                return None
             self._remote.failed(exc)
             return None
         local = None if record is None else self.lookup_local(key)

@@ -25,6 +25,7 @@ import tempfile
 
 __all__ = [
     "COMPILE_SPACE_RESERVE",
+    "LOCAL_DISK_FULL_OR_READ_ONLY",
     "LocalTierFault",
     "LocalTierUnusable",
     "free_bytes",
@@ -46,6 +47,10 @@ COMPILE_SPACE_RESERVE = 64 << 20
 onto a filesystem that runs out of space aborts the whole process in C++ (``unexpected
 pos``), which no ``except`` catches: a compile goes where this much is free, or fails with
 an error that says so."""
+
+LOCAL_DISK_FULL_OR_READ_ONLY = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
+"""The faults a copy into the local tier can only owe to the local disk (a remote that
+refuses access says EACCES, which stays the remote's)."""
 
 
 class LocalTierFault(RuntimeError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vllm_neuron.backends.faults import POINTS, arm
+from vllm_neuron.backends.faults import FAULT_KINDS, POINTS, arm
 
 from ._parse import ConfigError, EnvVar, environ_or_default, parsed_once, raw
 
@@ -33,35 +33,47 @@ VARIABLES: tuple[EnvVar, ...] = (
         "(unset)",
         "testing",
         "For crash tests only: the name of a fault point (vllm-neuron debug faults lists "
-        "them); a process reaching it kills itself with SIGKILL.",
+        "them); a process reaching it kills itself with SIGKILL. <point>@full or "
+        "<point>@read-only instead fails the write there once, as a disk that just filled "
+        "up or turned read-only.",
     ),
 )
 
 
 @dataclass(frozen=True)
 class FaultSettings:
-    """The fault point this process dies at, or None (the normal case)."""
+    """The fault point this process dies at, or None (the normal case), and what happens
+    there (`FAULT_KINDS`: ``kill``, or a disk fault)."""
 
     point: str | None = None
+    kind: str = "kill"
 
 
 def load_fault_settings(environ: Mapping[str, str] | None = None) -> FaultSettings:
     """VLLM_NEURON_FAULT, one of the registered points (pure: nothing is armed)."""
     env = environ_or_default(environ)
-    point = raw(env, VLLM_NEURON_FAULT)
-    if point is not None and point not in POINTS:
+    value = raw(env, VLLM_NEURON_FAULT)
+    if value is None:
+        return FaultSettings()
+    point, _, kind = value.partition("@")
+    if point not in POINTS:
         raise ConfigError(
             f"{VLLM_NEURON_FAULT}={env[VLLM_NEURON_FAULT]!r} is not a fault point; the points "
             f"are: {', '.join(POINTS)}"
         )
-    return FaultSettings(point=point)
+    if kind and kind not in FAULT_KINDS:
+        raise ConfigError(
+            f"{VLLM_NEURON_FAULT}={env[VLLM_NEURON_FAULT]!r}: {kind!r} is not a fault kind; "
+            f"the kinds are: {', '.join(FAULT_KINDS)}"
+        )
+    return FaultSettings(point=point, kind=kind or "kill")
 
 
 @parsed_once
 def fault_settings() -> FaultSettings:
     """The process's fault setting, parsed from os.environ on first use, and armed."""
     settings = load_fault_settings()
-    arm(settings.point)
+    arm(settings.point, settings.kind)
     return settings
 
 
