@@ -119,10 +119,12 @@ def fault_point(name: str) -> None:
     if _armed is None:
         return
     if name == _armed:
-        if _kind is None:
+        code = _kind
+        if code is None:
             os.kill(os.getpid(), signal.SIGKILL)
+            return  # pragma: no cover - SIGKILL does not return
         _armed = None  # once: the disk is full (read-only) at this moment, not forever
-        raise OSError(_kind, f"{os.strerror(_kind)} (fault point {name})")
+        raise OSError(code, f"{os.strerror(code)} (fault point {name})")
 
 
 def arm(point: str | None, kind: str = "kill") -> None:

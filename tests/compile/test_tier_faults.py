@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -173,6 +174,39 @@ def test_an_entry_that_verifies_but_will_not_load_is_healed(tmp_path: Path) -> N
     code, result, err = serve(cache_root, VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")
     assert code != 0 and result is None
     assert "PrecompiledOnlyMiss" in err and "does not load" in err, err[-3000:]
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vllm_neuron.cli", *args],
+                          capture_output=True, text=True, timeout=600)  # fmt: skip
+
+
+def test_a_fetched_entry_that_will_not_load_is_noted_on_the_remote_never_withdrawn(
+    tmp_path: Path,
+) -> None:
+    node_a, node_b, remote = tmp_path / "a", tmp_path / "b", tmp_path / "remote"
+    code, built, err = serve(node_a)
+    assert code == 0 and built is not None, err[-3000:]
+    (key,) = built["keys"]
+    done = cli("cache", "--cache-dir", str(node_a / "neuron" / "compile_cache"), "promote",
+               "--all", "--to", str(remote))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    make_unloadable(remote, key)  # verifies everywhere, loads nowhere
+    code, healed, err = serve(node_b, NEURON_LIBTORCH_REMOTE_CACHE=str(remote))
+    assert code == 0 and healed is not None, err[-3000:]
+    # Fetched, did not load, compiled here (not fetched again); served right.
+    assert healed["matched"] and healed["sources"] == ["compiled"], healed
+    stats = read_stats(str(node_b / "neuron" / "compile_cache"))
+    assert (stats.fetches, stats.load_failures, stats.compiles) == (1, 1, 1)
+    # The remote keeps it (this node's word alone), with this host's note beside it.
+    listing = cli("cache", "ls", str(remote), "--json")
+    assert listing.returncode == 0, listing.stderr
+    (entry,) = json.loads(listing.stdout)
+    assert entry["key"] == key and entry["problem"] is None
+    (note,) = entry["load_failures"]
+    assert note["host"] == socket.gethostname() and "cannot load" in note["error"]
+    table = cli("cache", "ls", str(remote))
+    assert f"did not load on {socket.gethostname()}" in table.stdout, table.stdout
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ Registered by `cli/cache.py` (`register`), whose ``--cache-dir`` they read.
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -28,6 +29,7 @@ from vllm_neuron.compile.inventory import (
     verify_entry,
 )
 from vllm_neuron.compile.load_check import load_problem
+from vllm_neuron.compile.load_notes import LoadFailureNote, read_load_failures
 from vllm_neuron.compile.promote import save_cache
 from vllm_neuron.compile.prune import plan_prune
 from vllm_neuron.compile.quarantine import quarantine_entry
@@ -88,20 +90,32 @@ def register(cmds: Any) -> None:
 
 
 # --------------------------------------------------------------------- ls
-def entry_json(e: EntryInfo) -> dict[str, Any]:
-    """One `cache ls --json` row: the entry, with ``age_seconds`` null when unknown."""
-    return {**e.__dict__, "age_seconds": e.known_age}
+def entry_json(e: EntryInfo, notes: Sequence[LoadFailureNote] = ()) -> dict[str, Any]:
+    """One `cache ls --json` row: the entry, with ``age_seconds`` null when unknown, and the
+    hosts that fetched it but could not load it (``load_failures``)."""
+    return {**e.__dict__, "age_seconds": e.known_age,
+            "load_failures": [{"host": n.host, "at": n.at, "error": n.error} for n in notes]}
+
+
+def _problem(e: EntryInfo, notes: Sequence[LoadFailureNote]) -> str:
+    said = [e.problem] if e.problem else []
+    if notes:
+        hosts = ", ".join(sorted({n.host for n in notes}))
+        said.append(f"did not load on {hosts}: {notes[-1].error[:120]}")
+    return "; ".join(said)
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    entries = list_entries(tier(args), sizes=True)
+    store = tier(args)
+    entries = list_entries(store, sizes=True)
+    notes = read_load_failures(store)
     if args.json:
-        print_json([entry_json(e) for e in entries])
+        print_json([entry_json(e, notes.get(e.key, ())) for e in entries])
         return 0
     rows = [
         (e.key, human_size(e.size), e.files,
          "-" if e.known_age is None else human_age(e.known_age), e.toolchain, e.target,
-         f"{e.compile_seconds:.1f}s", e.problem or "")
+         f"{e.compile_seconds:.1f}s", _problem(e, notes.get(e.key, ())))
         for e in entries
     ]  # fmt: skip
     print(table(["KEY", "SIZE", "FILES", "AGE", "TOOLCHAIN", "TARGET", "COMPILE", "PROBLEM"], rows))

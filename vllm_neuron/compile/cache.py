@@ -64,6 +64,7 @@ from .failures import (
 from .fleet import RemoteSingleFlight
 from .gc import STAGING_MAX_AGE
 from .inventory import verify_entry
+from .load_notes import note_load_failure
 from .outcomes import CacheResult, CompileError, PrecompiledOnlyMiss, RemoteWrite
 from .promote import promote_entry
 from .quarantine import PublicationProblem, quarantine_entry
@@ -219,6 +220,9 @@ class TwoTierCache:
                 still = False
             if still:
                 quarantine_entry(self.local, key, f"does not load here: {error}", warn=False)
+        remote = self.remote if result.source == "remote" else None
+        if remote is not None:  # a note for the fleet's operators, not a withdrawal
+            note_load_failure(remote, key, error)
 
     def quarantine(
         self, store: Store, key: str, reason: str, *, tier: str, version: str | None = None
