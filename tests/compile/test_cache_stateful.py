@@ -288,11 +288,15 @@ class TwoTierModel(RuleBasedStateMachine):
                       "expires": time.time() - 1, "released": False}
             assert store.create(join(locks, f"{gen:012d}"), json.dumps(record).encode())
 
-    @rule(node=st.integers(0, NODES - 1),
-          fault=st.sampled_from([errno.ENOSPC, errno.EROFS, errno.EACCES]))
-    def disk_fails(self, node: int, fault: int) -> None:
-        """The node's local disk fills up (or turns read-only) under its next compile."""
-        self.disk_fault[node] = fault
+    @rule(node=st.integers(0, NODES - 1), data=st.data())
+    def disk_fails(self, node: int, data: st.DataObject) -> None:
+        """The node's local disk fills up (or turns read-only, or refuses this user) under
+        its next compile. A refused permission is the tier's only for a path in the tier,
+        so only a tier on disk has that fault (elsewhere it is the compile's own failure)."""
+        faults = [errno.ENOSPC, errno.EROFS]
+        if self.tiers.disk_dir is not None:
+            faults.append(errno.EACCES)
+        self.disk_fault[node] = data.draw(st.sampled_from(faults))
 
     @rule(node=st.integers(0, NODES - 1))
     def restart(self, node: int) -> None:

@@ -188,12 +188,14 @@ def test_an_entry_that_verifies_but_will_not_load_is_healed(
     done = subprocess.run([sys.executable, "-m", "vllm_neuron.cli", "cache", "--cache-dir",
                            str(cache_dir), "verify", "--load", "--json"],
                           capture_output=True, text=True)  # fmt: skip
-    assert done.returncode == 0 and json.loads(done.stdout)[0]["ok"], done.stdout + done.stderr
+    (checked,) = json.loads(done.stdout)
+    assert done.returncode == 0 and checked["ok"] and checked["loads"], done.stdout + done.stderr
     # Pre-compiled only: the unloadable entry is a PrecompiledOnlyMiss saying why.
     make_unloadable(cache_dir, key)
     code, result, err = serve(cache_root, VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")
     assert code != 0 and result is None
-    assert "PrecompiledOnlyMiss" in err and "does not load" in err, err[-3000:]
+    assert "PrecompiledOnlyMiss" in err and f"entry {key} does not load here" in err, err[-3000:]
+    assert (cache_dir / key).is_dir()  # refused, not withdrawn: its cause may be this process
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

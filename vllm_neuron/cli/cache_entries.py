@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import asdict
 from typing import Any
 
 from vllm_neuron.backends import check_location, open_store, probe_store
 from vllm_neuron.compile.gc import STAGING_MAX_AGE, plan_gc
 from vllm_neuron.compile.inventory import (
     EntryInfo,
-    VerifyResult,
     explain_entries,
     list_entries,
     parse_duration,
@@ -28,7 +27,7 @@ from vllm_neuron.compile.inventory import (
     verify_entries,
     verify_entry,
 )
-from vllm_neuron.compile.load_check import load_problem
+from vllm_neuron.compile.load_check import LoadCheck, check_loads
 from vllm_neuron.compile.load_notes import LoadFailureNote, read_load_failures
 from vllm_neuron.compile.promote import save_cache
 from vllm_neuron.compile.prune import plan_prune
@@ -143,19 +142,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     results = verify_entries(store, quarantine=None if args.keep else quarantine)
     bad = [r for r in results if not r.ok]
-    unloadable: list[VerifyResult] = []
+    loads: dict[str, LoadCheck] = {}
     if args.load:  # this node's word only: reported, never quarantined for it
-        for i, r in enumerate(results):
-            problem = load_problem(store, r.key) if r.ok else None
-            if problem is not None:
-                results[i] = replace(r, ok=False, problem=problem)
-                unloadable.append(results[i])
+        never_here = incompatible_here(store)  # another target or CPU: not this node's to say
+        for r in results:
+            if not r.ok:
+                continue
+            why = never_here.get(r.key)
+            loads[r.key] = (LoadCheck(None, f"cannot check here: {why}") if why
+                            else check_loads(store, r.key))  # fmt: skip
+    unloadable = [k for k, c in loads.items() if c.loads is False]
     if args.json:
-        print_json(results)
+        print_json([{**asdict(r), **({"loads": loads[r.key].loads, "load_detail":
+                     loads[r.key].detail} if r.key in loads else {})} for r in results])
     else:
         for r in results:
-            label = "ok     " if r.ok else "NO-LOAD" if r in unloadable else "CORRUPT"
-            print(f"{label} {r.key} {r.problem or ''}".rstrip())
+            check = loads.get(r.key)
+            if check is not None and check.loads is not True:
+                label = "NO-LOAD" if check.loads is False else "ok?    "
+                print(f"{label} {r.key} {check.detail}")
+            else:
+                print(f"{'ok     ' if r.ok else 'CORRUPT'} {r.key} {r.problem or ''}".rstrip())
         verb = "reported" if args.keep else "quarantined"
         print(f"{len(results)} entries checked, {len(bad)} corrupt" + (f" ({verb})" if bad else "")
               + (f", {len(unloadable)} do not load here" if args.load else ""))  # fmt: skip

@@ -32,6 +32,7 @@ from .tier_health import (
     LocalTierFault,
     free_bytes,
     mib,
+    tier_dir,
     unwritable_cause,
     why_unwritable,
 )
@@ -97,7 +98,7 @@ def compile_and_publish(
             fault_point("compile.staging-written")
         except BaseException as exc:
             staging.abort()
-            fault = unwritable_cause(exc)
+            fault = unwritable_cause(exc, tier_dir(local))
             if fault is not None:  # the place's fault, not the graph's: no failure note
                 raise LocalTierFault(_fault_reason(fault, local)) from exc
             if isinstance(exc, Exception):
@@ -109,7 +110,7 @@ def compile_and_publish(
             staging.commit()
         except OSError as exc:
             staging.abort()  # nothing half-written stays visible
-            if unwritable_cause(exc) is None:
+            if unwritable_cause(exc, tier_dir(local)) is None:
                 raise
             raise LocalTierFault(_fault_reason(exc, local)) from exc
         fault_point("compile.published")
@@ -117,9 +118,7 @@ def compile_and_publish(
 
 
 def _fault_reason(exc: OSError, local: Store) -> str:
-    staging_dir = local.local_dir_of(".staging")
-    where = os.path.dirname(staging_dir) if staging_dir else local.url
-    return why_unwritable(exc, where) or str(exc)
+    return why_unwritable(exc, tier_dir(local) or local.url) or str(exc)
 
 
 def room_to_compile(path: str) -> str | None:
@@ -143,7 +142,7 @@ def adopt_into_tier(local: Store, key: str, out_dir: str, record: EntryRecord) -
             return bool(staging.commit())
         except OSError as exc:
             staging.abort()
-            if unwritable_cause(exc) is None:
+            if unwritable_cause(exc, tier_dir(local)) is None:
                 raise
             raise LocalTierFault(_fault_reason(exc, local)) from exc
 
@@ -246,36 +245,61 @@ class Compiler:
         """`publish`, unless the tier has no room for it: too little space to compile there
         (`room_to_compile`), or a write it refused (no space, read-only, no permission). Then
         the graph compiles in this process's scratch area, is adopted into the tier if it
-        fits, and is served from the scratch area if not, said once per process naming
-        VLLM_CACHE_ROOT and the reason: (the scratch directory, or None when published;
-        record; seconds). Nothing half-written stays in the tier."""
-        staging_dir = self.local.local_dir_of(".staging")  # None: the tier is not on disk
-        tier_dir = os.path.dirname(staging_dir) if staging_dir else None
-        short = room_to_compile(tier_dir) if tier_dir else None
+        fits, and is served from the scratch area if not (`serve_from_scratch`): (the
+        scratch directory, or None when published; record; seconds). Nothing half-written
+        stays in the tier."""
+        where = tier_dir(self.local)
+        short = room_to_compile(where) if where else None
         if short is None:
             try:
                 record, seconds = self.publish(key, compile_fn, components, piece)
                 return None, record, seconds
             except LocalTierFault as exc:
                 short = str(exc)
-        out_dir, record, seconds = self.uncached(key, compile_fn, components, piece)
-        free = free_bytes(tier_dir) if tier_dir else None
+        else:
+            self._record(CacheMiss(key=key, at=time.time()))
+        out_dir, record, seconds = self._compile_in_scratch(key, compile_fn, components, piece)
+        free = free_bytes(where) if where else None
         if free is not None and free >= record.total_size + (1 << 20):
             try:
                 adopt_into_tier(self.local, key, out_dir, record)
+                shutil.rmtree(out_dir, ignore_errors=True)  # the tier's copy is the one used
                 return None, record, seconds
             except LocalTierFault as exc:
                 short = str(exc)
         elif free is not None:
             short = f"no space left: {mib(free)} free, the artifact is {mib(record.total_size)}"
-        if not self._bypass_said:
+        self.said_bypassed(short, key, out_dir)
+        return out_dir, record, seconds
+
+    def serve_from_scratch(
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
+        piece: str | None, reason: str,
+    ) -> tuple[str, EntryRecord, float]:
+        """The tier cannot be used for `key` at all (`reason`: a lock it cannot create, an
+        entry it cannot withdraw): compiled in scratch and served from there, said once."""
+        self._record(CacheMiss(key=key, at=time.time()))
+        out_dir, record, seconds = self._compile_in_scratch(key, compile_fn, components, piece)
+        self.said_bypassed(reason, key, out_dir)
+        return out_dir, record, seconds
+
+    def said_bypassed(self, reason: str, key: str, out_dir: str) -> None:
+        if not self._bypass_said:  # once per process: a full disk would say it per graph
             self._bypass_said = True
             logger.warning(
                 "vllm_neuron: VLLM_CACHE_ROOT (the local compile cache %s): %s; the tier is "
                 "bypassed for graph %s (served from %s, not cached), and for any other graph "
-                "it cannot take", self.local.url, short, key, out_dir,
+                "it cannot take", self.local.url, reason, key, out_dir,
             )  # fmt: skip
-        return out_dir, record, seconds
+
+    def _compile_in_scratch(
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None
+    ) -> tuple[str, EntryRecord, float]:
+        try:
+            return self.uncached(key, compile_fn, components, piece)
+        except Exception as exc:  # the graph's own failure: said to the waiters as usual
+            self._failed(key, exc, piece)
+            raise
 
     def uncached(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str],

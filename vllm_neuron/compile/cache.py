@@ -69,7 +69,12 @@ from .outcomes import CacheResult, CompileError, PrecompiledOnlyMiss, RemoteWrit
 from .promote import promote_entry
 from .quarantine import PublicationProblem, quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
-from .tier_health import LOCAL_DISK_FULL_OR_READ_ONLY, unwritable_cause
+from .tier_health import (
+    LOCAL_DISK_FULL_OR_READ_ONLY,
+    LocalTierFault,
+    tier_dir,
+    unwritable_cause,
+)
 from .upkeep import TierUpkeep
 
 __all__ = [  # noqa: RUF022 - grouped: settings and names, then types
@@ -205,24 +210,50 @@ class TwoTierCache:
         return CacheResult(key, local.local_dir_of(prefix), record, "local",
                            time.perf_counter() - start, prefix)
 
-    def withdraw_unloadable(self, result: CacheResult, error: str) -> None:
-        """`result`'s entry passed its checksums but would not load here: withdraw it from
-        the local tier (a quarantine note kept), unless it was replaced meanwhile (another
-        rank already did so and compiled), and record a `load_failed` event. A fetched
-        entry is not withdrawn from the remote on this node's word alone."""
+    def heal_unloadable(
+        self, result: CacheResult, error: str, compile_fn: CompileFn, *,
+        components: Mapping[str, str], piece: str | None = None,
+    ) -> CacheResult:
+        """`result`'s entry passed its checksums but would not load here: record a
+        `load_failed` event; withdraw it from the local tier (a quarantine note kept) unless
+        another process replaced it meanwhile (then that one is served), and compile the
+        graph again under the key's lock, not fetched again. A fetched entry is not withdrawn
+        from the remote on this node's word alone: it gets this host's note
+        (`load_notes`). Where the tier cannot withdraw it or take the lock, the graph is
+        compiled and served from scratch; in pre-compiled-only mode `PrecompiledOnlyMiss`
+        says why, and nothing is withdrawn."""
         key = result.key
         self._loaded.pop(key, None)
         self._record(LoadFailed(key=key, at=time.time(), source=result.source, error=error))
-        with self.local.lock(key, lease_duration=self.lease_duration, timeout=self.timeout):
-            try:
-                still = self.read_entry(key) == result.record
-            except EntryProblem:
-                still = False
-            if still:
-                quarantine_entry(self.local, key, f"does not load here: {error}", warn=False)
+        if self.precompiled_only:
+            raise PrecompiledOnlyMiss(
+                f"the compile cache entry {key} does not load here ({error}), and "
+                "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 forbids compiling at runtime"
+            )
         remote = self.remote if result.source == "remote" else None
         if remote is not None:  # a note for the fleet's operators, not a withdrawal
             note_load_failure(remote, key, error)
+        try:
+            with self.local.lock(key, lease_duration=self.lease_duration, timeout=self.timeout):
+                try:
+                    current: EntryRecord | None = self.read_entry(key)
+                except EntryProblem:
+                    current = None
+                if current == result.record:
+                    if not quarantine_entry(self.local, key, f"does not load here: {error}",
+                                            warn=False):  # fmt: skip
+                        raise LocalTierFault(f"could not withdraw the entry {key}")
+                    current = None
+                replaced = None if current is None else self.lookup_local(key)
+                healed = replaced or self._compile_and_publish(key, compile_fn, components, piece)
+        except (LocalTierFault, OSError) as exc:
+            if isinstance(exc, OSError) and unwritable_cause(exc, tier_dir(self.local)) is None:
+                raise
+            out_dir, record, seconds = self._compiler.serve_from_scratch(
+                key, compile_fn, components, piece, str(exc))
+            healed = CacheResult(key, out_dir, record, "uncached", seconds, "")
+        self._loaded[key] = healed
+        return healed
 
     def quarantine(
         self, store: Store, key: str, reason: str, *, tier: str, version: str | None = None
@@ -280,14 +311,12 @@ class TwoTierCache:
     # ------------------------------------------------------------ compile
     def get_or_compile(
         self, key: str, compile_fn: CompileFn, *, components: Mapping[str, str] | None = None,
-        piece: str | None = None, unloadable: str | None = None,
+        piece: str | None = None,
     ) -> CacheResult:
         """The artifacts for `key`: from memory, local, remote, or a compile, in that order.
-        `piece` (which piece of the model it is) only labels the compile's events (stats).
-        `unloadable`: why the entry this process got before would not load (see
-        `withdraw_unloadable`): the remote is not asked again, the graph compiles here."""
+        `piece` (which piece of the model it is) only labels the compile's events (stats)."""
         validate_hex(key, length=32, what="compile cache key")
-        cached = None if unloadable else self._loaded.get(key)
+        cached = self._loaded.get(key)
         if cached is not None:
             self._record(CacheHit(key=key, at=time.time(), tier="memory"))
             return msgspec.structs.replace(cached, source="memory", seconds=0.0)
@@ -304,21 +333,20 @@ class TwoTierCache:
             )
             self._loaded[key] = hit
             return hit
-        result = self._locked_miss(key, compile_fn, components or {}, piece, unloadable)
+        result = self._locked_miss(key, compile_fn, components or {}, piece)
         self._loaded[key] = result
         if result.source in ("compiled", "remote"):  # published: the tier grew
             self.keep_within_bound()
         return result
 
     def _locked_miss(
-        self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None,
-        unloadable: str | None = None,
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None
     ) -> CacheResult:
         wait_start = time.time()
         deadline = time.monotonic() + self.timeout
-        lock = self.local.lock(key, lease_duration=self.lease_duration)
         t0 = time.perf_counter()
         try:
+            lock = self.local.lock(key, lease_duration=self.lease_duration)
             lock.acquire(timeout=self.timeout)
         except LockTimeout:
             raise TimeoutError(
@@ -326,6 +354,12 @@ class TwoTierCache:
                 f"(NEURON_LIBTORCH_COMPILATION_TIMEOUT={self.timeout:g}); the lock is "
                 f"{self.local_dir}/.locks/{key}"
             ) from None
+        except OSError as exc:  # a tier that filled up or turned read-only since it opened
+            if unwritable_cause(exc, tier_dir(self.local)) is None:
+                raise
+            out_dir, record, seconds = self._compiler.serve_from_scratch(
+                key, compile_fn, components, piece, f"cannot take the key's lock: {exc}")
+            return CacheResult(key, out_dir, record, "uncached", seconds, "")
         waited = time.perf_counter() - t0
         try:
             if waited > 0.05:
@@ -343,7 +377,7 @@ class TwoTierCache:
                     f"compile of {key} failed in process {failure.pid} on {failure.host}: "
                     f"{failure.error}"
                 )
-            fetched = None if unloadable else self.fetch_remote(key)
+            fetched = self.fetch_remote(key)
             if fetched is not None:
                 return fetched
             if self.precompiled_only:
@@ -351,16 +385,11 @@ class TwoTierCache:
                 where = f"the local cache {self.local_dir}"
                 if self.remote_url:
                     where += f" or the remote cache {self.remote_url}"
-                what = f"compile cache miss for {key} in {where}"
-                if unloadable:
-                    what = f"the compile cache entry {key} does not load here ({unloadable})"
                 raise PrecompiledOnlyMiss(
-                    f"{what}, and VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 forbids compiling at "
-                    "runtime"
+                    f"compile cache miss for {key} in {where}, and "
+                    "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 forbids compiling at runtime"
                 )
-            # Compiled here, not for the fleet: after a load failure (this node's word only),
-            # or with a read-only remote (VLLM_NEURON_REMOTE_WRITE=off, or writes refused).
-            if unloadable or self._remote.read_only:
+            if self._remote.read_only:  # VLLM_NEURON_REMOTE_WRITE=off, or writes refused
                 return self._compile_and_publish(key, compile_fn, components, piece)
             return self._fleet.run(
                 key,

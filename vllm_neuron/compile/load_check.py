@@ -11,15 +11,17 @@ an entry of a remote tier is first fetched, verified, into a temporary local tie
 from __future__ import annotations
 
 import tempfile
+from dataclasses import dataclass
 
 from vllm_neuron.backends import Store, open_store
 
 from .entry import read_record
 from .remote_tier import fetch_entry
-from .toolchains.base import ARTIFACTS
+from .toolchains.base import ARTIFACTS, ToolchainUnavailable
+from .toolchains.op_libraries import MissingOpLibrary
 from .toolchains.select import select_toolchain
 
-__all__ = ["load_problem"]
+__all__ = ["LoadCheck", "check_loads"]
 
 
 def _load(store: Store, key: str) -> None:
@@ -35,17 +37,30 @@ def _load(store: Store, key: str) -> None:
     toolchain.load(directory, artifact)
 
 
-def load_problem(store: Store, key: str) -> str | None:
-    """Why entry ``key`` of ``store`` does not load in this process, or None when it does."""
+@dataclass(frozen=True)
+class LoadCheck:
+    """Whether an entry loads here: True, False (``detail`` says why not), or None when this
+    Python cannot tell (its toolchain or a kernel library the graph calls is missing here:
+    the process's lack, not the entry's)."""
+
+    loads: bool | None
+    detail: str = ""
+
+
+def check_loads(store: Store, key: str) -> LoadCheck:
+    """Load entry ``key`` of ``store`` in this process, as a serving process would."""
     try:
         if store.local_dir_of(".staging") is not None:
             _load(store, key)
-            return None
+            return LoadCheck(True)
         with tempfile.TemporaryDirectory(prefix="vllm-neuron-load-check-") as tmp:
             local = open_store(tmp)
             if fetch_entry(store, key, local) is None:
-                return f"{store.url}: no entry {key}"
+                return LoadCheck(False, f"{store.url}: no entry {key}")
             _load(local, key)
     except Exception as exc:  # noqa: BLE001 - whatever stops the load is the answer
-        return f"does not load here: {type(exc).__name__}: {exc}"
-    return None
+        said = f"{type(exc).__name__}: {exc}"
+        if isinstance(exc, ToolchainUnavailable) or isinstance(exc.__cause__, MissingOpLibrary):
+            return LoadCheck(None, f"cannot check here: {said}")
+        return LoadCheck(False, f"does not load here: {said}")
+    return LoadCheck(True)

@@ -17,7 +17,14 @@ from typing import Any
 import msgspec
 
 from .cache import CacheResult, TwoTierCache
-from .toolchains.base import ARTIFACTS, CompiledArtifact, Toolchain, ToolchainError
+from .tier_health import unwritable_cause
+from .toolchains.base import (
+    ARTIFACTS,
+    CompiledArtifact,
+    Toolchain,
+    ToolchainError,
+    ToolchainUnavailable,
+)
 from .toolchains.op_libraries import MissingOpLibrary
 
 logger = logging.getLogger("vllm_neuron.compile")
@@ -111,19 +118,14 @@ class CompileRuntime:
         try:
             artifact, compiled = self._load(result)
         except ToolchainError as exc:
-            if result.source in ("compiled", "uncached") or isinstance(
-                exc.__cause__, MissingOpLibrary
-            ):
-                # Made just now and still not loadable: the toolchain's failure. A kernel
-                # library this process lacks is the process's problem, not the entry's.
+            if not _entry_at_fault(result, exc):
                 raise
             # An entry that verified but will not load (another build of a library, a
             # truncated artifact with the right checksum...): healed, never fatal.
             _warn_once(f"vllm_neuron: compile cache entry {key.key} ({result.source}) does not "
                        f"load here ({exc}); withdrawn, compiling the graph again")  # fmt: skip
-            self.cache.withdraw_unloadable(result, str(exc))
-            result = self.cache.get_or_compile(key.key, compile_into, components=key.components,
-                                               piece=piece, unloadable=str(exc))  # fmt: skip
+            result = self.cache.heal_unloadable(result, str(exc), compile_into,
+                                                components=key.components, piece=piece)
             artifact, compiled = self._load(result)
         event = CompiledGraph(
             key=key.key,
@@ -156,6 +158,15 @@ class CompileRuntime:
                 "compiled artifacts can only be loaded from a local directory"
             )
         return artifact, self.toolchain.load(result.path, artifact)
+
+
+def _entry_at_fault(result: CacheResult, exc: ToolchainError) -> bool:
+    """Whether a load failure is the entry's (healed by compiling again) rather than this
+    process's: a graph compiled just now, a toolchain or kernel library this Python lacks,
+    or a full or read-only disk where the loader unpacks are raised as they are."""
+    if result.source in ("compiled", "uncached") or isinstance(exc, ToolchainUnavailable):
+        return False
+    return not isinstance(exc.__cause__, MissingOpLibrary) and unwritable_cause(exc) is None
 
 
 _WARNED: set[str] = set()

@@ -23,6 +23,8 @@ import shutil
 import stat
 import tempfile
 
+from vllm_neuron.backends import Store
+
 __all__ = [
     "COMPILE_SPACE_RESERVE",
     "LOCAL_DISK_FULL_OR_READ_ONLY",
@@ -30,6 +32,7 @@ __all__ = [
     "LocalTierUnusable",
     "free_bytes",
     "mib",
+    "tier_dir",
     "unwritable_cause",
     "check_private_directory",
     "local_tier_problem",
@@ -63,6 +66,12 @@ class LocalTierUnusable(RuntimeError):
     why (the caller bypasses the tier, or refuses to start in pre-compiled-only mode)."""
 
 
+def tier_dir(local: Store) -> str | None:
+    """The tier's directory on local disk, or None (a tier that is not a directory)."""
+    staging_dir = local.local_dir_of(".staging")
+    return os.path.dirname(staging_dir) if staging_dir else None
+
+
 def mib(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB"
 
@@ -78,16 +87,25 @@ def free_bytes(path: str) -> int | None:
         return None
 
 
-def unwritable_cause(exc: BaseException) -> OSError | None:
-    """The OSError in ``exc``'s chain that says a place cannot take files, if any (a
-    toolchain wraps the failure of its own writes in its error)."""
+def unwritable_cause(exc: BaseException, under: str | None = None) -> OSError | None:
+    """The OSError in ``exc``'s chain of causes (``raise ... from``: a toolchain wraps the
+    failure of its own writes in its error) that says a place cannot take files, if any.
+
+    A full disk or a read-only filesystem (ENOSPC, EDQUOT, EROFS) is the place's wherever
+    it is met; a refused permission (EACCES, EPERM) only when the path it names is under
+    ``under`` (the tier): a compiler's own work directory refusing it is the compile's
+    failure. Only an ``Exception`` counts: an interrupt is never a disk fault."""
     seen: BaseException | None = exc
     for _ in range(16):  # a chain is short; a cycle must not loop
-        if seen is None:
+        if seen is None or not isinstance(seen, Exception):
             return None
         if isinstance(seen, OSError) and seen.errno in UNWRITABLE:
-            return seen
-        seen = seen.__cause__ or seen.__context__
+            if seen.errno in LOCAL_DISK_FULL_OR_READ_ONLY:
+                return seen
+            name = os.fspath(seen.filename) if seen.filename is not None else ""
+            if under and isinstance(name, str) and name.startswith(under.rstrip("/") + "/"):
+                return seen
+        seen = seen.__cause__
     return None
 
 

@@ -139,8 +139,8 @@ class HostToolchain(Toolchain):
     def load(self, entry_dir: str, meta: CompiledArtifact) -> Callable[..., Any]:
         self.check_meta(meta)
         path = os.path.join(entry_dir, meta.files[0])
+        register_collective_ops()  # what a graph with collectives calls (host_collectives)
         try:
-            register_collective_ops()  # what a graph with collectives calls (host_collectives)
             runner = _load_package(path)
         except Exception as exc:  # MissingOpLibrary says which kernel library and how to get it
             raise ToolchainError(f"cannot load AOTInductor package {path}: {exc}") from exc
