@@ -25,7 +25,8 @@ import os
 import signal
 from dataclasses import dataclass
 
-__all__ = ["FAULT_KINDS", "POINTS", "FaultPoint", "arm", "armed", "fault_point"]
+__all__ = ["DISK_FAULT_POINTS", "FAULT_KINDS", "POINTS", "FaultPoint", "arm", "armed",
+           "fault_point"]  # fmt: skip
 
 FAULT_KINDS: dict[str, int | None] = {"kill": None, "full": errno.ENOSPC,
                                       "read-only": errno.EROFS}  # fmt: skip
@@ -108,6 +109,10 @@ POINTS: dict[str, FaultPoint] = _points(
         "an eviction or prune withdrew its first entry, not the rest"),
 )
 
+# The points inside a write to a node's local tier: where a disk fault can be armed.
+DISK_FAULT_POINTS = ("compile.staging-written", "compile.record-written", "fetch.mid-copy",
+                     "fetch.copied")  # fmt: skip
+
 _armed: str | None = None
 _kind: int | None = None  # the errno a disk fault raises; None: kill
 
@@ -138,6 +143,9 @@ def arm(point: str | None, kind: str = "kill") -> None:
         raise ValueError(f"unknown fault point {point!r}; the points are: {', '.join(POINTS)}")
     if kind not in FAULT_KINDS:
         raise ValueError(f"unknown fault kind {kind!r}; the kinds are: {', '.join(FAULT_KINDS)}")
+    if kind != "kill" and point is not None and point not in DISK_FAULT_POINTS:
+        raise ValueError(f"a disk fault can only be armed at a write point "
+                         f"({', '.join(DISK_FAULT_POINTS)}), not {point!r}")  # fmt: skip
     _armed, _kind = point, FAULT_KINDS[kind]
 
 

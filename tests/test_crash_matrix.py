@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import crash_matrix_worker as worker  # noqa: E402
 
 from vllm_neuron.backends import Store, open_store, router  # noqa: E402
-from vllm_neuron.backends.faults import POINTS  # noqa: E402
+from vllm_neuron.backends.faults import DISK_FAULT_POINTS, POINTS  # noqa: E402
 from vllm_neuron.compile.events import EVENTS_STREAM  # noqa: E402
 from vllm_neuron.compile.eviction import PINS_DIR, pin  # noqa: E402
 from vllm_neuron.compile.gc import GcPlan, plan_gc  # noqa: E402
@@ -561,9 +561,6 @@ class SnapshotScenario:
         pass  # the capture of the same call replaced the incomplete bundle
 
 
-# Points inside a write to the local tier, where the disk can fill up or turn read-only.
-DISK_FAULT_POINTS = ("compile.staging-written", "compile.record-written", "fetch.mid-copy",
-                     "fetch.copied")  # fmt: skip
 DISK_FAULTS = [pytest.param(point, kind, backend, id=f"{point}@{kind}-{backend}")
                for point in DISK_FAULT_POINTS for kind in ("full", "read-only")
                for backend in ("local", "nfs")]  # fmt: skip

@@ -52,6 +52,8 @@ def test_a_disk_fault_fails_the_write_at_its_point_once() -> None:
     assert (settings.point, settings.kind) == ("fetch.copied", "full")
     with pytest.raises(ConfigError, match=r"'sideways' is not a fault kind.*full, read-only"):
         envs.load_fault_settings({"VLLM_NEURON_FAULT": "fetch.copied@sideways"})
+    with pytest.raises(ConfigError, match=r"only be armed at a write point"):
+        envs.load_fault_settings({"VLLM_NEURON_FAULT": "gc.mid-delete@full"})
     for kind, code in (("full", errno.ENOSPC), ("read-only", errno.EROFS)):
         faults.arm("fetch.copied", kind)
         try:

@@ -227,6 +227,13 @@ def test_a_fetched_entry_that_will_not_load_is_noted_on_the_remote_never_withdra
     assert note["host"] == socket.gethostname() and "cannot load" in note["error"]
     table = cli("cache", "ls", str(remote))
     assert f"did not load on {socket.gethostname()}" in table.stdout, table.stdout
+    # The operator prunes it; a good build promoted in its place starts without notes.
+    assert cli("cache", "prune", str(remote), "--max-size", "1").returncode == 0
+    done = cli("cache", "--cache-dir", str(node_b / "neuron" / "compile_cache"), "promote",
+               "--all", "--to", str(remote))  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    (entry,) = json.loads(cli("cache", "ls", str(remote), "--json").stdout)
+    assert entry["key"] == key and entry["load_failures"] == []
 
 
 @pytest.fixture

@@ -39,6 +39,7 @@ from vllm_neuron.backends import (
 
 from .entry import ENTRY_RECORD, EntryProblem, EntryRecord, check_checksums, read_record
 from .events import EVENTS_STREAM, Promoted
+from .load_notes import forget_load_failures
 from .quarantine import quarantine_entry
 
 logger = logging.getLogger("vllm_neuron.compile")
@@ -108,6 +109,8 @@ def promote_entry(
             fault_point("promote.uploaded")
             published = staging.commit()
         fault_point("promote.committed")
+        if published:  # a new publication: hosts' notes on a former one no longer apply
+            forget_load_failures(remote, hash_key)
     event = Promoted(key=hash_key, at=time.time(), remote=remote.url,
                      published=published, size=record.total_size)
     try:

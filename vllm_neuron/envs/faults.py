@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from vllm_neuron.backends.faults import FAULT_KINDS, POINTS, arm
+from vllm_neuron.backends.faults import DISK_FAULT_POINTS, FAULT_KINDS, POINTS, arm
 
 from ._parse import ConfigError, EnvVar, environ_or_default, parsed_once, raw
 
@@ -65,6 +65,11 @@ def load_fault_settings(environ: Mapping[str, str] | None = None) -> FaultSettin
         raise ConfigError(
             f"{VLLM_NEURON_FAULT}={env[VLLM_NEURON_FAULT]!r}: {kind!r} is not a fault kind; "
             f"the kinds are: {', '.join(FAULT_KINDS)}"
+        )
+    if kind and kind != "kill" and point not in DISK_FAULT_POINTS:
+        raise ConfigError(
+            f"{VLLM_NEURON_FAULT}={env[VLLM_NEURON_FAULT]!r}: a disk fault can only be armed at "
+            f"a write point: {', '.join(DISK_FAULT_POINTS)}"
         )
     return FaultSettings(point=point, kind=kind or "kill")
 

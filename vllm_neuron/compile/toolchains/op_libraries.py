@@ -53,13 +53,19 @@ def import_vllm_kernels() -> str:
     """Load the build of vLLM's kernel library that vLLM itself picks for this process
     (``current_platform.import_kernels()``: ``_C``, ``_C_AVX512`` or ``_C_AVX2`` on x86 by
     the CPU's AVX-512 and AVX-512-BF16 support), and vLLM's Python-side op registrations.
-    Returns the library's file name, for messages. Raises ImportError without vLLM."""
+    Returns the library's file name, for messages. Raises ImportError without vLLM, or
+    when vLLM's CPU platform loaded none of its kernel libraries."""
     # vLLM is optional and heavy: imported only when a graph needs its kernels.
     from vllm.platforms import current_platform
 
     current_platform.import_kernels()
     importlib.import_module("vllm._custom_ops")  # registers the Python-side fake kernels
-    return loaded_vllm_kernel_library() or "none"
+    loaded = loaded_vllm_kernel_library()
+    if loaded is None and current_platform.is_cpu():
+        # vLLM logs a failed import of its CPU kernels and goes on; a replay must not.
+        raise ImportError("vLLM's CPU platform loaded none of its kernel libraries "
+                          "(_C, _C_AVX512, _C_AVX2): see vLLM's warning above")  # fmt: skip
+    return loaded or "none"
 
 
 def _load_vllm_kernels() -> None:
