@@ -101,3 +101,41 @@ def test_two_ranks_call_a_compiled_all_reduce_piece_thousands_of_times(tmp_path:
         assert proc.returncode == 0, outputs[rank][-3000:]
         done = json.loads((tmp_path / f"done{rank}.json").read_text())
         assert done == {"calls": CALLS, "matched": True}
+
+
+def test_each_routed_op_has_the_output_shape_of_the_collective_it_wraps() -> None:
+    """What export sees of each op (its fake kernel), against torch's own collectives."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from vllm_neuron.compile.toolchains.host_collectives import register_collective_ops
+
+    register_collective_ops()
+    ours, theirs = torch.ops.vllm_neuron, torch.ops._c10d_functional
+    calls = {
+        "all_reduce": ("sum", "3"),
+        "all_gather_into_tensor": (2, "3"),
+        "reduce_scatter_tensor": ("sum", 2, "3"),
+        "all_to_all_single": ([3, 5], [4, 4], "3"),
+        "broadcast": (0, "3"),
+    }
+    with FakeTensorMode():
+        x = torch.empty(8, 6)
+        for name, args in calls.items():
+            got = getattr(ours, name)(x, *args)
+            want = getattr(theirs, name)(x, *args)
+            assert got.shape == want.shape and got.dtype == want.dtype, name
+
+
+def test_in_place_collectives_are_routed_and_copied_back() -> None:
+    class InPlace(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            torch.ops._c10d_functional.all_reduce_(x, "sum", "3")
+            y = torch.ops._c10d_functional.broadcast_(x, 0, "3")
+            return torch.ops._c10d_functional.wait_tensor(y)
+
+    gm = torch.fx.symbolic_trace(InPlace())
+    assert route_collectives(gm.graph) == 2
+    targets = _targets(gm)
+    assert not calls_functional_collectives(gm), targets
+    assert targets.count("aten.copy_.default") == 2, targets
+    assert "vllm_neuron.broadcast.default" in targets
