@@ -65,7 +65,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ("remote fetches", f"{stats.fetches} ({stats.fetch_seconds:.1f} s)"),
         ("promotions", stats.promotions),
         ("verification failures", stats.verification_failures),
-        ("entries that did not load", stats.load_failures),
+        ("load failures", stats.load_failures),
         ("remote outages", stats.remote_outages),
         ("lock wait", f"{stats.lock_wait_seconds:.1f} s"),
         ("fleet lease waits", f"{stats.lease_waits} ({stats.lease_wait_seconds:.1f} s)"),
