@@ -30,6 +30,7 @@ from vllm_neuron.compile.events import (
     Fetched,
     LeaseTakenOver,
     LeaseWaited,
+    LoadFailed,
     LockWaited,
     Promoted,
     RemoteUnavailable,
@@ -97,6 +98,8 @@ LEASE_TAKEOVERS = _series("lease_takeovers", "Remote leases taken over from a ho
 VERIFICATION_FAILURES = _series("verification_failures", "Entries that failed verification "
                                 "(checksum, size, record) and were quarantined, by tier.",
                                 ("tier",), (("local",), ("remote",)))
+LOAD_FAILURES = _series("load_failures", "Entries that passed their checksums but did not "
+                        "load in this process, withdrawn locally and compiled again.")
 EVICTIONS = _series("evictions", "Local entries withdrawn, by reason: size (the tier's "
                     "bound, or prune --max-size), older-than, incompatible (prune).",
                     ("reason",), (("size",),))
@@ -111,8 +114,8 @@ TIME_SAVED_SECONDS = _series("time_saved_seconds", "Compile seconds saved: each 
 SERIES: tuple[Series, ...] = (
     HITS, MISSES, COMPILES, COMPILE_SECONDS, COMPILE_FAILURES, FETCH_BYTES, FETCH_SECONDS,
     LOCK_WAIT_SECONDS, LEASE_WAITS, LEASE_WAIT_SECONDS, LEASE_TAKEOVERS,
-    VERIFICATION_FAILURES, EVICTIONS, EVICTED_BYTES, PROMOTIONS, REMOTE_OUTAGES,
-    TIME_SAVED_SECONDS,
+    VERIFICATION_FAILURES, LOAD_FAILURES, EVICTIONS, EVICTED_BYTES, PROMOTIONS,
+    REMOTE_OUTAGES, TIME_SAVED_SECONDS,
 )
 
 Sample = tuple[Series, tuple[str, ...], float]
@@ -166,6 +169,7 @@ _MISS: tuple[Sample, ...] = ((MISSES, (), 1.0),)
 _FAILED: tuple[Sample, ...] = ((COMPILE_FAILURES, (), 1.0),)
 _TAKEOVER: tuple[Sample, ...] = ((LEASE_TAKEOVERS, (), 1.0),)
 _OUTAGE: tuple[Sample, ...] = ((REMOTE_OUTAGES, (), 1.0),)
+_LOAD_FAILED: tuple[Sample, ...] = ((LOAD_FAILURES, (), 1.0),)
 
 # By exact record type: one dict lookup per event on the hot path (a hit in memory).
 _MAPPING: dict[type[Record], Callable[[Any], tuple[Sample, ...]]] = {
@@ -177,6 +181,7 @@ _MAPPING: dict[type[Record], Callable[[Any], tuple[Sample, ...]]] = {
     LockWaited: lambda e: ((LOCK_WAIT_SECONDS, (), e.seconds),),
     Promoted: _promote,
     VerificationFailed: lambda e: ((VERIFICATION_FAILURES, (e.tier,), 1.0),),
+    LoadFailed: lambda e: _LOAD_FAILED,
     RemoteUnavailable: lambda e: _OUTAGE,
     LeaseWaited: _lease_wait,
     LeaseTakenOver: lambda e: _TAKEOVER,
