@@ -52,7 +52,7 @@ svg.timeline line.tick { stroke-width: 2; }
 .k-hit { stroke: #1e9e4a; background: #1e9e4a; }
 .k-hit.t-memory { stroke: #8fd3a4; background: #8fd3a4; }
 .k-miss { stroke: #e0a100; background: #e0a100; }
-.k-compile_failed, .k-verify_failed { stroke: #c62828; background: #c62828; }
+.k-compile_failed, .k-verify_failed, .k-load_failed { stroke: #c62828; background: #c62828; }
 .k-promote { stroke: #00897b; background: #00897b; }
 .k-evict { stroke: #795548; background: #795548; }
 .k-lease_takeover { stroke: #d81b60; background: #d81b60; }
