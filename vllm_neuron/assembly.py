@@ -45,6 +45,11 @@ def build_runtime() -> CompileRuntime:
     """
     fault_settings()  # VLLM_NEURON_FAULT (crash tests) armed before anything is written
     settings = compile_cache_settings()
+    manifest_dir = manifest_settings().manifest_dir
+    snapshots = snapshot_config()
+    if snapshots.enabled:
+        check_snapshot_root(snapshots.root)
+    # Last of the settings: its probe writes (a malformed setting must refuse first).
     local_dir, bypassed = resolve_local_tier(settings)
     if bypassed is not None:
         if settings.disable_warmup_compile:
@@ -57,10 +62,6 @@ def build_runtime() -> CompileRuntime:
         # A tier in memory that nothing is published to: the cache's events stay readable
         # in-process (metrics) and nothing touches the refused directory.
         local_dir = f"memory://vllm-neuron-bypassed-{os.getpid()}"
-    manifest_dir = manifest_settings().manifest_dir
-    snapshots = snapshot_config()
-    if snapshots.enabled:
-        check_snapshot_root(snapshots.root)
     name = settings.toolchain
     if name == "auto" and host_mode_settings().enabled:
         name = "host"  # vLLM runs on the host CPU: only host artifacts can run there
