@@ -56,6 +56,16 @@ def ensure_chromium() -> None:
         subprocess.check_call(apt, env=env)
 
 
+def test_workers(rest: list[str]) -> list[str]:
+    """The suite's modules run on every core, a module's tests in order on one worker
+    (`--dist loadfile`: a module's server sequence is cold, then warm, then a second node).
+    Most tests wait on subprocesses or one core, so two workers pay on a 2-core machine; more
+    than four would only multiply the vLLM servers in memory. `-n` on the command line wins."""
+    if any(a == "-n" or a.startswith(("-n", "--numprocesses", "--dist")) for a in rest):
+        return []
+    return ["-n", str(max(2, min(4, os.cpu_count() or 2))), "--dist", "loadfile"]
+
+
 def run(argv: list[str]) -> int:
     cmd = argv[0] if argv else "test"
     rest = argv[1:]
@@ -66,7 +76,8 @@ def run(argv: list[str]) -> int:
     env = dict(os.environ)
     if cmd == "test":
         ensure_chromium()
-        return subprocess.call([str(PY), "-m", "pytest", "tests", *rest], cwd=ROOT, env=env)
+        return subprocess.call([str(PY), "-m", "pytest", "tests", *test_workers(rest), *rest],
+                               cwd=ROOT, env=env)
     if cmd == "demo":
         return subprocess.call([str(PY), "-m", "vllm_neuron.cli", "demo", *rest], cwd=ROOT,
                                env=env)

@@ -101,6 +101,48 @@ def pytest_report_header(config: pytest.Config) -> str:
     return "vLLM CPU kernel paths: " + ", ".join(describe(p) for p in kernel_paths())
 
 
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A pytest-xdist worker hands its kernel-path notes to the controller, which prints them."""
+    from cpu_kernels import RAN  # tests/cpu_kernels.py
+
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:
+        workeroutput["kernel_paths_ran"] = list(RAN)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:  # pytest-xdist's controller
+    from cpu_kernels import RAN  # tests/cpu_kernels.py
+
+    RAN.extend(getattr(node, "workeroutput", {}).get("kernel_paths_ran", []))
+
+
+# The modules that take minutes, longest first. `dev.py test` runs modules on two or more
+# workers (pytest-xdist, --dist loadfile), which take them in collection order: started first,
+# they run beside the many short modules instead of after them, and the suite's wall time is
+# near its CPU time over the cores rather than the sum of the long tails.
+LONG_MODULES = (
+    "tests/plugin/test_vllm_serve.py",
+    "tests/plugin/test_vllm_serve_tp.py",
+    "tests/test_crash_matrix.py",
+    "tests/profiling/test_real_vllm.py",
+    "tests/compile/test_fleet.py",
+    "tests/compile/test_cache_processes.py",
+    "tests/compile/test_tier_faults.py",
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = Path(str(item.path)).resolve()
+        for i, module in enumerate(LONG_MODULES):
+            if path == ROOT / module:
+                return i
+        return len(LONG_MODULES)
+
+    items.sort(key=rank)  # stable: a module's own tests keep their order
+
+
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     from cpu_kernels import RAN  # tests/cpu_kernels.py
 
