@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import serve_worker  # tests/compile/serve_worker.py
 from entry_faults import make_unloadable  # tests/entry_faults.py
 
 from vllm_neuron.compile.events import read_stats
@@ -31,11 +32,6 @@ from vllm_neuron.compile.tier_health import LocalTierUnusable, check_private_dir
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
-RESULT = "SERVE_WORKER_RESULT "
-_STRIP = ("VLLM_CACHE_ROOT", "NEURON_LIBTORCH_REMOTE_CACHE", "VLLM_NEURON_DISABLE_WARMUP_COMPILE",
-          "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE", "VLLM_NEURON_MANIFEST_DIR")  # fmt: skip
-
-
 # Inductor's own cache, shared by every process of this module (it only makes the real
 # compiles faster; where a graph comes from is this package's cache, which each test owns).
 INDUCTOR = Path(tempfile.mkdtemp(prefix="vllm-neuron-tier-faults-inductor-"))
@@ -43,16 +39,7 @@ INDUCTOR = Path(tempfile.mkdtemp(prefix="vllm-neuron-tier-faults-inductor-"))
 
 def serve(cache_root: Path, **env: str) -> tuple[int, dict[str, Any] | None, str]:
     """Run the serving worker; (exit status, its result or None, stderr)."""
-    base = {k: v for k, v in os.environ.items() if k not in _STRIP}
-    done = subprocess.run(
-        [sys.executable, str(HERE / "serve_worker.py")],
-        env={**base, "VLLM_CACHE_ROOT": str(cache_root), "TORCHINDUCTOR_CACHE_DIR": str(INDUCTOR),
-             "PYTHONPATH": str(ROOT), **env},
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
-    result = json.loads(lines[-1][len(RESULT):]) if lines else None
-    return done.returncode, result, done.stderr
+    return serve_worker.serve(cache_root, INDUCTOR, **env)
 
 
 @pytest.fixture(scope="module")
@@ -310,16 +297,55 @@ def test_a_full_manifest_directory_costs_the_manifest_one_warning_not_the_graph(
     manifests = tmpfs / "manifests"
     manifests.mkdir()
     remount(tmpfs, "size=64k")
+    fill(tmpfs)
+    code, result, err = serve(tmp_path / "cache", VLLM_NEURON_MANIFEST_DIR=str(manifests))
+    assert code == 0 and result is not None, err[-3000:]
+    assert result["matched"] and result["sources"] == ["local"], result
+    said = [w for w in result["warnings"] if "VLLM_NEURON_MANIFEST_DIR" in w]
+    assert len(said) == 1 and "No space left" in said[0], result["warnings"]
+
+
+def fill(tmpfs: Path) -> None:
+    """Fill ``tmpfs`` with a ballast file: every further write there is ENOSPC."""
     fd = os.open(tmpfs / "ballast", os.O_WRONLY | os.O_CREAT)
-    try:  # fill it: every further write is ENOSPC
+    try:
         while os.write(fd, b"\0" * 4096):
             pass
     except OSError:
         pass
     finally:
         os.close(fd)
-    code, result, err = serve(tmp_path / "cache", VLLM_NEURON_MANIFEST_DIR=str(manifests))
-    assert code == 0 and result is not None, err[-3000:]
+
+
+@pytest.mark.parametrize("fault", ["full", "read-only"])
+def test_a_snapshot_root_that_cannot_take_files_costs_the_bundles_one_warning_not_a_forward(
+    fault: str, tmpfs: Path, tmp_path: Path, built: tuple[Path, dict[str, Any]]
+) -> None:
+    copy_built(built, tmp_path / "cache")
+    snapshots = tmpfs / "snapshots"
+    snapshots.mkdir()
+    capture = {"VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_ENABLE": "1",
+               "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR": str(snapshots),
+               "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_CAPTURE_AT_CALL": "-1"}  # fmt: skip
+    if fault == "full":
+        remount(tmpfs, "size=64k")
+        fill(tmpfs)
+    else:
+        remount(tmpfs, "ro")
+    try:
+        code, result, err = serve(tmp_path / "cache", **capture)
+    finally:
+        remount(tmpfs, "rw,size=96m")
+    assert code == 0 and result is not None, err[-3000:]  # every forward was served
     assert result["matched"] and result["sources"] == ["local"], result
-    said = [w for w in result["warnings"] if "VLLM_NEURON_MANIFEST_DIR" in w]
-    assert len(said) == 1 and "No space left" in said[0], result["warnings"]
+    said = [w for w in result["warnings"] if "snapshots are bypassed" in w]
+    assert len(said) == 1, result["warnings"]
+    reason = "no space left" if fault == "full" else "read-only file system"
+    assert "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR" in said[0] and reason in said[0], said
+    assert "Traceback" not in err
+    assert list(snapshots.rglob("*")) == []  # nothing half-written
+    # With room, the same start captures its forwards.
+    (tmpfs / "ballast").unlink(missing_ok=True)
+    code, result, err = serve(tmp_path / "cache", **capture)
+    assert code == 0 and result is not None and result["warnings"] == [], err[-3000:]
+    assert len(list(snapshots.rglob("meta.json"))) == 3

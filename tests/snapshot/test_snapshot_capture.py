@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -173,30 +175,62 @@ def test_unwritable_target_aborts_the_forward(
 
 
 class FailingWriter:
-    """Writes the first file, then fails - as a full disk or a dying device would."""
+    """Writes the first file, then fails with ``error`` - as a full disk or a dying device."""
 
     name = "failing"
 
+    def __init__(self, error: OSError) -> None:
+        self.error = error
+        self.calls = 0
+
     def write(self, store: Store, prefix: str, items: Sequence[tuple[str, Any]], fmt: Any) -> None:
+        self.calls += 1
         HostTensorWriter().write(store, prefix, items[:1], fmt)
-        raise OSError(28, "No space left on device")
+        raise self.error
 
 
 @pytest.mark.parametrize("where", ["local", "memory"])
-def test_failing_writer_leaves_no_bundle(
+def test_a_failing_device_write_aborts_the_forward_and_leaves_no_bundle(
     where: str, tmp_path: Path, memory_root: str, capturer_for: CapturerFactory
 ) -> None:
     root = str(tmp_path / "s") if where == "local" else memory_root
     cfg = make_config(root, CAPTURE_AT_CALL="0")
     budget = CaptureBudget(4)
-    fn = capturer_for(cfg, budget=budget, writer=FailingWriter()).wrap(executable)
-    with pytest.raises(SnapshotCaptureError, match="No space left") as info:
+    writer = FailingWriter(OSError(errno.EIO, "Input/output error"))
+    fn = capturer_for(cfg, budget=budget, writer=writer).wrap(executable)
+    with pytest.raises(SnapshotCaptureError, match="Input/output error") as info:
         run_decode(fn, cfg, steps=1)
     assert "no bundle was left" in str(info.value)
     store = open_store(root)
     assert store.list() == []  # the file written before the failure was removed
     assert list_bundles(store).bundles == ()
-    assert budget.consumed == 0
+    assert budget.consumed == 0 and budget.stopped is None
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS])
+def test_a_snapshot_root_that_cannot_take_files_serves_the_forward_and_stops_capture(
+    code: int, tmp_path: Path, capturer_for: CapturerFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = str(tmp_path / "s")
+    cfg = make_config(root, CAPTURE_AT_CALL="-1")
+    budget = CaptureBudget(4)
+    writer = FailingWriter(OSError(code, os.strerror(code), os.path.join(root, "x")))
+    calls: list[int] = []
+
+    def counted(*args: Any) -> Any:
+        calls.append(1)
+        return executable(*args)
+
+    fn = capturer_for(cfg, budget=budget, writer=writer).wrap(counted)
+    with caplog.at_level(logging.WARNING, logger="vllm_neuron.snapshot"):
+        run_decode(fn, cfg, steps=3)  # every forward is served
+    assert len(calls) == 3
+    assert writer.calls == 1  # capture stopped after the first fault: no retry per forward
+    assert open_store(root).list() == []  # nothing half-written
+    assert budget.consumed == 0 and budget.stopped is not None
+    said = [r.getMessage() for r in caplog.records if "bypassed" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR" in said[0] and root in said[0], said
 
 
 def test_failing_meta_write_leaves_no_bundle(

@@ -13,7 +13,7 @@ import logging
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal, cast
 
 from vllm_neuron.backends import is_url
@@ -96,7 +96,8 @@ class SnapshotSettings:
     ``at_calls`` None: CAPTURE_AT_CALL is unset (``all_calls`` is True for ``-1``);
     ``ranks`` None: every rank (unset, or a malformed list); ``root`` is a local path or a
     store URL, resolved even when capture is off (replay and the CLI read bundles from it).
-    With ``enabled`` False nothing but ``root`` is parsed.
+    With ``enabled`` False nothing but ``root`` is parsed. ``root_setting`` is how a message
+    about the root names it (the variable as set, or the cache root it defaults under).
     """
 
     enabled: bool = False
@@ -108,6 +109,7 @@ class SnapshotSettings:
     ranks: frozenset[int] | None = None
     format: SnapshotFormat = DEFAULT_FORMAT
     root: str = ""
+    root_setting: str = field(default=DIR, compare=False)
 
 
 def _int_list(name: str, value: str, what: str) -> list[int]:
@@ -199,6 +201,14 @@ def _root(env: Mapping[str, str]) -> str:
     return override.rstrip("/") if is_url(override) else override
 
 
+def _root_setting(env: Mapping[str, str], root: str) -> str:
+    """The setting that put the bundle root at ``root``, as a message names it."""
+    if raw(env, DIR) is not None:
+        return f"{DIR}={env[DIR]!r}"
+    cache_root_setting = load_compile_cache_settings(env).cache_root_setting
+    return f"{DIR} (unset: {root} under {cache_root_setting})"
+
+
 def load_snapshot_settings(environ: Mapping[str, str] | None = None) -> SnapshotSettings:
     """Parse and validate the snapshot variables of ``environ`` (default os.environ).
 
@@ -216,7 +226,8 @@ def load_snapshot_settings(environ: Mapping[str, str] | None = None) -> Snapshot
                 ", ".join(stray),
                 ENABLE,
             )
-        return SnapshotSettings(enabled=False, root=_root(env))
+        root = _root(env)
+        return SnapshotSettings(enabled=False, root=root, root_setting=_root_setting(env, root))
 
     # This order decides which error a doubly mistyped environment shows first: keep it.
     token_raw, request_raw = raw(env, CAPTURE_TOKEN), raw(env, CAPTURE_REQUEST)
@@ -234,7 +245,8 @@ def load_snapshot_settings(environ: Mapping[str, str] | None = None) -> Snapshot
         max_captures=DEFAULT_MAX_CAPTURES if max_raw is None else _parse_max_captures(max_raw),
         ranks=None if ranks_raw is None else _parse_ranks(ranks_raw),
         format=DEFAULT_FORMAT if format_raw is None else _parse_format(format_raw),
-        root=_root(env),
+        root=(root := _root(env)),
+        root_setting=_root_setting(env, root),
     )
 
 
@@ -253,12 +265,7 @@ def check_snapshot_root(root: str, environ: Mapping[str, str] | None = None) -> 
     failed write would lose the very forward the capture was set up for.
     """
     env = environ_or_default(environ)
-    if raw(env, DIR) is not None:
-        setting = f"{DIR}={env[DIR]!r}"
-    else:
-        cache_root_setting = load_compile_cache_settings(env).cache_root_setting
-        setting = f"{DIR} (unset: {root} under {cache_root_setting})"
     return require_local_directory(
-        root, env, setting=setting, purpose="the input snapshot bundles"
+        root, env, setting=_root_setting(env, root), purpose="the input snapshot bundles"
     )
 

@@ -11,7 +11,9 @@ of selected calls and carries the whole fail-loud protocol:
    input, the executable runs, its outputs are written as ``output{j}.{fmt}`` (the replay
    reference), and ``meta.json`` is written last, atomically: that write is what makes the
    bundle exist;
-4. any failure deletes what was written and raises (:class:`SnapshotCaptureError`).
+4. any failure deletes what was written; a snapshot root that cannot take files (full,
+   read-only, refused) stops capture for the process with one warning and the forward is
+   served; any other failure raises (:class:`SnapshotCaptureError`).
 
 The graph is exported once per compilation hash (``<hash>/graph.pt2``) so a bundle can be
 replayed eagerly where the compiled artifact cannot run.
@@ -27,7 +29,8 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from vllm_neuron.backends import Store, fault_point, join
+from vllm_neuron.backends import Store, fault_point, join, local_path_of
+from vllm_neuron.compile.tier_health import unwritable_cause, why_unwritable
 
 from .capture_spec import CaptureSpec, SnapshotCaptureError
 from .collectives import collective_ops
@@ -132,10 +135,12 @@ class BundleWriter:
         fn: Callable[..., Any],
         args: Sequence[Any],
         forward_call: int | None = None,
-    ) -> Any:
+    ) -> tuple[Any, bool]:
         """Write the bundle of this call around running ``fn``; see the module docstring.
 
-        ``forward_call`` is the call's position among the forward's graph calls."""
+        (``fn``'s result, whether the bundle was written: not when the snapshot root could
+        not take files). ``forward_call`` is the call's position among the forward's graph
+        calls."""
         spec = self.spec
         fmt = spec.format
         prefix = spec.call_prefix(call_index)
@@ -146,9 +151,10 @@ class BundleWriter:
                 f"input snapshot of {prefix} is impossible: {exc}; the forward was aborted"
             ) from exc
         inputs = _describe(args, "tensor", fmt, handles)  # raises before anything is written
-        store = spec.store()
-        where = f"{store.url.rstrip('/')}/{prefix}"
+        where = f"{spec.root.rstrip('/')}/{prefix}"
+        store: Store | None = None
         try:
+            store = spec.store()
             self._clear_previous(store, prefix)
             graph_key = self._ensure_graph(store)
             self.writer.write(
@@ -158,13 +164,17 @@ class BundleWriter:
                 fmt,
             )
         except Exception as exc:
-            self._cleanup(store, prefix)
+            if store is not None:
+                self._cleanup(store, prefix)
+            if self._root_cannot_take_files(exc, where):
+                return fn(*args), False
             raise SnapshotCaptureError(
                 f"input snapshot of {where} failed while writing the inputs: {exc}; "
                 "the forward was aborted and no bundle was left"
             ) from exc
         except BaseException:
-            self._cleanup(store, prefix)
+            if store is not None:
+                self._cleanup(store, prefix)
             raise
         try:
             out = fn(*args)
@@ -207,6 +217,8 @@ class BundleWriter:
             write_call_meta(store, prefix, meta)
         except Exception as exc:
             self._cleanup(store, prefix)
+            if self._root_cannot_take_files(exc, where):
+                return out, False
             raise SnapshotCaptureError(
                 f"input snapshot of {where} failed while writing the outputs/meta.json: {exc}; "
                 "the forward was aborted and no bundle was left"
@@ -216,7 +228,27 @@ class BundleWriter:
             raise
         logger.info("vllm_neuron: captured input snapshot %s (selected by %s)", where,
                     ", ".join(selected_by))  # fmt: skip
-        return out
+        return out, True
+
+    def _root_cannot_take_files(self, exc: Exception, where: str) -> bool:
+        """True when ``exc`` says the snapshot root cannot take files (no space, read-only,
+        refused): capture stops for the process, said once naming the setting, and the
+        caller serves the forward without its bundle. A capture is a debugging aid: a full
+        disk under it must not take the server down (a value that cannot be stored, the
+        user's to fix, still aborts the forward)."""
+        root_dir = local_path_of(self.spec.root)
+        fault = unwritable_cause(exc, under=root_dir)
+        if fault is None:
+            return False
+        reason = why_unwritable(fault, root_dir or "/") or str(fault)
+        if self.spec.budget.stop(reason):
+            logger.warning(
+                "vllm_neuron: input snapshots are bypassed for the rest of this process: the "
+                "snapshot directory %s (%s) cannot take files: %s (%s). The forward was served "
+                "without its bundle %s, and nothing half-written was left",
+                self.spec.root, self.spec.config.root_setting, reason, fault, where,
+            )  # fmt: skip
+        return True
 
     def _collectives(self) -> list[str] | None:
         """The collective ops of the graph (once per graph); None when there is no graph
@@ -274,6 +306,8 @@ class BundleWriter:
             store.create(key, buf.getvalue())
             self._graph_key = key
         except Exception as exc:  # noqa: BLE001 - best-effort, see the docstring
+            if unwritable_cause(exc, under=local_path_of(self.spec.root)) is not None:
+                raise  # the root itself cannot take files: capture_call says so, once
             logger.warning(
                 "vllm_neuron: could not save the graph of %s for eager replay (%s); "
                 "replay will need its compile-cache entry",

@@ -12,8 +12,10 @@ executables of one compilation hash share one capturer and one call counter. Per
 4. the process-global budget is reserved (one unit per forward);
 5. the bundle is written around the call (:mod:`.bundle_writer`: inputs, run, outputs,
    ``meta.json`` last);
-6. any failure leaves no bundle, gives the budget unit back and raises
-   (:class:`SnapshotCaptureError`), aborting the forward.
+6. any failure leaves no bundle and gives the budget unit back; a snapshot root that cannot
+   take files (full, read-only, refused) ends capture for the process with one warning
+   naming the setting, and the forward is served; any other failure (a value that cannot be
+   stored) raises :class:`SnapshotCaptureError`, aborting the forward.
 
 Steps 1-4 run on every forward and stay cheap; what one executable captures and where is
 its :class:`CaptureSpec` (:mod:`.capture_spec`), how tensors reach the store its writer
@@ -126,7 +128,7 @@ class SnapshotCapturer:
             return fn(*args)
         budget = self.spec.budget
         if not budget.reserve(ctx.step):
-            if not self._warned_budget:
+            if budget.stopped is None and not self._warned_budget:
                 self._warned_budget = True
                 logger.info(
                     "vllm_neuron: snapshot budget of %d forwards used up; not capturing %s",
@@ -135,11 +137,15 @@ class SnapshotCapturer:
                 )
             return fn(*args)
         try:
-            out = self.capture(ctx, call_index, selected_by, matches, fn, args, forward_call)
+            out, written = self.capture(ctx, call_index, selected_by, matches, fn, args,
+                                        forward_call)  # fmt: skip
         except BaseException:
             budget.release(ctx.step)
             raise
-        budget.commit(ctx.step)
+        if written:
+            budget.commit(ctx.step)
+        else:
+            budget.release(ctx.step)
         return out
 
     # -- the capture itself
@@ -152,12 +158,14 @@ class SnapshotCapturer:
         fn: Callable[..., Any],
         args: Sequence[Any],
         forward_call: int | None = None,
-    ) -> Any:
-        """Write the bundle of this call around running ``fn`` (:mod:`.bundle_writer`)."""
-        out = self.bundles.capture_call(ctx, call_index, selected_by, matches, fn, args,
-                                        forward_call)  # fmt: skip
-        self.captured.append(self.spec.call_prefix(call_index))
-        return out
+    ) -> tuple[Any, bool]:
+        """Write the bundle of this call around running ``fn`` (:mod:`.bundle_writer`);
+        (``fn``'s result, whether the bundle was written)."""
+        out, written = self.bundles.capture_call(ctx, call_index, selected_by, matches, fn,
+                                                 args, forward_call)  # fmt: skip
+        if written:
+            self.captured.append(self.spec.call_prefix(call_index))
+        return out, written
 
 
 # Integration --------------------------------------------------------------------------------

@@ -71,7 +71,7 @@ class CaptureSpec:
         except Exception as exc:
             raise SnapshotCaptureError(
                 f"cannot open the snapshot directory {self.config.root!r} "
-                f"(VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR / VLLM_CACHE_ROOT): {exc}"
+                f"({self.config.root_setting}): {exc}"
             ) from exc
 
 

@@ -186,6 +186,7 @@ class SnapshotConfig:
     ranks: frozenset[int] | None = None
     format: SnapshotFormat = DEFAULT_FORMAT
     root: str = ""
+    root_setting: str = field(default="VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR", compare=False)
 
     def captures_rank(self, tp_rank: int) -> bool:
         return self.ranks is None or tp_rank in self.ranks
@@ -200,7 +201,8 @@ def config_from_settings(settings: SnapshotSettings) -> SnapshotConfig:
     rule names are captured.
     """
     if not settings.enabled:
-        return SnapshotConfig(enabled=False, root=settings.root)
+        return SnapshotConfig(enabled=False, root=settings.root,
+                              root_setting=settings.root_setting)
     at_calls: frozenset[int] | None
     if settings.all_calls or settings.at_calls is not None:
         at_calls = settings.at_calls
@@ -220,6 +222,7 @@ def config_from_settings(settings: SnapshotSettings) -> SnapshotConfig:
         ranks=settings.ranks,
         format=settings.format,
         root=settings.root,
+        root_setting=settings.root_setting,
     )
 
 

@@ -143,6 +143,9 @@ class CaptureBudget:
     ``reserve(step)`` before writing, then ``commit(step)`` once the bundle is written or
     ``release(step)`` if it was not. Executables of a forward that is already reserved or
     consumed always get in: one forward, one unit.
+
+    ``stop(reason)`` ends capture for the process (the snapshot root is full, read-only or
+    refused: every later bundle would fail the same way); ``stopped`` says why.
     """
 
     def __init__(self, max_captures: int) -> None:
@@ -152,6 +155,7 @@ class CaptureBudget:
         self._consumed: set[int] = set()
         self._pending: dict[int, int] = {}
         self._lock = threading.Lock()
+        self.stopped: str | None = None
 
     @property
     def consumed(self) -> int:
@@ -164,6 +168,8 @@ class CaptureBudget:
 
     def reserve(self, step: int) -> bool:
         with self._lock:
+            if self.stopped is not None:
+                return False
             if step in self._consumed or step in self._pending:
                 self._pending[step] = self._pending.get(step, 0) + 1
                 return True
@@ -187,6 +193,14 @@ class CaptureBudget:
     def release(self, step: int) -> None:
         with self._lock:
             self._drop(step)
+
+    def stop(self, reason: str) -> bool:
+        """No capture after this one; True for the call that stopped it (it says so once)."""
+        with self._lock:
+            first = self.stopped is None
+            if first:
+                self.stopped = reason
+            return first
 
 
 _budget: CaptureBudget | None = None
