@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from hypothesis import settings
 from hypothesis_profiles import CI, register_profiles  # tests/hypothesis_profiles.py
+from tmpfs_mounts import tmpfs  # noqa: F401 - the fixture of tests/tmpfs_mounts.py, suite-wide
 
 from vllm_neuron.backends.testing import moto_s3_server
 

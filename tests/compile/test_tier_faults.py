@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 import serve_worker  # tests/compile/serve_worker.py
 from entry_faults import make_unloadable  # tests/entry_faults.py
+from tmpfs_mounts import fill, remount  # tests/tmpfs_mounts.py (its `tmpfs` fixture: conftest)
 
 from vllm_neuron.compile.events import read_stats
 from vllm_neuron.compile.local_tier import resolve_local_tier, trusted_local_tier_dir
@@ -59,25 +60,6 @@ def copy_built(built: tuple[Path, dict[str, Any]], to: Path) -> dict[str, Any]:
     return built[1]
 
 
-def mount(args: list[str], target: Path) -> None:
-    target.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", *args, str(target)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.fail(f"this test needs to mount a tmpfs (as root, as CI runs): mount {args} "
-                    f"{target} failed: {done.stderr.strip()}")  # fmt: skip
-
-
-@pytest.fixture
-def tmpfs(tmp_path: Path) -> Iterator[Path]:
-    """A real tmpfs (96 MiB: room to compile), unmounted after the test."""
-    target = tmp_path / "tmpfs"
-    mount(["-t", "tmpfs", "-o", "size=96m", "tmpfs"], target)
-    try:
-        yield target
-    finally:
-        subprocess.run(["umount", "-l", str(target)], capture_output=True)
-
-
 def published_and_staged(cache_dir: Path) -> tuple[list[str], list[str]]:
     """Entries a reader sees, and what staging holds (a fault's leftovers, for gc)."""
     if not cache_dir.is_dir():
@@ -110,10 +92,6 @@ def test_a_full_cache_root_serves_the_graph_with_one_warning_and_caches_once_the
     code, again, err = serve(tmpfs)
     assert code == 0 and again is not None, err[-3000:]
     assert again["sources"] == ["local"] and again["keys"] == adopted["keys"], again
-
-
-def remount(target: Path, mode: str) -> None:
-    mount(["-o", f"remount,{mode}"], target)
 
 
 def test_a_read_only_cache_root_is_bypassed_with_one_warning_and_the_graph_served(
@@ -303,18 +281,6 @@ def test_a_full_manifest_directory_costs_the_manifest_one_warning_not_the_graph(
     assert result["matched"] and result["sources"] == ["local"], result
     said = [w for w in result["warnings"] if "VLLM_NEURON_MANIFEST_DIR" in w]
     assert len(said) == 1 and "No space left" in said[0], result["warnings"]
-
-
-def fill(tmpfs: Path) -> None:
-    """Fill ``tmpfs`` with a ballast file: every further write there is ENOSPC."""
-    fd = os.open(tmpfs / "ballast", os.O_WRONLY | os.O_CREAT)
-    try:
-        while os.write(fd, b"\0" * 4096):
-            pass
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 @pytest.mark.parametrize("fault", ["full", "read-only"])

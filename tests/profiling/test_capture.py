@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from profiling_support import ROOT, group_alive, wait_until
+from tmpfs_mounts import fill, remount  # tests/tmpfs_mounts.py
 
 from vllm_neuron.backends import open_store
 from vllm_neuron.profiling.capture import run_capture
@@ -370,3 +371,28 @@ def test_sigint_while_profiling_sends_the_owed_stop_and_tears_down(
     assert m.profile.device_trace is not None  # the 2-iteration window was written
     assert m.teardown is not None and m.teardown.clean
     assert group_alive(m.teardown.pgid) == []
+
+
+@pytest.mark.parametrize("fault", ["read-only", "full"])
+def test_a_run_directory_that_cannot_take_files_is_refused_before_a_server_starts(
+    fault: str, tmpfs: Path, fake_model: str, port: int
+) -> None:
+    """A project root on a read-only or full filesystem: the capture says which directory,
+    which setting and why, exits 2, and starts no server (no minutes of start-up lost)."""
+    root = tmpfs / "project"
+    root.mkdir()
+    if fault == "read-only":
+        remount(tmpfs, "ro")
+    else:
+        remount(tmpfs, "size=1m")
+        fill(tmpfs)
+    cmd = [sys.executable, "-m", "vllm_neuron.cli", "profile", "capture", "--recipe", "prefill",
+           "--model", fake_model, "--run-name", "full", "--port", str(port), "--profiler",
+           "torch", "--server-command", f"{sys.executable} {ROOT}/tests/profiling/fake_vllm.py"]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "NEURON_PROJECT_ROOT": str(root)})  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    reason = "read-only file system" if fault == "read-only" else "no space left"
+    assert "NEURON_PROJECT_ROOT" in done.stderr and reason in done.stderr, done.stderr
+    assert "fake vllm" not in done.stdout + done.stderr
+    assert "Traceback" not in done.stderr

@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from vllm_neuron.backends import Store, fault_point, join, local_path_of
-from vllm_neuron.compile.tier_health import unwritable_cause, why_unwritable
+from vllm_neuron.backends.writable import unwritable_cause, why_unwritable
 
 from .capture_spec import CaptureSpec, SnapshotCaptureError
 from .collectives import collective_ops
