@@ -63,7 +63,8 @@ def test_workers(rest: list[str]) -> list[str]:
     than four would only multiply the vLLM servers in memory. `-n` on the command line wins."""
     if any(a == "-n" or a.startswith(("-n", "--numprocesses", "--dist")) for a in rest):
         return []
-    return ["-n", str(max(2, min(4, os.cpu_count() or 2))), "--dist", "loadfile"]
+    return ["-n", str(max(2, min(4, os.cpu_count() or 2))), "--dist", "loadfile",
+            "--no-loadscope-reorder"]  # the order of tests/conftest.py: long modules first
 
 
 def run(argv: list[str]) -> int:

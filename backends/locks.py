@@ -67,6 +67,16 @@ class Lock(ABC):
         kernel lock: asking again is one local system call)."""
         return 0.0
 
+    def busy(self) -> bool:
+        """Whether another holder has the lock now, found without taking it for long: a
+        kernel lock is tried and let go at once (one local system call)."""
+        try:
+            self.acquire(timeout=0)
+        except LockTimeout:
+            return True
+        self.release()
+        return False
+
     def check(self) -> None:  # noqa: B027 - kernel locks cannot be lost while held
         """Raise `LeaseLost` if this holder no longer owns the lock."""
 
@@ -232,6 +242,12 @@ class LeaseLock(Lock):
     @property
     def held(self) -> bool:
         return self._held and not self._lost
+
+    def busy(self) -> bool:
+        """Whether a live lease is held now (by anyone), read without creating a record: a
+        process that must never take the lease can still wait for its holder."""
+        latest, record = self._latest()
+        return latest != 0 and record is not None and not record.free(time.time())
 
     @property
     def generation(self) -> int:

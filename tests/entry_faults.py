@@ -23,3 +23,45 @@ def make_unloadable(cache_dir: Path, key: str) -> None:
     path.write_bytes(b"PK not a package at all " * 64)
     files = {name: store.digest(join(prefix, name)) for name in record.files}
     (path.parent / ENTRY_RECORD).write_bytes(encode(msgspec.structs.replace(record, files=files)))
+
+
+CANARY_SOURCE = r"""
+#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void canary(void) {
+    int fd = open("%s", O_WRONLY | O_CREAT | O_APPEND, 0644);
+    if (fd >= 0) { write(fd, "ran\n", 4); close(fd); }
+}
+"""
+
+
+def make_code_running(store_dir: Path, key: str, canary: Path, workdir: Path) -> None:
+    """Replace the shared object inside ``key``'s AOTInductor package by one whose
+    constructor appends to ``canary`` the moment it is loaded, and record the new sizes and
+    digests in entry.json: what a writer to the tier without the builder's key could do.
+    The entry passes every checksum; only a signature can tell."""
+    import subprocess
+    import zipfile
+
+    source = workdir / "canary.c"
+    source.write_text(CANARY_SOURCE % canary)
+    shared = workdir / "canary.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-o", str(shared), str(source)], check=True)
+    store = open_store(str(store_dir), create=False)
+    prefix = store.published(key)
+    assert prefix is not None, f"{store_dir} has no entry {key}"
+    record = read_record(store, prefix)
+    (artifact,) = [name for name in record.files if name.endswith(".pt2")]
+    path = Path(store.local_dir_of(prefix) or "") / artifact
+    rebuilt = workdir / "rebuilt.pt2"
+    with zipfile.ZipFile(path) as old, zipfile.ZipFile(rebuilt, "w") as new:
+        swapped = 0
+        for info in old.infolist():
+            data = old.read(info)
+            if info.filename.endswith(".so"):
+                data, swapped = shared.read_bytes(), swapped + 1
+            new.writestr(info, data)
+    assert swapped, f"{path} holds no shared object"
+    path.write_bytes(rebuilt.read_bytes())
+    files = {name: store.digest(join(prefix, name)) for name in record.files}
+    (path.parent / ENTRY_RECORD).write_bytes(encode(msgspec.structs.replace(record, files=files)))

@@ -223,6 +223,7 @@ def test_read_variables_are_exactly_what_the_groups_read() -> None:
     envs.load_identity_settings(env)
     envs.load_fault_settings(env)
     envs.load_metrics_settings(env)
+    envs.load_trust_settings(env)
     assert env.asked <= envs.READ_VARIABLES, env.asked - envs.READ_VARIABLES
     documented = {v.name for v in envs.ENVIRONMENT_VARIABLES}
     assert documented <= env.asked, documented - env.asked

@@ -368,7 +368,8 @@ def worker_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     for name in ("NEURON_LIBTORCH_REMOTE_CACHE", "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE",
                  "VLLM_NEURON_DISABLE_WARMUP_COMPILE", "TORCHINDUCTOR_FORCE_DISABLE_CACHES",
-                 "VLLM_NEURON_REMOTE_WRITE"):
+                 "VLLM_NEURON_REMOTE_WRITE", "VLLM_NEURON_CACHE_SIGNING_KEY",
+                 "VLLM_NEURON_CACHE_TRUSTED_KEYS", "VLLM_NEURON_CACHE_TRUST"):
         env.pop(name, None)
     env.update(extra)
     return env

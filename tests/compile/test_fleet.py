@@ -11,6 +11,7 @@ only catch hangs.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -30,10 +31,13 @@ from cache_workers import (
 )
 
 from vllm_neuron.backends import open_store
+from vllm_neuron.backends.records import LEASE_RECORDS
 from vllm_neuron.backends.testing import free_port
 from vllm_neuron.compile.entry import ENTRY_RECORD
 from vllm_neuron.compile.events import read_stats
 from vllm_neuron.compile.inventory import verify_entries
+from vllm_neuron.compile.signing import SIGNATURE_FILE, decode_signature, generate_key_pair
+from vllm_neuron.compile.trust import FETCHED_FILE
 
 KEY = "f1ee7f1ee7f1ee7f1ee7f1ee7f1ee7aa"
 OTHER = "f1ee7f1ee7f1ee7f1ee7f1ee7f1ee7bb"
@@ -310,3 +314,54 @@ def test_a_cold_fleet_compiles_a_real_inductor_graph_once(tmp_path, shared_remot
     assert sum(s.compiles for s in stats) == 1
     assert sum(s.hits_by_tier.get("remote", 0) for s in stats) == 3
     assert _remote_store(shared_remote).published(key) is not None
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_a_builder_signs_and_serving_nodes_fetch_and_verify_without_leasing(
+    tmp_path, shared_remote
+):
+    """One builder (the signing key) and serving nodes (trusted public keys only): the
+    builder compiles once and promotes it signed; every serving node waits for it - never
+    taking the lease - then fetches and verifies (docs/trust.md)."""
+    private, public, key_id = generate_key_pair(str(tmp_path / "keys"), "builder")
+    hold = tmp_path / "hold"
+    args = {"key": KEY, "barrier_dir": None, "marker_dir": str(tmp_path / "markers"),
+            "fleet_wait_dir": str(tmp_path / "fleet-waits"), "timeout": SAFETY, **shared_remote}
+
+    def start(node: str, env: dict[str, str], **extra: Any) -> subprocess.Popen[str]:
+        return subprocess.Popen(
+            worker_command("get", {**args, "cache_dir": str(tmp_path / node), **extra}),
+            env=worker_env(**env), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    builder = start("builder", {"VLLM_NEURON_CACHE_SIGNING_KEY": private,
+                                "VLLM_NEURON_CACHE_TRUSTED_KEYS": public}, hold_dir=str(hold))
+    wait_for(lambda: (hold / HELD).exists(), "the builder to hold the lease, mid-compile",
+             [builder])
+    serving = [start(f"node{n}", {"VLLM_NEURON_CACHE_TRUSTED_KEYS": public})
+               for n in range(3) for _ in range(2)]
+    # One rank per node polls the remote for the builder's entry (the other queues on
+    # the node's lock); then the builder goes on.
+    wait_for(lambda: len(_fleet_waiters(tmp_path)) >= 3, "the serving nodes to wait",
+             [builder, *serving])
+    (hold / RESUME).touch()
+    results = finish_workers([builder, *serving])
+
+    assert all(r["ok"] and r["wrong"] is None for r in results), results
+    assert _started(tmp_path) == 1  # the builder's compile, and no other in the fleet
+    assert results[0]["source"] == "compiled"
+    assert {r["source"] for r in results[1:]} <= {"remote", "local", "local-after-wait"}
+    remote = _remote_store(shared_remote)
+    prefix = remote.published(KEY)
+    assert prefix is not None
+    assert decode_signature(remote.read(f"{prefix}/{SIGNATURE_FILE}")).key_id == key_id
+    stats = _node_stats(tmp_path, 3)
+    assert sum(s.fetches for s in stats) == 3 and sum(s.promotions for s in stats) == 0
+    assert sum(s.compiles for s in stats) == 0 and sum(s.untrusted for s in stats) == 0
+    # Only the builder ever held the key's lease: every lease record names its pid.
+    owners = {LEASE_RECORDS.decode(remote.read(f".locks/{KEY}/{gen}") or b"").owner
+              for gen in remote.list_dir(f".locks/{KEY}") if gen.isdigit()}
+    assert owners and {o.split(":")[1] for o in owners} == {str(builder.pid)}, owners
+    for n in range(3):  # each node's copy records the key that verified it
+        local = open_store(str(tmp_path / f"node{n}"), create=False)
+        marker = json.loads(local.read(f"{local.published(KEY)}/{FETCHED_FILE}") or b"{}")
+        assert marker["verified_by"] == key_id

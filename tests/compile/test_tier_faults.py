@@ -309,7 +309,8 @@ def test_a_snapshot_root_that_cannot_take_files_costs_the_bundles_one_warning_no
     reason = "no space left" if fault == "full" else "read-only file system"
     assert "VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR" in said[0] and reason in said[0], said
     assert "Traceback" not in err
-    assert list(snapshots.rglob("*")) == []  # nothing half-written
+    # Nothing half-written: no file (an empty <hash> directory may stay; it holds no bundle).
+    assert [p for p in snapshots.rglob("*") if not p.is_dir()] == []
     # With room, the same start captures its forwards.
     (tmpfs / "ballast").unlink(missing_ok=True)
     code, result, err = serve(tmp_path / "cache", **capture)

@@ -97,6 +97,8 @@ def test_every_cache_event_type_is_mapped_and_other_records_are_not() -> None:
         ev.Promoted: ev.Promoted(key=KEY, at=1.0, remote="r", published=True),
         ev.VerificationFailed: ev.VerificationFailed(key=KEY, at=1.0, tier="local", reason="x"),
         ev.LoadFailed: ev.LoadFailed(key=KEY, at=1.0, source="local", error="x"),
+        ev.Untrusted: ev.Untrusted(key=KEY, at=1.0, tier="remote", status="unsigned",
+                                   reason="x", refused=True),
         ev.RemoteUnavailable: ev.RemoteUnavailable(at=1.0, remote="r", reason="x"),
         ev.LeaseWaited: ev.LeaseWaited(key=KEY, at=1.0, seconds=1.0, outcome="fetched"),
         ev.LeaseTakenOver: ev.LeaseTakenOver(key=KEY, at=1.0, previous_owner="o", remote="r"),

@@ -1,6 +1,6 @@
 """`vllm-neuron cache`: its parser, and `stats` (the other sub-commands live by concept:
 `cache_entries.py` ls|verify|promote|prune|explain, `cache_warm.py` warm|compat|pin|unpin,
-`cache_gc.py` gc).
+`cache_gc.py` gc, `cache_trust.py` keygen|sign).
 
 Exit status (as every `vllm-neuron` command): 0 done, 1 a problem found (`verify`: a
 corrupt entry), 2 bad usage or a tier that cannot be used - a malformed URL
@@ -16,7 +16,7 @@ from typing import Any
 
 from vllm_neuron.compile.events import read_stats
 
-from . import cache_entries, cache_gc, cache_warm
+from . import cache_entries, cache_gc, cache_trust, cache_warm
 from .format import human_size, print_json, table
 from .tiers import cache_dir
 
@@ -42,6 +42,7 @@ def register(sub: Any) -> None:
 
     cache_warm.register(cmds)  # warm, compat, pin, unpin
     cache_gc.register(cmds)  # gc
+    cache_trust.register(cmds)  # keygen, sign
 
 
 def cmd_stats(args: argparse.Namespace) -> int:

@@ -32,8 +32,10 @@ from vllm_neuron.compile.load_notes import LoadFailureNote, read_load_failures
 from vllm_neuron.compile.promote import save_cache
 from vllm_neuron.compile.prune import plan_prune
 from vllm_neuron.compile.quarantine import quarantine_entry
+from vllm_neuron.compile.trust import signer_of
 from vllm_neuron.envs import compile_cache_settings, remote_cache_url
 
+from .cache_trust import trust_check, trusted_keys_option
 from .cache_warm import event_recorder, evicted_event, incompatible_here, manifest_keys
 from .format import human_age, human_size, print_json, table
 from .progress import ByteProgress, callback
@@ -55,6 +57,7 @@ def register(cmds: Any) -> None:
                         "exit 1 naming each that does not load on this node (never withdrawn "
                         "for it)")  # fmt: skip
     verify.add_argument("--json", action="store_true")
+    trusted_keys_option(verify)
     verify.set_defaults(handler=cmd_verify)
 
     promote = cmds.add_parser("promote", help="copy entries to a remote tier (save_cache)")
@@ -89,10 +92,12 @@ def register(cmds: Any) -> None:
 
 
 # --------------------------------------------------------------------- ls
-def entry_json(e: EntryInfo, notes: Sequence[LoadFailureNote] = ()) -> dict[str, Any]:
-    """One `cache ls --json` row: the entry, with ``age_seconds`` null when unknown, and the
-    hosts that fetched it but could not load it (``load_failures``)."""
-    return {**e.__dict__, "age_seconds": e.known_age,
+def entry_json(e: EntryInfo, notes: Sequence[LoadFailureNote] = (),
+               signer: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """One `cache ls --json` row: the entry, with ``age_seconds`` null when unknown, the
+    key id its signature names (``signer``, null: unsigned), and the hosts that fetched it
+    but could not load it (``load_failures``)."""
+    return {**e.__dict__, "age_seconds": e.known_age, "signer": signer,
             "load_failures": [{"host": n.host, "at": n.at, "error": n.error} for n in notes]}
 
 
@@ -108,16 +113,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     store = tier(args)
     entries = list_entries(store, sizes=True)
     notes = read_load_failures(store)
+    signers = {e.key: signer_of(store, e.key) for e in entries}
     if args.json:
-        print_json([entry_json(e, notes.get(e.key, ())) for e in entries])
+        print_json([entry_json(e, notes.get(e.key, ()), signers[e.key]) for e in entries])
         return 0
     rows = [
         (e.key, human_size(e.size), e.files,
          "-" if e.known_age is None else human_age(e.known_age), e.toolchain, e.target,
-         f"{e.compile_seconds:.1f}s", _problem(e, notes.get(e.key, ())))
+         f"{e.compile_seconds:.1f}s", signers[e.key] or "unsigned",
+         _problem(e, notes.get(e.key, ())))
         for e in entries
     ]  # fmt: skip
-    print(table(["KEY", "SIZE", "FILES", "AGE", "TOOLCHAIN", "TARGET", "COMPILE", "PROBLEM"], rows))
+    print(table(["KEY", "SIZE", "FILES", "AGE", "TOOLCHAIN", "TARGET", "COMPILE", "SIGNER",
+                 "PROBLEM"], rows))  # fmt: skip
     bad = sum(1 for e in entries if e.problem)
     print(f"{len(entries)} entries, {human_size(sum(e.size for e in entries))}"
           + (f", {bad} with a problem" if bad else ""))
@@ -150,23 +158,34 @@ def cmd_verify(args: argparse.Namespace) -> int:
                 continue
             why = never_here.get(r.key)
             loads[r.key] = (LoadCheck(None, f"cannot check here: {why}") if why
-                            else check_loads(store, r.key))  # fmt: skip
+                            else check_loads(store, r.key, own_tier=not args.url))  # fmt: skip
     unloadable = [k for k, c in loads.items() if c.loads is False]
+    trust = trust_check(args, store)
+    untrusted = [] if trust is None else [r.key for r in results
+                                          if r.ok and r.key in trust and not trust[r.key].trusted]
     if args.json:
         print_json([{**asdict(r), **({"loads": loads[r.key].loads, "load_detail":
-                     loads[r.key].detail} if r.key in loads else {})} for r in results])
+                     loads[r.key].detail} if r.key in loads else {}),
+                     **({"trust": trust[r.key].status, "signer": trust[r.key].key_id,
+                         "trust_detail": trust[r.key].reason}
+                        if trust is not None and r.key in trust else {})}
+                    for r in results])  # fmt: skip
     else:
         for r in results:
             check = loads.get(r.key)
-            if check is not None and check.loads is not True:
+            if r.key in untrusted and trust is not None:
+                print(f"{trust[r.key].status.upper():7} {r.key} {trust[r.key].reason}")
+            elif check is not None and check.loads is not True:
                 label = "NO-LOAD" if check.loads is False else "ok?    "
                 print(f"{label} {r.key} {check.detail}")
             else:
                 print(f"{'ok     ' if r.ok else 'CORRUPT'} {r.key} {r.problem or ''}".rstrip())
         verb = "reported" if args.keep else "quarantined"
         print(f"{len(results)} entries checked, {len(bad)} corrupt" + (f" ({verb})" if bad else "")
-              + (f", {len(unloadable)} do not load here" if args.load else ""))  # fmt: skip
-    return 1 if bad or unloadable else 0
+              + (f", {len(unloadable)} do not load here" if args.load else "")
+              + (f", {len(untrusted)} not signed by a trusted key" if trust is not None
+                 else ""))  # fmt: skip
+    return 1 if bad or unloadable or untrusted else 0
 
 
 # ---------------------------------------------------------------- promote

@@ -160,19 +160,24 @@ def cmd_warm(args: argparse.Namespace) -> int:
             "remote": remote.url, "graphs": len(keys), "fetched": result.fetched,
             "fetched_bytes": result.fetched_bytes, "seconds": result.seconds,
             "present": result.present, "missing": result.missing,
-            "defective": result.defective, "errors": result.errors,
+            "defective": result.defective, "untrusted": result.untrusted,
+            "errors": result.errors,
         })  # fmt: skip
         return code
     for key in result.missing:
         print(f"MISSING   {key} (not in {remote.url})")
     for key, why in result.defective.items():
         print(f"DEFECTIVE {key}: {why}")
+    for key, why in result.untrusted.items():
+        print(f"untrusted {key}: {why} (not copied)")
     for key, why in result.errors.items():
         print(f"FAILED    {key}: {why}")
     print(f"{len(keys)} graphs: {len(result.fetched)} fetched "
           f"({human_size(result.fetched_bytes)} in {result.seconds:.1f} s), "
           f"{len(result.present)} already local, {len(result.missing)} missing, "
-          f"{len(result.defective)} defective, {len(result.errors)} failed")
+          f"{len(result.defective)} defective, "
+          + (f"{len(result.untrusted)} untrusted, " if result.untrusted else "")
+          + f"{len(result.errors)} failed")
     return code
 
 

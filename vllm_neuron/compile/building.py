@@ -27,6 +27,7 @@ from vllm_neuron.backends import Record, Staging, Store, fault_point, open_store
 from .entry import ENTRY_RECORD, EntryRecord, build_record, encode_record
 from .events import CacheMiss, Compiled, CompileFailed
 from .failures import clear_failure_note, describe, write_failure_note
+from .signing import SIGNATURE_FILE
 from .tier_health import (
     COMPILE_SPACE_RESERVE,
     LocalTierFault,
@@ -36,6 +37,9 @@ from .tier_health import (
     unwritable_cause,
     why_unwritable,
 )
+
+Signing = Callable[[EntryRecord], "bytes | None"]
+"""An entry's ``entry.sig`` bytes for its record, or None (this process signs nothing)."""
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -76,8 +80,10 @@ def compile_and_publish(
     toolchain: str,
     target: str,
     on_failure: Callable[[Exception], None],
+    sign: Signing | None = None,
 ) -> tuple[EntryRecord, float]:
     """Compile `key` into a staging area of `local` and publish it; (record, seconds).
+    `sign` gives the entry's signature (`entry.sig`) for its record, when it has one.
 
     `on_failure` is called with a compile's exception before it is raised (an interrupt is
     not the graph's fault and is raised as it is). Publication is first-writer-wins: if
@@ -105,6 +111,7 @@ def compile_and_publish(
                 on_failure(exc)
             raise
         try:
+            _write_signature(staging, record, sign)
             staging.write(ENTRY_RECORD, encode_record(record))
             fault_point("compile.record-written")
             staging.commit()
@@ -115,6 +122,12 @@ def compile_and_publish(
             raise LocalTierFault(_fault_reason(exc, local)) from exc
         fault_point("compile.published")
     return record, seconds
+
+
+def _write_signature(staging: Staging, record: EntryRecord, sign: Signing | None) -> None:
+    signature = None if sign is None else sign(record)
+    if signature is not None:
+        staging.write(SIGNATURE_FILE, signature)
 
 
 def _fault_reason(exc: OSError, local: Store) -> str:
@@ -130,7 +143,8 @@ def room_to_compile(path: str) -> str | None:
     return f"no space left: {mib(free)} free, a compile needs {mib(COMPILE_SPACE_RESERVE)}"
 
 
-def adopt_into_tier(local: Store, key: str, out_dir: str, record: EntryRecord) -> bool:
+def adopt_into_tier(local: Store, key: str, out_dir: str, record: EntryRecord,
+                    sign: Signing | None = None) -> bool:  # fmt: skip
     """Publish a graph compiled outside the tier (in a scratch area) into it, as a compile
     there would have; False when another writer published the key first. Raises
     `LocalTierFault` when the tier cannot take it (nothing stays visible)."""
@@ -138,6 +152,7 @@ def adopt_into_tier(local: Store, key: str, out_dir: str, record: EntryRecord) -
         try:
             for name in record.files:
                 staging.put_file(name, os.path.join(out_dir, name))
+            _write_signature(staging, record, sign)
             staging.write(ENTRY_RECORD, encode_record(record))
             return bool(staging.commit())
         except OSError as exc:
@@ -214,12 +229,14 @@ class Compiler:
     failed one (`failures.py`: the processes waiting on the key raise it at once)."""
 
     def __init__(
-        self, local: Store, *, toolchain: str, target: str, record: Callable[[Record], None]
+        self, local: Store, *, toolchain: str, target: str, record: Callable[[Record], None],
+        sign: Signing | None = None,
     ) -> None:
         self.local = local
         self.toolchain = toolchain
         self.target = target
         self._record = record
+        self._sign = sign
         self._bypass_said = False  # the tier's lack of room is said once per process
 
     def publish(
@@ -233,7 +250,8 @@ class Compiler:
         self._record(CacheMiss(key=key, at=time.time()))
         record, seconds = compile_and_publish(
             self.local, key, compile_fn, components=components, toolchain=self.toolchain,
-            target=self.target, on_failure=lambda exc: self._failed(key, exc, piece))
+            target=self.target, on_failure=lambda exc: self._failed(key, exc, piece),
+            sign=self._sign)
         clear_failure_note(self.local, key)
         self._compiled(key, record, seconds, piece)
         return record, seconds
@@ -262,7 +280,7 @@ class Compiler:
         free = free_bytes(where) if where else None
         if free is not None and free >= record.total_size + (1 << 20):
             try:
-                adopt_into_tier(self.local, key, out_dir, record)
+                adopt_into_tier(self.local, key, out_dir, record, self._sign)
                 shutil.rmtree(out_dir, ignore_errors=True)  # the tier's copy is the one used
                 return None, record, seconds
             except LocalTierFault as exc:

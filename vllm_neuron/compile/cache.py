@@ -55,6 +55,7 @@ from .events import (
     Fetched,
     LoadFailed,
     LockWaited,
+    Untrusted,
     VerificationFailed,
 )
 from .failures import (
@@ -69,12 +70,14 @@ from .outcomes import CacheResult, CompileError, PrecompiledOnlyMiss, RemoteWrit
 from .promote import promote_entry
 from .quarantine import PublicationProblem, quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
+from .signing import Verdict
 from .tier_health import (
     LOCAL_DISK_FULL_OR_READ_ONLY,
     LocalTierFault,
     tier_dir,
     unwritable_cause,
 )
+from .trust import TrustPolicy, UntrustedEntry, trust_policy
 from .upkeep import TierUpkeep
 
 __all__ = [  # noqa: RUF022 - grouped: settings and names, then types
@@ -108,6 +111,7 @@ class TwoTierCache:
         remote_lease_seconds: float = 30.0,
         compile_retry_after: float = 300.0,
         max_size: int | None = None,
+        trust: TrustPolicy | None = None,
     ) -> None:
         if disabled and precompiled_only:
             raise ValueError(
@@ -123,6 +127,9 @@ class TwoTierCache:
         self._remote = RemoteTier(
             self.remote_url, remote_options or {}, self._record, write=remote_write)
         self.remote_write: RemoteWrite = remote_write
+        # Whose entries this process loads, and whether it signs (docs/trust.md).
+        self.trust = trust_policy() if trust is None else trust
+        self._untrusted: dict[str, str] = {}  # key -> why its entry is not trusted
         self._fleet = RemoteSingleFlight(
             self._remote, lease_seconds=remote_lease_seconds, retry_after=compile_retry_after,
             record=self._record)  # fmt: skip
@@ -140,13 +147,15 @@ class TwoTierCache:
             EVENTS_STREAM, writer=f"{socket.gethostname()}-{os.getpid()}"
         )
         self._events_broken = False
-        self._compiler = Compiler(self.local, toolchain=toolchain, target=target,
-                                  record=self._record)  # fmt: skip
+        self._compiler = Compiler(
+            self.local, toolchain=toolchain, target=target, record=self._record,
+            sign=self.trust.signature_for if self.trust.signer is not None else None)
         # The size bound, collection, owed promotions; failure notes live as long as a wait
         self._upkeep = TierUpkeep(
             self.local, self._remote, max_size=None if disabled else max_size,
             lease_seconds=remote_lease_seconds, lock_lease=lease_duration,
             failure_max_age=max(compile_retry_after, timeout), record=self._record,
+            may_publish=self.trust.may_publish_remote,
             quarantine=lambda key, why: self.quarantine(self.local, key, why, tier="local"))
         self._upkeep.at_start()
 
@@ -202,10 +211,20 @@ class TwoTierCache:
                     raise EntryProblem(f"{self.local_dir}/{key}: record names key {record.key}")
                 self._decoded[key] = (data, record)
             local.check_sizes(prefix, record.files)
+            verdict = self.trust.judge_local(local, prefix, record, data)
         except Exception as exc:  # noqa: BLE001 - any defect is a miss (plus a quarantine)
             if quarantine:
                 self.quarantine(local, key, str(exc), tier="local")
             return None
+        if verdict is not None and not verdict.trusted:
+            # Under require the locked re-check decides (and says so); under warn every
+            # hit is used and counted.
+            if (quarantine or not self.trust.requires) and self._admitted(key, "local", verdict):
+                pass
+            else:
+                if quarantine:  # withdrawn (evidence kept); the graph is compiled here
+                    quarantine_entry(local, key, f"untrusted: {verdict.reason}", warn=False)
+                return None
         # The documented door (docs/storage.md): the toolchain loads from this directory.
         return CacheResult(key, local.local_dir_of(prefix), record, "local",
                            time.perf_counter() - start, prefix)
@@ -255,6 +274,18 @@ class TwoTierCache:
         self._loaded[key] = healed
         return healed
 
+    def _admitted(self, key: str, tier: str, verdict: Verdict) -> bool:
+        """Whether the policy lets this process use an entry with `verdict` (one warning
+        per signer); an `untrusted` event when it is not trusted."""
+        where = self.local_dir if tier == "local" else str(self.remote_url)
+        admitted = self.trust.admits(key, where, verdict)
+        if not verdict.trusted and self._untrusted.get(key) != verdict.reason:
+            self._record(Untrusted(key=key, at=time.time(), tier=tier, status=verdict.status,
+                                   reason=verdict.reason, refused=not admitted,
+                                   signer=verdict.key_id))  # fmt: skip
+            self._untrusted[key] = verdict.reason  # one event per entry and reason
+        return admitted
+
     def quarantine(
         self, store: Store, key: str, reason: str, *, tier: str, version: str | None = None
     ) -> None:
@@ -278,7 +309,10 @@ class TwoTierCache:
             return None
         start = time.perf_counter()
         try:
-            record = fetch_entry(remote, key, self.local)
+            record = fetch_entry(remote, key, self.local, policy=self.trust,
+                                 admit=lambda v: self._admitted(key, "remote", v))
+        except UntrustedEntry:  # refused (and said) by the policy: a miss, nothing copied
+            return None
         except PublicationProblem as exc:  # judged: withdraw that version only
             self.quarantine(remote, key, str(exc), tier="remote", version=exc.version)
             return None
@@ -385,10 +419,20 @@ class TwoTierCache:
                 where = f"the local cache {self.local_dir}"
                 if self.remote_url:
                     where += f" or the remote cache {self.remote_url}"
+                untrusted = self._untrusted.get(key)
+                if untrusted is not None:
+                    where += f" (an entry is there, but untrusted: {untrusted})"
                 raise PrecompiledOnlyMiss(
                     f"compile cache miss for {key} in {where}, and "
                     "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 forbids compiling at runtime"
                 )
+            if not self.trust.may_publish_remote:  # cannot sign: waits, never leases
+                return self._fleet.wait_without_lease(
+                    key, started=wait_start, deadline=deadline,
+                    fetch=lambda: self.fetch_remote(key),
+                    compile_alone=lambda: self._compile_and_publish(key, compile_fn, components,
+                                                                    piece),
+                    timeout_error=lambda: self._timeout(key, f"another node to compile {key}"))
             if self._remote.read_only:  # VLLM_NEURON_REMOTE_WRITE=off, or writes refused
                 return self._compile_and_publish(key, compile_fn, components, piece)
             return self._fleet.run(
@@ -417,7 +461,7 @@ class TwoTierCache:
 
     def _promote(self, remote: Store, key: str) -> None:
         if self.local.published(key) is not None:
-            promote_entry(self.local, remote, key)
+            promote_entry(self.local, remote, key, policy=self.trust)
         # else: served from scratch (the tier had no room): nothing to promote; the lease
         # comes free and another node compiles it. A local fault is no remote outage.
         self._upkeep.settled(key)

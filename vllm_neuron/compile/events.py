@@ -93,6 +93,21 @@ class LoadFailed(Record, frozen=True, tag="load_failed"):
     error: str
 
 
+class Untrusted(Record, frozen=True, tag="untrusted"):
+    """An entry not signed by a trusted key (docs/trust.md). Under
+    ``VLLM_NEURON_CACHE_TRUST=require`` it was a miss (``refused``): not loaded, not copied;
+    under ``warn`` it was used. ``tier``: where it was ("local", "remote"); ``status``:
+    unsigned, untrusted (a key not trusted here) or bad-signature; ``signer``: its key id."""
+
+    key: str
+    at: float
+    tier: str
+    status: str
+    reason: str
+    refused: bool
+    signer: str | None = None
+
+
 class LeaseWaited(Record, frozen=True, tag="lease_wait"):
     """This node waited on the fleet: another node held the key's remote lease."""
 
@@ -100,7 +115,8 @@ class LeaseWaited(Record, frozen=True, tag="lease_wait"):
     at: float
     seconds: float
     # "fetched", "acquired" (the lease came free: this process compiled), "failed-elsewhere",
-    # "remote-down", "read-only", "timeout"
+    # "remote-down", "read-only", "timeout", "alone" (a node that may not lease found the
+    # lease free, and compiled for itself)
     outcome: str
 
 
@@ -139,6 +155,7 @@ CACHE_EVENTS: tuple[type[Record], ...] = (
     Promoted,
     VerificationFailed,
     LoadFailed,
+    Untrusted,
     RemoteUnavailable,
     LeaseWaited,
     LeaseTakenOver,
@@ -173,6 +190,7 @@ class CacheStats:
     promotions: int = 0
     verification_failures: int = 0
     load_failures: int = 0
+    untrusted: int = 0
     remote_outages: int = 0
     compile_seconds: float = 0.0
     lock_wait_seconds: float = 0.0
@@ -214,6 +232,8 @@ class CacheStats:
             self.verification_failures += 1
         elif isinstance(event, LoadFailed):
             self.load_failures += 1
+        elif isinstance(event, Untrusted):
+            self.untrusted += 1
         elif isinstance(event, RemoteUnavailable):
             self.remote_outages += 1
         elif isinstance(event, LeaseWaited):

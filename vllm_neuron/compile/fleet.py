@@ -163,6 +163,56 @@ class RemoteSingleFlight:
         finally:
             self._let_go(lease)
 
+    def wait_without_lease(
+        self,
+        key: str,
+        *,
+        started: float,
+        deadline: float,
+        fetch: Callable[[], T | None],
+        compile_alone: Callable[[], T],
+        timeout_error: Callable[[], Exception],
+    ) -> T:
+        """For a process that must never take the lease (it cannot sign what it would
+        publish, docs/trust.md): the artifacts of `key` fetched once the node holding the
+        lease publishes them, or - when nobody holds it - compiled here for this node alone,
+        with nothing promoted and nothing owed. A failure noted by the holder is raised."""
+        remote = self.tier.store()
+        if remote is None:
+            return compile_alone()
+        lease = remote.lock(key, lease_duration=self.lease_seconds)
+        wait_start = time.perf_counter()
+        waited = False
+        delay = 0.05
+        while True:
+            try:
+                since = min(started, time.time() - self.retry_after)
+                note = recent_failure(remote, key, since=since)
+                if note is not None:
+                    self._waited(key, wait_start, waited, "failed-elsewhere")
+                    raise FleetCompileError(failure_message(key, note, remote))
+                busy = lease.busy()
+            except FleetCompileError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+                self.tier.failed(exc)
+                self._waited(key, wait_start, waited, "remote-down")
+                return compile_alone()
+            fetched = fetch()
+            if fetched is not None:
+                self._waited(key, wait_start, waited, "fetched")
+                return fetched
+            if not busy or self.tier.store() is None:
+                self._waited(key, wait_start, waited, "alone")
+                return compile_alone()
+            waited = True
+            now = time.monotonic()
+            if now >= deadline:
+                self._waited(key, wait_start, waited, "timeout")
+                raise timeout_error()
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 1.5, MAX_POLL_INTERVAL)
+
     # ---------------------------------------------------------------- parts
     def _waited(self, key: str, since: float, waited: bool, outcome: str) -> None:
         if waited:

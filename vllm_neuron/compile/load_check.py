@@ -20,6 +20,7 @@ from .remote_tier import fetch_entry
 from .toolchains.base import ARTIFACTS, ToolchainUnavailable
 from .toolchains.op_libraries import MissingOpLibrary
 from .toolchains.select import select_toolchain
+from .trust import TrustPolicy, UntrustedEntry, refusal, trust_policy
 
 __all__ = ["LoadCheck", "check_loads"]
 
@@ -47,17 +48,26 @@ class LoadCheck:
     detail: str = ""
 
 
-def check_loads(store: Store, key: str) -> LoadCheck:
-    """Load entry ``key`` of ``store`` in this process, as a serving process would."""
+def check_loads(store: Store, key: str, *, policy: TrustPolicy | None = None,
+                own_tier: bool = False) -> LoadCheck:  # fmt: skip
+    """Load entry ``key`` of ``store`` in this process, as a serving process would - never
+    one the trust policy (default: the process's) forbids, which is not checked (None).
+    ``own_tier``: ``store`` is this node's local tier (its own compiles need no signature)."""
+    policy = trust_policy() if policy is None else policy
     try:
         if store.local_dir_of(".staging") is not None:
+            why = refusal(policy, store, key, own_tier=own_tier)
+            if why is not None:
+                return LoadCheck(None, f"not loaded: untrusted ({why})")
             _load(store, key)
             return LoadCheck(True)
         with tempfile.TemporaryDirectory(prefix="vllm-neuron-load-check-") as tmp:
             local = open_store(tmp)
-            if fetch_entry(store, key, local) is None:
+            if fetch_entry(store, key, local, policy=policy) is None:
                 return LoadCheck(False, f"{store.url}: no entry {key}")
             _load(local, key)
+    except UntrustedEntry as exc:
+        return LoadCheck(None, f"not loaded: untrusted ({exc.verdict.reason})")
     except Exception as exc:  # noqa: BLE001 - whatever stops the load is the answer
         said = f"{type(exc).__name__}: {exc}"
         if isinstance(exc, ToolchainUnavailable) or isinstance(exc.__cause__, MissingOpLibrary):

@@ -35,7 +35,7 @@ from collections.abc import Callable
 from vllm_neuron.backends import LockTimeout, Record, Store, join
 from vllm_neuron.backends.records import RecordCodec, RecordError, encode
 
-from .promote import LocalEntryProblem, promote_entry
+from .promote import CannotSign, LocalEntryProblem, promote_entry
 from .remote_tier import RemoteTier
 
 logger = logging.getLogger("vllm_neuron.compile")
@@ -163,6 +163,10 @@ def _promote_owed(
         return _remote_refused(tier, exc)
     try:
         promote_entry(local, remote, key)
+    except CannotSign as exc:  # never shared unsigned or re-signed: nothing is owed
+        logger.warning("compile cache: %s", exc)
+        promotion_settled(local, key)
+        return True
     except LocalEntryProblem as exc:
         if local.published(key) is not None:  # corrupt: withdrawn, never shared
             logger.warning("compile cache: not promoting %s: %s", key, exc)

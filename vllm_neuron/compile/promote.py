@@ -33,14 +33,19 @@ from vllm_neuron.backends import (
     Store,
     copy_tree,
     fault_point,
+    join,
     open_store,
     validate_hex,
 )
+from vllm_neuron.backends.records import RecordError
+from vllm_neuron.envs.trust import VLLM_NEURON_CACHE_SIGNING_KEY, VLLM_NEURON_CACHE_TRUSTED_KEYS
 
 from .entry import ENTRY_RECORD, EntryProblem, EntryRecord, check_checksums, read_record
 from .events import EVENTS_STREAM, Promoted
 from .load_notes import forget_load_failures
 from .quarantine import quarantine_entry
+from .signing import SIGNATURE_FILE, decode_signature
+from .trust import TrustPolicy, trust_policy
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -62,6 +67,32 @@ def _checked_entry(local: Store, hash_key: str) -> tuple[str, EntryRecord]:
     except EntryProblem as exc:
         raise LocalEntryProblem(f"local cache entry is incomplete or corrupt: {exc}") from exc
     return prefix, record
+
+
+class CannotSign(RuntimeError):
+    """This process may not publish the entry to the remote tier: it cannot sign it, or the
+    entry is another builder's that it does not trust (docs/trust.md)."""
+
+
+def _signature_to_publish(local: Store, prefix: str, record: EntryRecord, key: str,
+                          policy: TrustPolicy) -> bytes | None:  # fmt: skip
+    """The ``entry.sig`` the remote copy gets: this process's own when it signs, else the
+    local entry's as it is (None: unsigned, the trust policy being off)."""
+    existing = local.read(join(prefix, SIGNATURE_FILE))
+    if policy.signer is None:
+        return existing
+    if policy.checking:
+        record_bytes = local.read(join(prefix, ENTRY_RECORD)) or b""
+        verdict = policy.judge_local(local, prefix, record, record_bytes)
+        if verdict is not None and not verdict.trusted:
+            raise CannotSign(f"not promoting {key}: the local entry is untrusted "
+                             f"({verdict.reason}); this process signs only what it trusts")
+    try:
+        if existing is not None and decode_signature(existing).key_id == policy.signer.key_id:
+            return existing
+    except RecordError:
+        pass
+    return policy.signer.sign_bytes(record)
 
 
 def _remote_problem(remote: Store, hash_key: str, there: Publication) -> str | None:
@@ -86,15 +117,28 @@ def promote_entry(
     hash_key: str,
     *,
     progress: Progress | None = None,
+    policy: TrustPolicy | None = None,
 ) -> bool:
     """Publish `hash_key` from the `local` store's cache in the `remote` store.
 
     True if this call published it, False if the remote already had it (or another
     promoter won the race); a defective remote entry is replaced. `RuntimeError` if the
     local entry is missing or corrupt.
+
+    Trust (`policy`, default the process's; docs/trust.md): a process with trusted keys but
+    no signing key publishes nothing (`CannotSign`); one with a key publishes the entry
+    signed (its own signature is added when the local entry has none, or one by another
+    key); an entry this node fetched from a signer it does not trust is never re-signed
+    (`CannotSign`).
     """
     validate_hex(hash_key, length=32, what="hash_key")
+    policy = trust_policy() if policy is None else policy
+    if not policy.may_publish_remote:
+        raise CannotSign(f"not promoting {hash_key}: with {VLLM_NEURON_CACHE_TRUSTED_KEYS} set, "
+                         f"only a process with {VLLM_NEURON_CACHE_SIGNING_KEY} publishes to "
+                         "the remote tier (what it shared unsigned, nobody would trust)")
     prefix, record = _checked_entry(local, hash_key)
+    signature = _signature_to_publish(local, prefix, record, hash_key, policy)
     there = remote.publication(hash_key)
     problem = _remote_problem(remote, hash_key, there)
     if there.state == "published" and problem is None:
@@ -104,6 +148,8 @@ def promote_entry(
         if problem is not None:  # defective: withdrawn as judged, then replaced
             quarantine_entry(remote, hash_key, problem, version=there.version)
         with remote.stage(hash_key) as staging:
+            if signature is not None:
+                staging.write(SIGNATURE_FILE, signature)
             copy_tree(local, prefix, staging, keys=[*record.files, ENTRY_RECORD],
                       progress=progress)
             fault_point("promote.uploaded")

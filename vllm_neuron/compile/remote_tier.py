@@ -40,6 +40,8 @@ from vllm_neuron.envs.compile_cache import REMOTE_WRITE_MODES, RemoteWrite
 from .entry import ENTRY_RECORD, EntryRecord, decode_record
 from .events import RemoteUnavailable
 from .quarantine import PublicationProblem
+from .signing import SIGNATURE_FILE, Verdict
+from .trust import FETCHED_FILE, TrustPolicy, UntrustedEntry, fetched_marker
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -193,7 +195,8 @@ class RemoteTier:
 
 
 def fetch_entry(
-    remote: Store, key: str, local: Store, *, progress: Progress | None = None
+    remote: Store, key: str, local: Store, *, progress: Progress | None = None,
+    policy: TrustPolicy | None = None, admit: Callable[[Verdict], bool] | None = None,
 ) -> EntryRecord | None:
     """Publish the remote entry `key` in `local`, every file verified as it is copied
     (`progress(done, total)` as the bytes land, within each file).
@@ -202,8 +205,13 @@ def fetch_entry(
     remote entry is defective - a broken publication (a commit record that does not read
     or names a version without files), a missing or unreadable record, a file that fails
     its check - and its `version` is the one judged (the caller quarantines that one).
-    `FileNotFoundError`: it was withdrawn while being copied. Anything else: the remote
-    (or the local disk) failed.
+    `FileNotFoundError`: it was withdrawn while being copied. `UntrustedEntry`: ``policy``
+    requires a trusted signer and the entry has none (nothing is copied; ``admit``, default
+    ``policy.admits``, decides and says so). Anything else: the remote (or the local disk)
+    failed.
+
+    The entry's signature (``entry.sig``) comes along, and ``fetched.json`` records where the
+    entry came from and which trusted key verified it (a local hit judges it again).
     """
     found = remote.publication(key)
     if found.state == "absent":
@@ -223,6 +231,15 @@ def fetch_entry(
     if record.key != key:
         raise PublicationProblem(f"{remote.url}/{key}: record names key {record.key}",
                                  version=found.version)  # fmt: skip
+    signature = remote.read(join(prefix, SIGNATURE_FILE))
+    verdict = None
+    if policy is not None and policy.checking:
+        verdict = policy.judge(record, record_bytes, signature, source=f"{remote.url}/{key}")
+        if not verdict.trusted:
+            admitted = (admit(verdict) if admit is not None
+                        else policy.admits(key, remote.url, verdict, action="fetch"))  # fmt: skip
+            if not admitted:
+                raise UntrustedEntry(key, remote.url, verdict)
     with local.stage(key) as staging:
         try:
             copy_verified(remote, prefix, staging, record.files, progress=progress)
@@ -230,6 +247,9 @@ def fetch_entry(
             if remote.publication(key).version != found.version:
                 raise FileNotFoundError(f"{remote.url}/{key} was withdrawn") from None
             raise PublicationProblem(str(exc), version=found.version) from None
+        if signature is not None:
+            staging.write(SIGNATURE_FILE, signature)
+        staging.write(FETCHED_FILE, fetched_marker(remote.url, verdict))
         staging.write(ENTRY_RECORD, record_bytes)
         fault_point("fetch.copied")
         staging.commit()

@@ -55,8 +55,10 @@ class TierUpkeep:
         failure_max_age: float,
         record: Callable[[Record], None],
         quarantine: Callable[[str, str], None],
+        may_publish: bool = True,
     ) -> None:
         self.local = local
+        self._may_publish = may_publish  # False: a process that cannot sign (docs/trust.md)
         self.remote = remote
         self._lease_seconds = lease_seconds
         self._lock_lease = lock_lease
@@ -103,7 +105,7 @@ class TierUpkeep:
 
     def _settle(self) -> None:
         """Promote what this tier owes the remote (`owed.py`), if this process may write."""
-        if self.remote.url and not self.remote.read_only:
+        if self.remote.url and not self.remote.read_only and self._may_publish:
             settle_owed(self.local, self.remote, owed_keys(self.local),
                         lease_seconds=self._lease_seconds, lock_lease=self._lock_lease,
                         quarantine=self._quarantine, stopping=_STOPPING.is_set)  # fmt: skip

@@ -27,6 +27,7 @@ from .events import Fetched
 from .inventory import KEY_RE, check_entry
 from .quarantine import quarantine_entry
 from .remote_tier import fetch_entry
+from .trust import TrustPolicy, UntrustedEntry, trust_policy
 
 DEFAULT_JOBS = 4
 """Entries fetched at once by `vllm-neuron cache warm` (each copies its files in parallel
@@ -36,12 +37,15 @@ too)."""
 @dataclass
 class WarmResult:
     """What a warm did, per key: already local, fetched, missing from the remote (or not a
-    key), defective on the remote, or failed (an I/O error, the remote unreachable)."""
+    key), defective on the remote, untrusted (not signed by a key this process trusts,
+    under ``VLLM_NEURON_CACHE_TRUST=require``: never copied), or failed (an I/O error, the
+    remote unreachable)."""
 
     present: list[str] = field(default_factory=list)
     fetched: list[str] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     defective: dict[str, str] = field(default_factory=dict)
+    untrusted: dict[str, str] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     fetched_bytes: int = 0
     seconds: float = 0.0
@@ -49,7 +53,7 @@ class WarmResult:
     @property
     def complete(self) -> bool:
         """Every key is in the local tier now."""
-        return not (self.missing or self.defective or self.errors)
+        return not (self.missing or self.defective or self.untrusted or self.errors)
 
 
 def unique_keys(keys: Sequence[str]) -> list[str]:
@@ -67,13 +71,16 @@ def warm_keys(
     on_total: Callable[[int], None] | None = None,
     on_bytes: Callable[[int], None] | None = None,
     record: Callable[[Record], None] | None = None,
+    policy: TrustPolicy | None = None,
 ) -> WarmResult:
     """Fetch every one of `keys` that `local` lacks from `remote`, `jobs` at a time.
 
     `on_total(bytes)` once, with what the fetches will copy (read from the remote
     records first), then `on_bytes(n)` as the bytes land, within each file. `record` gets
-    a `Fetched` event per entry fetched.
+    a `Fetched` event per entry fetched. `policy` (default: the process's trust policy)
+    judges every entry before it is copied (docs/trust.md).
     """
+    policy = trust_policy() if policy is None else policy
     if jobs < 1:
         raise ValueError(f"--jobs must be 1 or more, got {jobs}")
     start = time.perf_counter()
@@ -118,8 +125,12 @@ def warm_keys(
                     return
                 if local.publication(key).state != "absent":  # defective: make room
                     quarantine_entry(local, key, str(judged.problem), version=judged.version)
-                entry = fetch_entry(remote, key, local,
+                entry = fetch_entry(remote, key, local, policy=policy,
                                     progress=None if on_bytes is None else landed)
+        except UntrustedEntry as exc:
+            with guard:
+                result.untrusted[key] = exc.verdict.reason
+            return
         except (EntryProblem, FileNotFoundError) as exc:  # PublicationProblem included
             with guard:
                 result.defective[key] = str(exc)

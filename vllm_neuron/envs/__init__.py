@@ -14,6 +14,7 @@ parse: what a value means for a feature (where the local tier finally goes, whic
 a snapshot rule selects) is decided in that feature, from the parsed group.
 
 - :mod:`.compile_cache` - the two-tier compile cache;
+- :mod:`.trust` - whose compile-cache entries this process loads, and its signing key;
 - :mod:`.manifest` and :mod:`.run` - the manifest directory and the engine run's id;
 - :mod:`.snapshot` - input snapshot capture;
 - :mod:`.host_mode` - the vLLM plugin's host mode;
@@ -43,6 +44,7 @@ from . import (
     profiling,
     run,
     snapshot,
+    trust,
 )
 from ._parse import (
     ConfigError,
@@ -76,6 +78,7 @@ from .snapshot import (
     load_snapshot_settings,
     snapshot_settings,
 )
+from .trust import TrustSettings, load_trust_settings, trust_settings
 
 __all__ = [
     "ENVIRONMENT_VARIABLES",
@@ -94,6 +97,7 @@ __all__ = [
     "SnapshotFormat",
     "SnapshotSettings",
     "ToolchainName",
+    "TrustSettings",
     "check_snapshot_root",
     "compile_cache_settings",
     "default_cache_root",
@@ -108,6 +112,7 @@ __all__ = [
     "load_profiling_settings",
     "load_run_id",
     "load_snapshot_settings",
+    "load_trust_settings",
     "manifest_settings",
     "parse_bool",
     "parse_positive_float",
@@ -116,11 +121,13 @@ __all__ = [
     "reset_for_tests",
     "run_id",
     "snapshot_settings",
+    "trust_settings",
 ]
 
 # Every documented variable, grouped by feature, so the CLI and docs can list them all.
 ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (
     compile_cache.VARIABLES
+    + trust.VARIABLES
     + manifest.VARIABLES
     + run.VARIABLES
     + snapshot.VARIABLES

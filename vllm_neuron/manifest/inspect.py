@@ -168,19 +168,34 @@ def check_startup(manifest: Manifest, local: Store | None, remote: Store | None)
     A graph is ``local`` when the local tier holds its entry whole (every file at its
     recorded size, as a cache hit checks it), ``remote`` when the remote has it published
     (a fetch then verifies every checksum), and missing otherwise: that engine would
-    compile it (or, in pre-compiled-only mode, fail).
+    compile it (or, in pre-compiled-only mode, fail). Under the process's trust policy
+    ``require`` (docs/trust.md), an entry not signed by a trusted key counts as missing,
+    with the reason: the engine would refuse it.
     """
     from vllm_neuron.compile.inventory import KEY_RE, check_entry
+    from vllm_neuron.compile.trust import refusal, trust_policy
 
+    policy = trust_policy()
     out = StartupCheck()
     for key in dict.fromkeys(g.graph_hash for g in manifest.graphs):
+        untrusted = None
         if not KEY_RE.fullmatch(key):
             out.missing[key] = "not a compile-cache key"
-        elif local is not None and check_entry(local, key, full=False).ok:
-            out.sources[key] = "local"
-        elif remote is not None and remote.publication(key).state == "published":
-            out.sources[key] = "remote"
+            continue
+        if local is not None and check_entry(local, key, full=False).ok:
+            untrusted = refusal(policy, local, key, own_tier=True)
+            if untrusted is None:
+                out.sources[key] = "local"
+                continue
+        if remote is not None and remote.publication(key).state == "published":
+            untrusted = refusal(policy, remote, key, own_tier=False)
+            if untrusted is None:
+                out.sources[key] = "remote"
+                continue
+        if untrusted is not None:
+            out.missing[key] = f"untrusted: {untrusted}"
         else:
             where = " or the remote" if remote is not None else ""
             out.missing[key] = f"in neither the local tier{where}"
     return out
+

@@ -34,6 +34,7 @@ from vllm_neuron.compile.events import (
     LockWaited,
     Promoted,
     RemoteUnavailable,
+    Untrusted,
     VerificationFailed,
 )
 
@@ -74,7 +75,8 @@ def _series(name: str, help: str, labels: tuple[str, ...] = (),
 
 _TIERS = (("memory",), ("local",), ("remote",))
 _LEASE_OUTCOMES = tuple((o,) for o in ("fetched", "acquired", "failed-elsewhere",
-                                         "remote-down", "read-only", "timeout"))
+                                         "remote-down", "read-only", "timeout",
+                                         "alone"))
 
 HITS = _series("hits", "Graphs served without compiling here, by tier: memory (already "
                "loaded in the process), local, remote (fetched).", ("tier",), _TIERS)
@@ -100,6 +102,9 @@ VERIFICATION_FAILURES = _series("verification_failures", "Entries that failed ve
                                 ("tier",), (("local",), ("remote",)))
 LOAD_FAILURES = _series("load_failures", "Entries that passed their checksums but did not "
                         "load in this process, withdrawn locally and compiled again.")
+UNTRUSTED = _series("untrusted", "Entries not signed by a trusted key, by tier and whether "
+                    "they were refused (VLLM_NEURON_CACHE_TRUST=require) or used (warn).",
+                    ("tier", "refused"), (("remote", "true"), ("local", "true")))
 EVICTIONS = _series("evictions", "Local entries withdrawn, by reason: size (the tier's "
                     "bound, or prune --max-size), older-than, incompatible (prune).",
                     ("reason",), (("size",),))
@@ -114,7 +119,7 @@ TIME_SAVED_SECONDS = _series("time_saved_seconds", "Compile seconds saved: each 
 SERIES: tuple[Series, ...] = (
     HITS, MISSES, COMPILES, COMPILE_SECONDS, COMPILE_FAILURES, FETCH_BYTES, FETCH_SECONDS,
     LOCK_WAIT_SECONDS, LEASE_WAITS, LEASE_WAIT_SECONDS, LEASE_TAKEOVERS,
-    VERIFICATION_FAILURES, LOAD_FAILURES, EVICTIONS, EVICTED_BYTES, PROMOTIONS,
+    VERIFICATION_FAILURES, LOAD_FAILURES, UNTRUSTED, EVICTIONS, EVICTED_BYTES, PROMOTIONS,
     REMOTE_OUTAGES, TIME_SAVED_SECONDS,
 )
 
@@ -182,6 +187,7 @@ _MAPPING: dict[type[Record], Callable[[Any], tuple[Sample, ...]]] = {
     Promoted: _promote,
     VerificationFailed: lambda e: ((VERIFICATION_FAILURES, (e.tier,), 1.0),),
     LoadFailed: lambda e: _LOAD_FAILED,
+    Untrusted: lambda e: ((UNTRUSTED, (e.tier, "true" if e.refused else "false"), 1.0),),
     RemoteUnavailable: lambda e: _OUTAGE,
     LeaseWaited: _lease_wait,
     LeaseTakenOver: lambda e: _TAKEOVER,

@@ -1,0 +1,271 @@
+"""The trust policy: which compile-cache entries this process loads or copies (docs/trust.md).
+
+Why a policy object apart from the keys (:mod:`.signing`): every path that brings an entry
+into this process - a local hit, a fetch, ``cache warm``, ``cache promote`` - asks the same
+three questions (is it signed by a trusted key? may it be used anyway? may this process
+publish to the fleet?) and must answer them the same way, with one warning per signer, not
+one per graph.
+
+- ``off``: signatures are not looked at (entries are still signed when a key is set);
+- ``warn``: an untrusted entry is used, with one warning per signer and reason;
+- ``require``: an untrusted entry is a miss: never loaded, never copied into the local tier.
+
+A process with trusted keys but no signing key never publishes to the remote tier and never
+takes a remote lease (what it published, nobody would trust); it compiles a graph nobody
+trusted for itself.
+
+Entries this node compiled itself carry no ``fetched.json``; a fetched entry does, with the
+key id that verified it (or none, when it was fetched unsigned under ``off``/``warn``), so a
+local hit of a fetched entry is judged again - removing a key from the trusted set revokes
+its entries on every node.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import msgspec
+
+from vllm_neuron.backends import Store, join
+from vllm_neuron.backends.records import RecordError
+from vllm_neuron.envs import ConfigError, TrustSettings, trust_settings
+from vllm_neuron.envs.trust import (
+    VLLM_NEURON_CACHE_SIGNING_KEY,
+    VLLM_NEURON_CACHE_TRUST,
+    VLLM_NEURON_CACHE_TRUSTED_KEYS,
+    TrustMode,
+)
+
+from .entry import ENTRY_RECORD, EntryRecord, decode_record, read_record
+from .inventory import KEY_RE, check_entry
+from .signing import (
+    SIGNATURE_FILE,
+    KeyProblem,
+    Signer,
+    TrustedKeys,
+    Verdict,
+    decode_signature,
+    load_public_keys,
+    load_signer,
+)
+
+__all__ = [
+    "FETCHED_FILE",
+    "FetchedFrom",
+    "TrustPolicy",
+    "UntrustedEntry",
+    "fetched_marker",
+    "judge_tier",
+    "load_trust_policy",
+    "refusal",
+    "sign_tier",
+    "signer_of",
+    "trust_policy",
+]
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+FETCHED_FILE = "fetched.json"
+
+
+class FetchedFrom(msgspec.Struct, frozen=True, kw_only=True):
+    """``fetched.json``: where a local entry came from and which trusted key verified it."""
+
+    remote: str
+    at: float
+    verified_by: str | None = None  # the trusted key id; None: fetched unsigned or untrusted
+
+
+def fetched_marker(remote: str, verdict: Verdict | None) -> bytes:
+    verified = verdict.key_id if verdict is not None and verdict.trusted else None
+    return msgspec.json.encode(FetchedFrom(remote=remote, at=time.time(), verified_by=verified))
+
+
+class UntrustedEntry(Exception):
+    """An entry the policy refuses (``require``): a miss, never loaded nor copied."""
+
+    def __init__(self, key: str, where: str, verdict: Verdict) -> None:
+        super().__init__(f"compile cache entry {where}/{key} is untrusted: {verdict.reason}")
+        self.key = key
+        self.where = where
+        self.verdict = verdict
+
+
+@dataclass
+class TrustPolicy:
+    """This process's answer to "may I use, copy or publish this entry?"."""
+
+    mode: TrustMode = "off"
+    keys: TrustedKeys = field(default_factory=TrustedKeys)
+    signer: Signer | None = None
+    _warned: set[tuple[str, str | None]] = field(default_factory=set, repr=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _verified: dict[tuple[bytes, bytes], Verdict] = field(default_factory=dict, repr=False)
+
+    @property
+    def checking(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def requires(self) -> bool:
+        return self.mode == "require"
+
+    @property
+    def may_publish_remote(self) -> bool:
+        """Whether this process may promote and take remote leases: always with ``off``;
+        with trusted keys only when it can sign (else nobody would trust what it shared)."""
+        return self.mode == "off" or self.signer is not None
+
+    def signature_for(self, record: EntryRecord) -> bytes | None:
+        """``entry.sig``'s bytes for an entry this process publishes, or None (no key)."""
+        return None if self.signer is None else self.signer.sign_bytes(record)
+
+    def judge(self, record: EntryRecord, record_bytes: bytes, signature: bytes | None,
+              *, source: str = "") -> Verdict:  # fmt: skip
+        """The verdict on an entry (remembered by its record's and signature's bytes: the
+        same entry is verified once per process)."""
+        cache_key = (record_bytes, signature or b"")
+        known = self._verified.get(cache_key)
+        if known is not None:
+            return known
+        verdict = self.keys.judge(record, signature, source=source)
+        self._verified[cache_key] = verdict
+        return verdict
+
+    def admits(self, key: str, where: str, verdict: Verdict, *, action: str = "load") -> bool:
+        """Whether an entry with ``verdict`` may be used; warns once per signer and reason."""
+        if verdict.trusted or not self.checking:
+            return True
+        refused = self.requires
+        with self._lock:
+            first = (verdict.status, verdict.key_id) not in self._warned
+            self._warned.add((verdict.status, verdict.key_id))
+        if first:
+            then = (f"not {action}ed; this node compiles it for itself" if refused
+                    else f"{action}ed anyway ({VLLM_NEURON_CACHE_TRUST}=warn)")  # fmt: skip
+            logger.warning("compile cache: entry %s in %s is untrusted: %s; %s (said once per "
+                           "signer)", key, where, verdict.reason, then)  # fmt: skip
+        return not refused
+
+    def judge_local(self, local: Store, prefix: str, record: EntryRecord,
+                    record_bytes: bytes) -> Verdict | None:  # fmt: skip
+        """The verdict on a local entry, or None when it needs none: the policy is off, or
+        the entry was compiled on this node (it has no ``fetched.json``)."""
+        if not self.checking:
+            return None
+        signature = local.read(join(prefix, SIGNATURE_FILE))
+        if signature is None and local.read(join(prefix, FETCHED_FILE)) is None:
+            return None  # compiled here: this node's own code
+        return self.judge(record, record_bytes, signature, source=f"{local.url}/{prefix}")
+
+
+def refusal(policy: TrustPolicy, store: Store, key: str, *, own_tier: bool) -> str | None:
+    """Why ``policy`` forbids loading ``store``'s published entry ``key`` (``require``, and
+    not signed by a trusted key), or None. ``own_tier``: ``store`` is this node's local tier,
+    whose own compiles need no signature (`TrustPolicy.judge_local`)."""
+    prefix = store.published(key)
+    data = None if prefix is None else store.read(join(prefix, ENTRY_RECORD))
+    if not policy.requires or prefix is None or data is None:
+        return None
+    record = decode_record(data)
+    verdict = (policy.judge_local(store, prefix, record, data) if own_tier
+               else policy.judge(record, data, store.read(join(prefix, SIGNATURE_FILE))))
+    return None if verdict is None or verdict.trusted else verdict.reason
+
+
+def load_trust_policy(settings: TrustSettings) -> TrustPolicy:
+    """The policy of ``settings``, its keys read; a key that cannot be used is a ConfigError
+    naming the variable."""
+    signer = None
+    if settings.signing_key is not None:
+        try:
+            signer = load_signer(settings.signing_key)
+        except KeyProblem as exc:
+            raise ConfigError(f"{VLLM_NEURON_CACHE_SIGNING_KEY}: {exc}") from None
+    try:
+        keys = load_public_keys(settings.trusted_keys)
+    except KeyProblem as exc:
+        raise ConfigError(f"{VLLM_NEURON_CACHE_TRUSTED_KEYS}: {exc}") from None
+    return TrustPolicy(mode=settings.mode, keys=keys, signer=signer)
+
+
+_POLICY: TrustPolicy | None = None
+_POLICY_LOCK = threading.Lock()
+
+
+def trust_policy() -> TrustPolicy:
+    """The process's policy, read from its environment once."""
+    global _POLICY
+    with _POLICY_LOCK:
+        if _POLICY is None:
+            _POLICY = load_trust_policy(trust_settings())
+        return _POLICY
+
+
+def forget_trust_policy() -> None:
+    """Read the policy again at next use (tests, after changing the environment)."""
+    global _POLICY
+    with _POLICY_LOCK:
+        _POLICY = None
+
+
+# Whole tiers (`vllm-neuron cache ls|verify|sign`) --------------------------------------------
+
+
+def signer_of(store: Store, key: str) -> str | None:
+    """The key id an entry's ``entry.sig`` names (not verified: `judge_tier` does), or None
+    when it has none or it does not read."""
+    prefix = store.published(key)
+    data = None if prefix is None else store.read(join(prefix, SIGNATURE_FILE))
+    if data is None:
+        return None
+    try:
+        return decode_signature(data).key_id
+    except RecordError:
+        return None
+
+
+def judge_tier(store: Store, keys: TrustedKeys) -> list[tuple[str, Verdict]]:
+    """Every published entry of ``store`` whose record reads, judged by ``keys``."""
+    out = []
+    for key in store.published_children(""):
+        prefix = store.published(key) if KEY_RE.fullmatch(key) else None
+        data = None if prefix is None else store.read(join(prefix, ENTRY_RECORD))
+        if prefix is None or data is None:
+            continue
+        try:
+            record = decode_record(data)
+        except RecordError:
+            continue  # `cache verify` reports it as corrupt
+        signature = store.read(join(prefix, SIGNATURE_FILE))
+        out.append((key, keys.judge(record, signature, source=f"{store.url}/{key}")))
+    return out
+
+
+def sign_tier(store: Store, signer: Signer, keys: list[str] | None = None
+              ) -> list[tuple[str, str]]:  # fmt: skip
+    """Sign the published entries of ``store`` (``keys``, default all) whose every checksum
+    verifies: a builder that pre-compiled, or the migration of an unsigned tier. (key,
+    outcome): "signed", "already signed" (by this key, and it verifies) or the problem that
+    kept it unsigned."""
+    own = TrustedKeys({signer.key_id: signer.public_key})
+    out = []
+    for key in keys if keys is not None else sorted(store.published_children("")):
+        if not KEY_RE.fullmatch(key):
+            continue
+        checked = check_entry(store, key)
+        prefix = store.published(key)
+        if not checked.ok or prefix is None:
+            out.append((key, f"not signed: {checked.problem or 'withdrawn'}"))
+            continue
+        record = read_record(store, prefix)
+        existing = store.read(join(prefix, SIGNATURE_FILE))
+        if own.judge(record, existing).trusted:
+            out.append((key, "already signed"))
+            continue
+        store.write(join(prefix, SIGNATURE_FILE), signer.sign_bytes(record))
+        out.append((key, "signed"))
+    return out
