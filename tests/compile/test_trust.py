@@ -277,3 +277,20 @@ def test_keygen_sign_and_verify_migrate_an_unsigned_tier(tmp_path: Path, compile
     assert {e["key"]: e["signer"] for e in json.loads(listed.stdout)}[KEY] == pair["key_id"]
     table = cli("cache", "ls", str(tier)).stdout
     assert "SIGNER" in table and pair["key_id"] in table
+
+
+def test_a_builder_replaces_an_untrusted_remote_entry_with_its_own_signed_one(
+    tmp_path: Path, compile_fn: Any, keys: dict[str, Any]
+) -> None:
+    remote = build_and_promote(tmp_path, compile_fn, keys)
+    tamper(remote)
+    builder = TwoTierCache(str(tmp_path / "builder-2"), remote=remote, trust=builder_policy(keys))
+    assert builder.get_or_compile(KEY, compile_fn(KEY)).source == "compiled"
+    # The forged entry is withdrawn (noted) and the builder's signed one published instead.
+    entry = Path(remote) / KEY
+    record = decode_record((entry / ENTRY_RECORD).read_bytes())
+    assert load_public_keys([keys["builder"][1]]).judge(
+        record, (entry / SIGNATURE_FILE).read_bytes()).trusted
+    assert (Path(remote) / ".quarantine" / f"{KEY}.json").is_file()
+    node = TwoTierCache(str(tmp_path / "serving"), remote=remote, trust=serving_policy(keys))
+    assert node.get_or_compile(KEY, compile_fn(KEY)).source == "remote"

@@ -95,9 +95,12 @@ def _signature_to_publish(local: Store, prefix: str, record: EntryRecord, key: s
     return policy.signer.sign_bytes(record)
 
 
-def _remote_problem(remote: Store, hash_key: str, there: Publication) -> str | None:
+def _remote_problem(remote: Store, hash_key: str, there: Publication,
+                    policy: TrustPolicy) -> str | None:  # fmt: skip
     """Why the remote's publication of `hash_key` is defective; None when it is absent or
-    its record reads and names the key (its files are checked by every fetch)."""
+    its record reads and names the key (its files are checked by every fetch). For a
+    process that signs under a trust policy, an entry not signed by a trusted key is
+    defective too: nobody who requires trust would load it, so a builder replaces it."""
     if there.state == "absent":
         return None
     if there.problem is not None or there.prefix is None:
@@ -108,6 +111,12 @@ def _remote_problem(remote: Store, hash_key: str, there: Publication) -> str | N
         return str(exc)
     if found.key != hash_key:
         return f"{remote.url}/{hash_key}: record names key {found.key}"
+    if policy.checking and policy.signer is not None:
+        record_bytes = remote.read(join(there.prefix, ENTRY_RECORD)) or b""
+        verdict = policy.judge(found, record_bytes,
+                               remote.read(join(there.prefix, SIGNATURE_FILE)))  # fmt: skip
+        if not verdict.trusted:
+            return f"{remote.url}/{hash_key}: untrusted: {verdict.reason}"
     return None
 
 
@@ -140,7 +149,7 @@ def promote_entry(
     prefix, record = _checked_entry(local, hash_key)
     signature = _signature_to_publish(local, prefix, record, hash_key, policy)
     there = remote.publication(hash_key)
-    problem = _remote_problem(remote, hash_key, there)
+    problem = _remote_problem(remote, hash_key, there, policy)
     if there.state == "published" and problem is None:
         logger.info("compile cache: %s already in %s; nothing to promote", hash_key, remote.url)
         published = False

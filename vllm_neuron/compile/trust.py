@@ -153,12 +153,11 @@ class TrustPolicy:
     def judge_local(self, local: Store, prefix: str, record: EntryRecord,
                     record_bytes: bytes) -> Verdict | None:  # fmt: skip
         """The verdict on a local entry, or None when it needs none: the policy is off, or
-        the entry was compiled on this node (it has no ``fetched.json``)."""
-        if not self.checking:
+        the entry was compiled on this node (it has no ``fetched.json``: this node's own
+        code, whatever key, if any, it was signed with then)."""
+        if not self.checking or local.read(join(prefix, FETCHED_FILE)) is None:
             return None
         signature = local.read(join(prefix, SIGNATURE_FILE))
-        if signature is None and local.read(join(prefix, FETCHED_FILE)) is None:
-            return None  # compiled here: this node's own code
         return self.judge(record, record_bytes, signature, source=f"{local.url}/{prefix}")
 
 
