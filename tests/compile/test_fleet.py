@@ -37,7 +37,6 @@ from vllm_neuron.compile.entry import ENTRY_RECORD
 from vllm_neuron.compile.events import read_stats
 from vllm_neuron.compile.inventory import verify_entries
 from vllm_neuron.compile.signing import SIGNATURE_FILE, decode_signature, generate_key_pair
-from vllm_neuron.compile.trust import FETCHED_FILE
 
 KEY = "f1ee7f1ee7f1ee7f1ee7f1ee7f1ee7aa"
 OTHER = "f1ee7f1ee7f1ee7f1ee7f1ee7f1ee7bb"
@@ -363,5 +362,5 @@ def test_a_builder_signs_and_serving_nodes_fetch_and_verify_without_leasing(
     assert owners and {o.split(":")[1] for o in owners} == {str(builder.pid)}, owners
     for n in range(3):  # each node's copy records the key that verified it
         local = open_store(str(tmp_path / f"node{n}"), create=False)
-        marker = json.loads(local.read(f"{local.published(KEY)}/{FETCHED_FILE}") or b"{}")
-        assert marker["verified_by"] == key_id
+        record = json.loads(local.read(f"{local.published(KEY)}/{ENTRY_RECORD}") or b"{}")
+        assert record["fetched"]["verified_by"] == key_id

@@ -30,7 +30,7 @@ from vllm_neuron.compile.signing import (
     load_public_keys,
     load_signer,
 )
-from vllm_neuron.compile.trust import FETCHED_FILE, TrustPolicy, load_trust_policy
+from vllm_neuron.compile.trust import TrustPolicy, load_trust_policy
 from vllm_neuron.envs import ConfigError, load_trust_settings
 
 KEY = "5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e5e"
@@ -153,8 +153,10 @@ def test_a_trusted_entry_is_fetched_and_its_signer_recorded_and_a_revoked_one_is
     node_dir = tmp_path / "serving"
     node = TwoTierCache(str(node_dir), remote=remote, trust=serving_policy(keys))
     assert node.get_or_compile(KEY, compile_fn(KEY)).source == "remote"
-    fetched = json.loads((node_dir / KEY / FETCHED_FILE).read_bytes())
-    assert fetched["verified_by"] == keys["builder"][2] and fetched["remote"]
+    local_record = json.loads((node_dir / KEY / ENTRY_RECORD).read_bytes())
+    assert local_record["fetched"]["verified_by"] == keys["builder"][2]
+    assert local_record["fetched"]["remote"]
+    assert "fetched" not in json.loads((Path(remote) / KEY / ENTRY_RECORD).read_bytes())
     # A later process that still trusts the builder: a local hit.
     again = TwoTierCache(str(node_dir), remote=remote, trust=serving_policy(keys))
     assert again.get_or_compile(KEY, compile_fn(KEY)).source == "local"

@@ -79,5 +79,5 @@ def test_a_swapped_in_shared_object_never_runs_in_a_node_that_requires_trust(
     assert len(said) == 1, result["warnings"]
     # Never copied into the node's tier, and the node promoted nothing over it.
     local = tmp_path / "serving" / "neuron" / "compile_cache" / key
-    assert not (local / "fetched.json").exists()
+    assert "fetched" not in (local / ENTRY_RECORD).read_text()  # its own compile
     assert decode_record((entry / ENTRY_RECORD).read_bytes()) == forged

@@ -211,7 +211,7 @@ class TwoTierCache:
                     raise EntryProblem(f"{self.local_dir}/{key}: record names key {record.key}")
                 self._decoded[key] = (data, record)
             local.check_sizes(prefix, record.files)
-            verdict = self.trust.judge_local(local, prefix, record, data)
+            verdict = self.trust.judge_local(record)
         except Exception as exc:  # noqa: BLE001 - any defect is a miss (plus a quarantine)
             if quarantine:
                 self.quarantine(local, key, str(exc), tier="local")
@@ -279,11 +279,11 @@ class TwoTierCache:
         per signer); an `untrusted` event when it is not trusted."""
         where = self.local_dir if tier == "local" else str(self.remote_url)
         admitted = self.trust.admits(key, where, verdict)
-        if not verdict.trusted and self._untrusted.get(key) != verdict.reason:
+        if not verdict.trusted and key not in self._untrusted:
             self._record(Untrusted(key=key, at=time.time(), tier=tier, status=verdict.status,
                                    reason=verdict.reason, refused=not admitted,
                                    signer=verdict.key_id))  # fmt: skip
-            self._untrusted[key] = verdict.reason  # one event per entry and reason
+            self._untrusted[key] = verdict.reason  # one event per entry and process
         return admitted
 
     def quarantine(

@@ -36,6 +36,18 @@ ENTRY_SCHEMA_VERSION = 1
 ENTRY_TAG = "compile-entry"  # the upcaster registry's name for entry.json
 
 
+class FetchedFrom(msgspec.Struct, frozen=True, kw_only=True, gc=False):
+    """In a local tier's copy of a fetched entry: the remote it came from, when, and the
+    trusted key that verified its signature then (None: fetched unsigned or untrusted,
+    under a policy that let it in). A local hit judges a fetched entry by this alone -
+    no file read, no signature check - so a key removed from the trusted set revokes its
+    entries at no cost to a hit (docs/trust.md)."""
+
+    remote: str
+    at: float
+    verified_by: str | None = None
+
+
 # gc=False: records hold only strings and numbers (no cycles), and decoding them is on the
 # hot path of every local hit; untracked structs decode markedly faster (about 1.8x in a
 # msgspec measurement). A file's digest is the storage layer's `FileDigest` (size,
@@ -62,6 +74,9 @@ class EntryRecord(Document, frozen=True, kw_only=True, gc=False):
     compile_seconds: float
     files: dict[str, FileDigest]
     meta: dict[str, Any] = msgspec.field(default_factory=dict)
+    # Only in a local tier's copy of a fetched entry; never written otherwise (UNSET fields
+    # are left out of the encoding), and left out of what a signature covers.
+    fetched: FetchedFrom | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def total_size(self) -> int:

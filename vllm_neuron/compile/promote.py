@@ -27,6 +27,8 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
+import msgspec
+
 from vllm_neuron.backends import (
     Progress,
     Publication,
@@ -40,7 +42,14 @@ from vllm_neuron.backends import (
 from vllm_neuron.backends.records import RecordError
 from vllm_neuron.envs.trust import VLLM_NEURON_CACHE_SIGNING_KEY, VLLM_NEURON_CACHE_TRUSTED_KEYS
 
-from .entry import ENTRY_RECORD, EntryProblem, EntryRecord, check_checksums, read_record
+from .entry import (
+    ENTRY_RECORD,
+    EntryProblem,
+    EntryRecord,
+    check_checksums,
+    encode_record,
+    read_record,
+)
 from .events import EVENTS_STREAM, Promoted
 from .load_notes import forget_load_failures
 from .quarantine import quarantine_entry
@@ -82,8 +91,7 @@ def _signature_to_publish(local: Store, prefix: str, record: EntryRecord, key: s
     if policy.signer is None:
         return existing
     if policy.checking:
-        record_bytes = local.read(join(prefix, ENTRY_RECORD)) or b""
-        verdict = policy.judge_local(local, prefix, record, record_bytes)
+        verdict = policy.judge_local(record)
         if verdict is not None and not verdict.trusted:
             raise CannotSign(f"not promoting {key}: the local entry is untrusted "
                              f"({verdict.reason}); this process signs only what it trusts")
@@ -159,8 +167,13 @@ def promote_entry(
         with remote.stage(hash_key) as staging:
             if signature is not None:
                 staging.write(SIGNATURE_FILE, signature)
-            copy_tree(local, prefix, staging, keys=[*record.files, ENTRY_RECORD],
-                      progress=progress)
+            if isinstance(record.fetched, msgspec.UnsetType):
+                copy_tree(local, prefix, staging, keys=[*record.files, ENTRY_RECORD],
+                          progress=progress)
+            else:  # this node's note of where it fetched the entry from is its own
+                copy_tree(local, prefix, staging, keys=[*record.files], progress=progress)
+                staging.write(ENTRY_RECORD, encode_record(
+                    msgspec.structs.replace(record, fetched=msgspec.UNSET)))
             fault_point("promote.uploaded")
             published = staging.commit()
         fault_point("promote.committed")

@@ -23,6 +23,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import msgspec
+
 from vllm_neuron.backends import (
     IntegrityError,
     Progress,
@@ -37,11 +39,11 @@ from vllm_neuron.backends import (
 from vllm_neuron.backends.records import RecordError
 from vllm_neuron.envs.compile_cache import REMOTE_WRITE_MODES, RemoteWrite
 
-from .entry import ENTRY_RECORD, EntryRecord, decode_record
+from .entry import ENTRY_RECORD, EntryRecord, decode_record, encode_record
 from .events import RemoteUnavailable
 from .quarantine import PublicationProblem
 from .signing import SIGNATURE_FILE, Verdict
-from .trust import FETCHED_FILE, TrustPolicy, UntrustedEntry, fetched_marker
+from .trust import TrustPolicy, UntrustedEntry, fetched_from
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -210,8 +212,9 @@ def fetch_entry(
     ``policy.admits``, decides and says so). Anything else: the remote (or the local disk)
     failed.
 
-    The entry's signature (``entry.sig``) comes along, and ``fetched.json`` records where the
-    entry came from and which trusted key verified it (a local hit judges it again).
+    The entry's signature (``entry.sig``) comes along, and the local record notes where the
+    entry came from and which trusted key verified it (``fetched``: a local hit judges it
+    again by that key id). Returns the local record.
     """
     found = remote.publication(key)
     if found.state == "absent":
@@ -249,8 +252,8 @@ def fetch_entry(
             raise PublicationProblem(str(exc), version=found.version) from None
         if signature is not None:
             staging.write(SIGNATURE_FILE, signature)
-        staging.write(FETCHED_FILE, fetched_marker(remote.url, verdict))
-        staging.write(ENTRY_RECORD, record_bytes)
+        record = msgspec.structs.replace(record, fetched=fetched_from(remote.url, verdict))
+        staging.write(ENTRY_RECORD, encode_record(record))
         fault_point("fetch.copied")
         staging.commit()
     return record

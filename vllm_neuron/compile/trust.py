@@ -14,10 +14,11 @@ A process with trusted keys but no signing key never publishes to the remote tie
 takes a remote lease (what it published, nobody would trust); it compiles a graph nobody
 trusted for itself.
 
-Entries this node compiled itself carry no ``fetched.json``; a fetched entry does, with the
-key id that verified it (or none, when it was fetched unsigned under ``off``/``warn``), so a
-local hit of a fetched entry is judged again - removing a key from the trusted set revokes
-its entries on every node.
+A local tier's copy of a fetched entry records, in its ``entry.json`` (``fetched``), the key
+id that verified it (or none, when it was fetched unsigned under ``off``/``warn``), so a
+local hit of a fetched entry is judged again by key id alone - removing a key from the
+trusted set revokes its entries on every node, at no cost to a hit. Entries this node
+compiled itself have no ``fetched``: they are this node's own code.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ from vllm_neuron.envs.trust import (
     TrustMode,
 )
 
-from .entry import ENTRY_RECORD, EntryRecord, decode_record, read_record
+from .entry import ENTRY_RECORD, EntryRecord, FetchedFrom, decode_record, read_record
 from .inventory import KEY_RE, check_entry
 from .signing import (
     SIGNATURE_FILE,
@@ -53,11 +54,9 @@ from .signing import (
 )
 
 __all__ = [
-    "FETCHED_FILE",
-    "FetchedFrom",
     "TrustPolicy",
     "UntrustedEntry",
-    "fetched_marker",
+    "fetched_from",
     "judge_tier",
     "load_trust_policy",
     "refusal",
@@ -68,20 +67,10 @@ __all__ = [
 
 logger = logging.getLogger("vllm_neuron.compile")
 
-FETCHED_FILE = "fetched.json"
-
-
-class FetchedFrom(msgspec.Struct, frozen=True, kw_only=True):
-    """``fetched.json``: where a local entry came from and which trusted key verified it."""
-
-    remote: str
-    at: float
-    verified_by: str | None = None  # the trusted key id; None: fetched unsigned or untrusted
-
-
-def fetched_marker(remote: str, verdict: Verdict | None) -> bytes:
+def fetched_from(remote: str, verdict: Verdict | None) -> FetchedFrom:
+    """What a fetched entry's local record says of its origin (`EntryRecord.fetched`)."""
     verified = verdict.key_id if verdict is not None and verdict.trusted else None
-    return msgspec.json.encode(FetchedFrom(remote=remote, at=time.time(), verified_by=verified))
+    return FetchedFrom(remote=remote, at=time.time(), verified_by=verified)
 
 
 class UntrustedEntry(Exception):
@@ -150,15 +139,21 @@ class TrustPolicy:
                            "signer)", key, where, verdict.reason, then)  # fmt: skip
         return not refused
 
-    def judge_local(self, local: Store, prefix: str, record: EntryRecord,
-                    record_bytes: bytes) -> Verdict | None:  # fmt: skip
+    def judge_local(self, record: EntryRecord) -> Verdict | None:
         """The verdict on a local entry, or None when it needs none: the policy is off, or
-        the entry was compiled on this node (it has no ``fetched.json``: this node's own
-        code, whatever key, if any, it was signed with then)."""
-        if not self.checking or local.read(join(prefix, FETCHED_FILE)) is None:
+        the entry was compiled on this node (no ``fetched`` in its record: this node's own
+        code, whatever key, if any, signed it). A fetched entry is judged by the key that
+        verified it when it was fetched: still trusted, or not (revoked, or never)."""
+        if not self.checking or isinstance(record.fetched, msgspec.UnsetType):
             return None
-        signature = local.read(join(prefix, SIGNATURE_FILE))
-        return self.judge(record, record_bytes, signature, source=f"{local.url}/{prefix}")
+        key_id = record.fetched.verified_by
+        if key_id is None:
+            return Verdict("unsigned", None, f"it was fetched from {record.fetched.remote} "
+                           "without a trusted signature")  # fmt: skip
+        if key_id not in self.keys.keys:
+            return Verdict("untrusted", key_id, f"signed by key {key_id}, which is no longer "
+                           "trusted here")  # fmt: skip
+        return Verdict("trusted", key_id, f"signed by trusted key {key_id}")
 
 
 def refusal(policy: TrustPolicy, store: Store, key: str, *, own_tier: bool) -> str | None:
@@ -170,7 +165,7 @@ def refusal(policy: TrustPolicy, store: Store, key: str, *, own_tier: bool) -> s
     if not policy.requires or prefix is None or data is None:
         return None
     record = decode_record(data)
-    verdict = (policy.judge_local(store, prefix, record, data) if own_tier
+    verdict = (policy.judge_local(record) if own_tier
                else policy.judge(record, data, store.read(join(prefix, SIGNATURE_FILE))))
     return None if verdict is None or verdict.trusted else verdict.reason
 
