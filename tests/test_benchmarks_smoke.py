@@ -45,6 +45,8 @@ RATIO_LINES: dict[str, list[str]] = {
     "bench_manifest_ledger": [rf"ratio: median of per-round ratios {RATIO}"],
     "bench_snapshot_overhead": [r"capture off .* overhead [+-]\d+ ns/call"],
     "bench_snapshot_write": [rf"snapshot bundle \(npy\) .* paired median {RATIO}"],
+    "bench_trust": [rf"signature check / fetch .* \({RATIO}\)",
+                    rf"hit require/off {RATIO} median of per-round ratios"],
 }
 SLOW = {"bench_cache_compile"}  # real Inductor compiles in three processes
 
