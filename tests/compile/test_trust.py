@@ -296,3 +296,22 @@ def test_a_builder_replaces_an_untrusted_remote_entry_with_its_own_signed_one(
     assert (Path(remote) / ".quarantine" / f"{KEY}.json").is_file()
     node = TwoTierCache(str(tmp_path / "serving"), remote=remote, trust=serving_policy(keys))
     assert node.get_or_compile(KEY, compile_fn(KEY)).source == "remote"
+
+
+def test_the_report_shows_how_a_tiers_entries_are_signed(
+    tmp_path: Path, compile_fn: Any, keys: dict[str, Any]
+) -> None:
+    tier = tmp_path / "tier"
+    TwoTierCache(str(tier), trust=builder_policy(keys)).get_or_compile(KEY, compile_fn(KEY))
+    TwoTierCache(str(tier), trust=TrustPolicy()).get_or_compile("6f" * 16, compile_fn("6f" * 16))
+    page = tmp_path / "report.html"
+    plain = cli("report", "--cache-dir", str(tier), "-o", str(page))
+    assert plain.returncode == 0, plain.stderr
+    html = page.read_text()
+    assert f'data-trust="signed by {keys["builder"][2]}"' in html
+    assert 'data-trust="unsigned"' in html
+    judged = cli("report", "--cache-dir", str(tier), "-o", str(page),
+                 env={"VLLM_NEURON_CACHE_TRUSTED_KEYS": keys["builder"][1]})
+    assert judged.returncode == 0, judged.stderr
+    html = page.read_text()
+    assert 'data-trust="trusted"' in html and 'data-trust="unsigned"' in html

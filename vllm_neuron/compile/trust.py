@@ -63,6 +63,7 @@ __all__ = [
     "sign_tier",
     "signer_of",
     "trust_policy",
+    "trust_summary",
 ]
 
 logger = logging.getLogger("vllm_neuron.compile")
@@ -239,6 +240,23 @@ def judge_tier(store: Store, keys: TrustedKeys) -> list[tuple[str, Verdict]]:
         signature = store.read(join(prefix, SIGNATURE_FILE))
         out.append((key, keys.judge(record, signature, source=f"{store.url}/{key}")))
     return out
+
+
+def trust_summary(store: Store, keys: TrustedKeys | None) -> dict[str, int]:
+    """How a tier's entries are signed, for a report: entries per verdict (``trusted``,
+    ``unsigned``, ``untrusted``, ``bad-signature``) when ``keys`` judge them, else entries
+    per signer (``signed by <key id>``, ``unsigned``)."""
+    counts: dict[str, int] = {}
+    if keys:
+        for _, verdict in judge_tier(store, keys):
+            counts[verdict.status] = counts.get(verdict.status, 0) + 1
+        return counts
+    for key in store.published_children(""):
+        if KEY_RE.fullmatch(key):
+            signer = signer_of(store, key)
+            label = "unsigned" if signer is None else f"signed by {signer}"
+            counts[label] = counts.get(label, 0) + 1
+    return counts
 
 
 def sign_tier(store: Store, signer: Signer, keys: list[str] | None = None

@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm_neuron.backends import Record, RecordCodec, local_path_of, open_store
 from vllm_neuron.compile.events import CACHE_EVENTS, EVENTS_STREAM
+from vllm_neuron.compile.trust import trust_policy, trust_summary
 from vllm_neuron.manifest.inspect import check_manifest, load_manifest
 from vllm_neuron.manifest.schema import Manifest
 
@@ -49,6 +50,9 @@ class CacheView:
     location: str
     stats: Mapping[str, Any]
     rows: tuple[ProcessRow, ...] = ()
+    # Entries per trust verdict under this process's trusted keys, or per signer without
+    # them (`compile.trust.trust_summary`); None when the tier could not be listed.
+    trust: Mapping[str, int] | None = None
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,17 @@ def process_rows(cache: str) -> tuple[ProcessRow, ...]:
 def gather_caches(
     sources: Sources, stats_of: Callable[[str], Mapping[str, Any]]
 ) -> tuple[CacheView, ...]:
-    return tuple(CacheView(c, stats_of(c), process_rows(c)) for c in sources.caches)
+    return tuple(CacheView(c, stats_of(c), process_rows(c), _trust(c)) for c in sources.caches)
+
+
+def _trust(cache: str) -> Mapping[str, int] | None:
+    """How the tier's entries are signed (docs/trust.md); best-effort, like the rest."""
+    try:
+        policy = trust_policy()
+        return trust_summary(open_store(cache, create=False),
+                             policy.keys if policy.checking else None)  # fmt: skip
+    except Exception:  # noqa: BLE001 - a report shows what it can read
+        return None
 
 
 def _engine_locations(location: str) -> list[str]:

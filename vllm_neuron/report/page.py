@@ -143,6 +143,16 @@ def _process_table(rows: Sequence[tuple[int, ProcessRow]]) -> Markup:
     return el("table", head, join(out), class_="processes")
 
 
+def _trust_table(trust: Mapping[str, int] | None) -> Markup:
+    """Entries by trust verdict (or by signer): who built what this tier holds."""
+    if not trust:
+        return join([])
+    rows = [el("tr", el("td", label), el("td", str(n), data_value=str(n)), data_trust=label)
+            for label, n in sorted(trust.items())]  # fmt: skip
+    return el("table", el("tr", el("th", "entries by signature"), el("th", "entries")),
+              join(rows), class_="trust")  # fmt: skip
+
+
 def render_caches(caches: Sequence[CacheView]) -> Markup:
     """One timeline for every process of every tier read (one shared clock), then each
     tier's statistics. A tier is named by its number, ``[n]``, in rows and headings."""
@@ -154,8 +164,8 @@ def render_caches(caches: Sequence[CacheView]) -> Markup:
         if rows else el("p", "No process has written events to these tiers yet.", class_="muted")
     )
     tiers = [el("section", el("h3", f"[{n}] Local tier {c.location}"),
-                stats_table(c.stats, c.location), class_="cache", data_cache=c.location,
-                id=f"cache-{n}")
+                stats_table(c.stats, c.location), _trust_table(c.trust), class_="cache",
+                data_cache=c.location, id=f"cache-{n}")
              for n, c in enumerate(caches, 1)]  # fmt: skip
     return join([el("h3", f"Timeline: {len(rows)} processes"), picture, join(tiers)])
 
