@@ -38,3 +38,51 @@ def test_the_layer_contract_is_kept() -> None:
     done = run(str(BIN / "lint-imports"), "--no-cache")
     assert done.returncode == 0, done.stdout + done.stderr
     assert "0 broken" in done.stdout, done.stdout
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """Every module of the package (the storage layer aside: its own contract) and the
+    package modules it imports anywhere in its body, lazy imports inside functions too."""
+    import ast
+
+    modules: dict[str, Path] = {}
+    for path in (ROOT / "vllm_neuron").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if "backends" in parts:
+            continue
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {name: set() for name in modules}
+    for name, path in modules.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - max(0, node.level - 1)]
+                mod = ".".join([*base, *([node.module] if node.module else [])]) \
+                    if node.level else (node.module or "")
+                found = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in modules else mod
+                         for a in node.names]
+            elif isinstance(node, ast.Import):
+                found = [a.name for a in node.names]
+            else:
+                continue
+            graph[name].update(t for t in found if t in modules and t != name)
+    return graph
+
+
+def test_no_two_modules_import_each_other_at_any_depth() -> None:
+    """A circle (a imports b, b imports a, directly or through others; a lazy import in a
+    function counts) means the two are one concept split badly: what they share belongs in a
+    module both use."""
+    graph = _module_imports()
+    circles = []
+    for start in sorted(graph):
+        seen, todo = set(), list(graph[start])
+        while todo:
+            module = todo.pop()
+            if module == start:
+                circles.append(start)
+                break
+            if module not in seen:
+                seen.add(module)
+                todo.extend(graph[module])
+    assert not circles, f"modules on an import circle: {circles}"

@@ -29,29 +29,12 @@ from .bundles import Bundle, ReplayError, find_bundles, load_bundle
 from .collectives import needs_group
 from .compare import OutputComparison, compare_outputs
 from .meta import GRAPH_FILE, META_FILE
+from .replay_report import ReplayReport, report_of
 from .runners import resolve_runner
+from .tp_replay import plan_groups, replay_groups
 
 __all__ = ["PreparedReplay", "ReplayReport", "prepare_bundle", "replay", "replay_bundle",
            "report_of"]
-
-
-@dataclass(frozen=True)
-class ReplayReport:
-    """The replay of one bundle."""
-
-    bundle: str
-    runner: str
-    outputs: tuple[OutputComparison, ...] = ()
-    problem: str | None = None
-    global_rank: int = 0
-    call_index: int = 0
-    tp_rank: int = 0
-    collectives: tuple[str, ...] = ()  # the collective ops its graph calls
-    peers: tuple[str, ...] = ()  # the other ranks' bundles replayed together with it
-
-    @property
-    def passed(self) -> bool:
-        return self.problem is None and all(o.passed for o in self.outputs)
 
 
 def _no_reference(bundle: Bundle) -> str:
@@ -121,14 +104,6 @@ def replay_bundle(
         return prepared.report(problem=str(exc))
 
 
-def report_of(bundle: Bundle, runner: str, outputs: Sequence[OutputComparison] = (),
-              problem: str | None = None) -> ReplayReport:  # fmt: skip
-    """The report of ``bundle``, with its identity from its ``meta.json``."""
-    meta = bundle.meta
-    return ReplayReport(bundle.location, runner, tuple(outputs), problem, meta.global_rank,
-                        meta.call_index, meta.tp_rank, tuple(meta.collectives or ()))  # fmt: skip
-
-
 @dataclass
 class PreparedReplay:
     """A bundle ready to run: its runner, inputs and captured outputs, all loaded.
@@ -182,8 +157,6 @@ def replay(
     """Replay every bundle at or under ``prefix`` (all ranks of a tensor-parallel capture);
     bundles with a collective run with their ranks (:mod:`.tp_replay`). Each report under
     its bundle's prefix, in the order found."""
-    from .tp_replay import plan_groups, replay_groups  # tp_replay builds on this module
-
     prefixes = find_bundles(store, prefix)
     if not prefixes:
         raise ReplayError(f"no snapshot bundle at {store.url.rstrip('/')}/{prefix}".rstrip("/"))

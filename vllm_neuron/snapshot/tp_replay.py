@@ -39,7 +39,7 @@ from .bundles import Bundle, list_bundles
 from .collectives import needs_group
 from .compare import OutputComparison
 from .meta import CallMeta, read_call_meta
-from .replay import ReplayReport, report_of
+from .replay_report import ReplayReport, report_of
 
 __all__ = ["ReplayGroup", "ReplayPlan", "needs_group", "plan_groups", "replay_groups"]
 

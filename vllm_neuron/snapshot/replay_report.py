@@ -1,0 +1,42 @@
+"""The report of one replayed snapshot bundle: shared by the one-process replay
+(:mod:`.replay`) and the tensor-parallel one (:mod:`.tp_replay`), which builds on it, so
+neither imports the other for it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from .bundles import Bundle
+from .compare import OutputComparison
+
+__all__ = ["ReplayReport", "report_of"]
+
+
+@dataclass(frozen=True)
+class ReplayReport:
+    """The replay of one bundle."""
+
+    bundle: str
+    runner: str
+    outputs: tuple[OutputComparison, ...] = ()
+    problem: str | None = None
+    global_rank: int = 0
+    call_index: int = 0
+    tp_rank: int = 0
+    collectives: tuple[str, ...] = ()  # the collective ops its graph calls
+    peers: tuple[str, ...] = ()  # the other ranks' bundles replayed together with it
+
+    @property
+    def passed(self) -> bool:
+        return self.problem is None and all(o.passed for o in self.outputs)
+
+
+
+def report_of(bundle: Bundle, runner: str, outputs: Sequence[OutputComparison] = (),
+              problem: str | None = None) -> ReplayReport:  # fmt: skip
+    """The report of ``bundle``, with its identity from its ``meta.json``."""
+    meta = bundle.meta
+    return ReplayReport(bundle.location, runner, tuple(outputs), problem, meta.global_rank,
+                        meta.call_index, meta.tp_rank, tuple(meta.collectives or ()))  # fmt: skip
