@@ -194,3 +194,21 @@ def test_a_root_on_s3_reads_through_the_store(
                            f"{s3_store_url}-missing/x", "-o", str(out)],
                           capture_output=True, text=True, timeout=600)  # fmt: skip
     assert code.returncode == 2 and f"root '{s3_store_url}-missing/x'" in code.stderr
+
+
+def test_a_tiers_load_failure_notes_are_shown(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A remote where a host could not load an entry (its note, compile/load_notes.py): the
+    report read on that tier names the entry, the host and the loader's error."""
+    from vllm_neuron.compile.load_notes import note_load_failure
+
+    tier = tmp_path / "remote"
+    store = open_store(str(tier))
+    key = "ab" * 16
+    note_load_failure(store, key, "cannot load AOTInductor package: truncated")
+    page = tmp_path / "page.html"
+    code, _, err = report(capsys, "--cache-dir", str(tier), "-o", str(page))
+    assert code == 0, err
+    html = page.read_text()
+    assert f"{key}: did not load on" in html and "truncated" in html

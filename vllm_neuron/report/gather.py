@@ -20,6 +20,7 @@ from typing import Any
 
 from vllm_neuron.backends import Record, RecordCodec, local_path_of, open_store
 from vllm_neuron.compile.events import CACHE_EVENTS, EVENTS_STREAM
+from vllm_neuron.compile.load_notes import read_load_failures
 from vllm_neuron.compile.trust import trust_policy, trust_summary
 from vllm_neuron.manifest.inspect import check_manifest, load_manifest
 from vllm_neuron.manifest.schema import Manifest
@@ -53,6 +54,9 @@ class CacheView:
     # Entries per trust verdict under this process's trusted keys, or per signer without
     # them (`compile.trust.trust_summary`); None when the tier could not be listed.
     trust: Mapping[str, int] | None = None
+    # Hosts that fetched an entry of this tier and could not load it (a remote's notes,
+    # `compile.load_notes`): "<key>: did not load on <host>: <error>".
+    load_failures: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -93,7 +97,18 @@ def process_rows(cache: str) -> tuple[ProcessRow, ...]:
 def gather_caches(
     sources: Sources, stats_of: Callable[[str], Mapping[str, Any]]
 ) -> tuple[CacheView, ...]:
-    return tuple(CacheView(c, stats_of(c), process_rows(c), _trust(c)) for c in sources.caches)
+    return tuple(CacheView(c, stats_of(c), process_rows(c), _trust(c), _load_failures(c))
+                 for c in sources.caches)  # fmt: skip
+
+
+def _load_failures(cache: str) -> tuple[str, ...]:
+    """The tier's notes of hosts that could not load one of its entries (best-effort)."""
+    try:
+        notes = read_load_failures(open_store(cache, create=False))
+    except Exception:  # noqa: BLE001 - a report shows what it can read
+        return ()
+    return tuple(f"{key}: did not load on {n.host}: {n.error}"
+                 for key, found in sorted(notes.items()) for n in found)  # fmt: skip
 
 
 def _trust(cache: str) -> Mapping[str, int] | None:

@@ -4,13 +4,17 @@ Why our own twenty lines and not a template engine: the page is a handful of tab
 SVG, and the package depends on no template library; what matters is that nothing read
 from a store (a key, a path, an error message, a model name) can ever become markup, so
 every text and every attribute value goes through `html.escape` here, and callers pass
-only `Markup` (already built) or plain values.
+only `Markup` (already built) or plain values. The same door redacts secrets
+(`vllm_neuron.envs.secrets`): records are written without them, but a page may show one
+written before that, or by another writer, and a page is passed around.
 """
 
 from __future__ import annotations
 
 import html
 from collections.abc import Iterable
+
+from vllm_neuron.envs import redact_text
 
 __all__ = ["Markup", "el", "esc", "join"]
 
@@ -20,10 +24,11 @@ class Markup(str):
 
 
 def esc(value: object) -> Markup:
-    """`value` as text, escaped for use inside an element or a quoted attribute."""
+    """`value` as text, secrets redacted, escaped for use inside an element or a quoted
+    attribute."""
     if isinstance(value, Markup):
         return value
-    return Markup(html.escape(str(value), quote=True))
+    return Markup(html.escape(redact_text(str(value)), quote=True))
 
 
 # HTML elements that have no end tag.

@@ -22,7 +22,7 @@ from vllm_neuron.version import __version__
 
 from .gather import CacheView, ProcessRow, Report
 from .markup import Markup, el, join
-from .sections import human_size, render_engines, render_profiles, render_snapshots
+from .sections import human_size, problem_list, render_engines, render_profiles, render_snapshots
 from .timeline import BAR_KINDS, TIMELINE_CSS, TimelineRow, event_kind, render_timeline
 
 __all__ = ["render_page"]
@@ -164,7 +164,10 @@ def render_caches(caches: Sequence[CacheView]) -> Markup:
         if rows else el("p", "No process has written events to these tiers yet.", class_="muted")
     )
     tiers = [el("section", el("h3", f"[{n}] Local tier {c.location}"),
-                stats_table(c.stats, c.location), _trust_table(c.trust), class_="cache",
+                stats_table(c.stats, c.location), _trust_table(c.trust),
+                problem_list("Entries that did not load on a host (notes on this tier; the "
+                          "entries stay: see cache verify --load)", c.load_failures)
+                if c.load_failures else join([]), class_="cache",
                 data_cache=c.location, id=f"cache-{n}")
              for n, c in enumerate(caches, 1)]  # fmt: skip
     return join([el("h3", f"Timeline: {len(rows)} processes"), picture, join(tiers)])

@@ -39,7 +39,7 @@ def _badge(text: str, kind: str) -> Markup:
     return el("span", text, class_=f"badge {kind}")
 
 
-def _problems(title: str, items: Sequence[str]) -> Markup:
+def problem_list(title: str, items: Sequence[str]) -> Markup:
     return el("div", el("b", title), el("ul", join(el("li", p) for p in items)),
               class_="problems")  # fmt: skip
 
@@ -50,7 +50,7 @@ def _problems(title: str, items: Sequence[str]) -> Markup:
 def _engine(engine: EngineView) -> Markup:
     if engine.manifest is None:
         return el("section", el("h3", engine.location),
-                  _problems("This manifest cannot be read", [engine.error or "unknown error"]),
+                  problem_list("This manifest cannot be read", [engine.error or "unknown error"]),
                   class_="engine", data_engine=engine.location)  # fmt: skip
     m = engine.manifest
     cfg, topo = m.config, m.config.topology
@@ -79,7 +79,7 @@ def _engine(engine: EngineView) -> Markup:
     other = [p for p in engine.problems if not any(g.graph_hash in p for g in m.graphs)]
     return el("section",
               el("h3", engine.location, " ", badge), el("p", facts, class_="muted"),
-              _problems("Not part of any graph", other) if other else None,
+              problem_list("Not part of any graph", other) if other else None,
               _table(["graph", "inputs", "outputs", "size", "ranks", "created", "check"], rows,
                      class_="graphs"),
               el("p", f"{len(m.graphs)} graphs", class_="muted"),
@@ -130,7 +130,7 @@ def _replay_details(report: ReplayReport) -> Markup | None:
 def _snapshot_root(view: SnapshotView) -> Markup:
     if view.listing is None:
         return el("section", el("h3", view.root),
-                  _problems("This snapshot root cannot be read", [view.error or "unknown"]),
+                  problem_list("This snapshot root cannot be read", [view.error or "unknown"]),
                   class_="snapshots", data_root=view.root)  # fmt: skip
     rows, details = [], []
     for b in view.listing.bundles:
@@ -156,7 +156,7 @@ def _snapshot_root(view: SnapshotView) -> Markup:
               _table(headers, rows, class_="bundles"),
               el("p", f"{len(view.listing.bundles)} bundles, {human_size(view.listing.size)}",
                  class_="muted"),
-              _problems("Not bundles", leftovers) if leftovers else None,
+              problem_list("Not bundles", leftovers) if leftovers else None,
               join(d for d in details if d is not None),
               class_="snapshots", data_root=view.root)  # fmt: skip
 
@@ -172,7 +172,7 @@ def _profile(run: ProfileRun) -> Markup:
     m = run.manifest
     if m is None:
         return el("section", el("h3", run.location),
-                  _problems("This run cannot be read", [run.error or "no manifest.json"]),
+                  problem_list("This run cannot be read", [run.error or "no manifest.json"]),
                   class_="profile", data_run=run.location)  # fmt: skip
     v = run.validation
     verdict = (_badge("not validated", "warn") if v is None
@@ -198,7 +198,7 @@ def _profile(run: ProfileRun) -> Markup:
               el("h3", m.run_name or run.location, " ", status, " ", verdict),
               el("p", facts, class_="muted"), el("p", run.location, class_="mono muted"),
               el("p", "error: ", m.error) if m.error else None,
-              _problems("Validation failures", v.failures) if v and v.failures else None,
+              problem_list("Validation failures", v.failures) if v and v.failures else None,
               el("ul", join(el("li", "note: ", n) for n in v.notes)) if v and v.notes else None,
               el("h4", "Artifacts"), _table(["artifact", "path", "size"], artifacts),
               el("h4", "Trace files") if traces else None,
