@@ -214,3 +214,31 @@ def test_our_manifest_and_run_spec_round_trip(tmp_path: Path) -> None:
     assert decode_run_spec(encode_run_spec(spec)) == spec
     with pytest.raises(RecordError, match="^run_spec.json: has no schema_version"):
         decode_run_spec(b'{"run_name": "x"}')
+
+
+def test_a_run_spec_in_another_tools_shape_is_a_note_and_the_artifacts_judge(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run directory made by hand from the guide's tables: the run spec has the seven keys
+    but a serve_config of another tool's shape (no ``model``)."""
+    foreign = {"schema_version": 1, "run_name": "by-hand", "phase": "decode",
+               "recipe": "decode_isolation", "workload": {"concurrency": 4},
+               "serve_config": {"tp": 8, "engine": "other-tool"}, "model_env": {}}
+    run = plugin_run(tmp_path, "by-hand")
+    (run / "run_spec.json").write_text(json.dumps(foreign))
+    report = validate_run(str(run))
+    assert report.ok, report.failures
+    assert any("guide's keys but not this tool's schema" in n and "model" in n
+               for n in report.notes), report.notes
+    assert cli_main(["profile", "validate", str(run)]) == 0
+    assert "NOTE run_spec.json has the guide's keys" in capsys.readouterr().out
+    # The same with a zero-byte device trace: the artifacts fail it.
+    empty = plugin_run(tmp_path, "by-hand-empty", ntff=b"")
+    (empty / "run_spec.json").write_text(json.dumps(foreign))
+    assert any(f.startswith("device trace") and "zero bytes" in f
+               for f in validate_run(str(empty)).failures)
+    # Not the guide's shape at all: still a failure naming the file.
+    broken = plugin_run(tmp_path, "broken")
+    (broken / "run_spec.json").write_text(json.dumps({"hello": "world"}))
+    assert any(f.startswith("run_spec.json cannot be read")
+               for f in validate_run(str(broken)).failures)
