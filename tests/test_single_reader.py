@@ -41,8 +41,8 @@ WHOLE_ENVIRONMENT_USES: dict[tuple[str, str], str] = {
         "the demo's worker processes get a copy of the environment with their own "
         "VLLM_CACHE_ROOT and remote tier: settings handed to children, not read",
     ("vllm_neuron/profiling/run_spec.py", "snapshot_model_env"):
-        "records the launch-time values of the variables a recipe declares, verbatim, in "
-        "run_spec.json; it interprets none of them",
+        "records the launch-time values of the variables a recipe declares in run_spec.json "
+        "(a secret's value redacted when written); it interprets none of them",
 }
 
 _READ_METHODS = frozenset({"get", "pop"})

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Sequence
 
 from vllm_neuron.backends import StoreError
-from vllm_neuron.envs import fault_settings
+from vllm_neuron.envs import RedactingFilter, fault_settings, redact_text
 from vllm_neuron.version import __version__
 
 from . import cache as cache_cmd
@@ -70,15 +70,18 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    handler = logging.StreamHandler()  # used only if the root logger has no handler yet
+    handler.addFilter(RedactingFilter())  # no secret in a log line (envs/secrets.py)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
+        handlers=[handler],
     )
     try:
         fault_settings()  # VLLM_NEURON_FAULT (crash tests): a bad name is exit 2
         return int(args.handler(args))
     except (ValueError, RuntimeError, OSError, KeyError, StoreError) as exc:
-        print(f"vllm-neuron: error: {exc}", file=sys.stderr)
+        print(f"vllm-neuron: error: {redact_text(str(exc))}", file=sys.stderr)
         return EXIT_USAGE
 
 

@@ -22,6 +22,8 @@ a snapshot rule selects) is decided in that feature, from the parsed group.
 - :mod:`.identity` - cores, ranks and user (read at each use, never cached);
 - :mod:`.faults` - the fault point crash tests kill a process at (arms the registry);
 - :mod:`.metrics` - where the cache's live metrics go inside vLLM (read at each use);
+- :mod:`.secrets` - which variables hold credentials, and their redaction from everything
+  the package writes (manifests, run specs, logs, reports);
 - :mod:`._parse` - the shared primitives.
 
 Conventions shared by every variable:
@@ -70,6 +72,16 @@ from .manifest import ManifestSettings, load_manifest_settings, manifest_setting
 from .metrics import MetricsSettings, load_metrics_settings
 from .profiling import ProfilingSettings, load_profiling_settings
 from .run import load_run_id, run_id
+from .secrets import (
+    REDACTED,
+    RedactingFilter,
+    environment_with,
+    is_secret_name,
+    redact_argv,
+    redact_config,
+    redact_environment,
+    redact_text,
+)
 from .snapshot import (
     SNAPSHOT_FORMATS,
     SnapshotFormat,
@@ -83,6 +95,7 @@ from .trust import TrustSettings, load_trust_settings, trust_settings
 __all__ = [
     "ENVIRONMENT_VARIABLES",
     "READ_VARIABLES",
+    "REDACTED",
     "SNAPSHOT_FORMATS",
     "TOOLCHAIN_NAMES",
     "CompileCacheSettings",
@@ -94,6 +107,7 @@ __all__ = [
     "ManifestSettings",
     "MetricsSettings",
     "ProfilingSettings",
+    "RedactingFilter",
     "SnapshotFormat",
     "SnapshotSettings",
     "ToolchainName",
@@ -101,8 +115,10 @@ __all__ = [
     "check_snapshot_root",
     "compile_cache_settings",
     "default_cache_root",
+    "environment_with",
     "fault_settings",
     "host_mode_settings",
+    "is_secret_name",
     "load_compile_cache_settings",
     "load_fault_settings",
     "load_host_mode_settings",
@@ -116,6 +132,10 @@ __all__ = [
     "manifest_settings",
     "parse_bool",
     "parse_positive_float",
+    "redact_argv",
+    "redact_config",
+    "redact_environment",
+    "redact_text",
     "remote_cache_url",
     "require_directory",
     "reset_for_tests",

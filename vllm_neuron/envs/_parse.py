@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 from vllm_neuron.backends import check_location, local_path_of, normalize_location
 
+from .secrets import has_url_credentials, redact_text
+
 __all__ = [
     "ConfigError",
     "EnvVar",
@@ -136,11 +138,20 @@ def location_var(environ: Mapping[str, str], name: str) -> str | None:
     """The stripped value of a path-or-URL variable, or None when unset or blank.
 
     A NUL byte is refused here, naming the variable: the storage layer would refuse it
-    too, but only at the first write, with a message that names no setting.
+    too, but only at the first write, with a message that names no setting. So is a URL
+    with credentials (``s3://KEY:SECRET@bucket``): no backend reads them from the URL (S3
+    takes them from the AWS variables and files), and a store's URL is recorded in events
+    and messages, where a secret must never be (`secrets`); the error shows it redacted.
     """
     value = raw(environ, name)
     if value is not None and "\x00" in value:
         raise ConfigError(f"{name}={value!r} contains a NUL byte")
+    if value is not None and has_url_credentials(value):
+        raise ConfigError(
+            f"{name}={redact_text(value)!r}: a store URL must not carry credentials "
+            "(user:password@); give them to the backend instead (S3: the AWS_* variables, "
+            "~/.aws or an instance role)"
+        )
     return value
 
 

@@ -44,6 +44,7 @@ __all__ = [
     "NOT_SECRET_NAMES",
     "REDACTED",
     "RedactingFilter",
+    "environment_with",
     "has_url_credentials",
     "is_secret_name",
     "redact_argv",
@@ -102,6 +103,14 @@ def _environ(environ: Mapping[str, str] | None) -> Mapping[str, str]:
     return os.environ if environ is None else environ
 
 
+def environment_with(extra: Mapping[str, str | None]) -> Mapping[str, str]:
+    """This process's environment plus ``extra`` (a child process's own variables, such as
+    a profiled server's ``--server-env``): where a redaction looks the secrets up when a
+    record holds values this process never had."""
+    own = {name: value for name, value in extra.items() if isinstance(value, str)}
+    return ChainMap(own, os.environ)
+
+
 def _secret_values(environ: Mapping[str, str]) -> tuple[str, ...]:
     """The values of the secret variables of ``environ`` worth looking for in text, the
     longest first (so a value containing another is replaced whole)."""
@@ -120,8 +129,12 @@ def _values_pattern(values: tuple[str, ...]) -> re.Pattern[str]:
     return re.compile("|".join(re.escape(v) for v in values))
 
 
-# scheme://userinfo@ - up to the last "@" before the path (a password may hold an "@").
-_URL_USERINFO = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*://)[^/\s\"'<>]*@")
+# scheme://userinfo@ - user:password up to the last "@" of the word (an AWS secret key
+# holds "/" and "+", a password an "@", unencoded), else a user (a token) before the path.
+# A scheme starts where a run of scheme characters does: linear in a long run of them.
+_URL_USERINFO = re.compile(
+    r"((?<![A-Za-z0-9+.-])[A-Za-z][A-Za-z0-9+.-]*://)(?:[^/\s\"'<>:@]*:[^\s\"'<>]*|[^/\s\"'<>]*)@"
+)
 # "name": "value" and 'name': 'value' (JSON, a Python dict's repr).
 _QUOTED_PAIR = re.compile(
     r"(?P<q>[\"'])(?P<name>[^\"'\\\n]{1,128})(?P=q)(?P<sep>\s*:\s*)"
@@ -156,7 +169,7 @@ def _quoted_pair(match: re.Match[str]) -> str:
 
 def has_url_credentials(text: str) -> bool:
     """Whether ``text`` holds a URL with user information (``scheme://user:pass@host``)."""
-    return _URL_USERINFO.search(text) is not None
+    return "://" in text and _URL_USERINFO.search(text) is not None
 
 
 def redact_text(text: str, environ: Mapping[str, str] | None = None) -> str:
@@ -167,7 +180,7 @@ def redact_text(text: str, environ: Mapping[str, str] | None = None) -> str:
     """
     if not text:
         return text
-    out = _URL_USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", text)
+    out = _URL_USERINFO.sub(lambda m: f"{m.group(1)}{REDACTED}@", text) if "://" in text else text
     if "=" in out or ":" in out:
         out = _QUOTED_PAIR.sub(_quoted_pair, out)
         out = _ASSIGNMENT.sub(_named_value, out)
@@ -200,24 +213,27 @@ def redact_argv(argv: Iterable[str], environ: Mapping[str, str] | None = None) -
     return out
 
 
-def redact_config(value: Any, environ: Mapping[str, str] | None = None) -> Any:
+def redact_config(
+    value: Any, environ: Mapping[str, str] | None = None, *, by_key: bool = True
+) -> Any:
     """JSON-like data (dicts, lists, strings, numbers) with secrets redacted: every string
     under a key with a secret name is `REDACTED` (numbers and booleans are kept: vLLM's
     ``hf_token: true`` says "use the cached token"), a list of strings is redacted as a
-    command line (`redact_argv`), any other string as free text (`redact_text`)."""
-    env = _environ(environ)
-    return _redact_tree(value, env, secret=False)
+    command line (`redact_argv`), any other string as free text (`redact_text`).
+    ``by_key=False`` leaves keys out of it, for output whose keys name no variable (the
+    command line's ``private_key`` is the key file's path)."""
+    return _redact_tree(value, _environ(environ), secret=False, by_key=by_key)
 
 
-def _redact_tree(value: Any, env: Mapping[str, str], *, secret: bool) -> Any:
+def _redact_tree(value: Any, env: Mapping[str, str], *, secret: bool, by_key: bool) -> Any:
     if isinstance(value, Mapping):
-        return {key: _redact_tree(item, env,
-                                  secret=secret or (isinstance(key, str) and is_secret_name(key)))
+        return {key: _redact_tree(item, env, by_key=by_key, secret=secret or (
+                    by_key and isinstance(key, str) and is_secret_name(key)))
                 for key, item in value.items()}  # fmt: skip
     if isinstance(value, list | tuple):
         if not secret and all(isinstance(item, str) for item in value):
             return redact_argv(value, env)
-        return [_redact_tree(item, env, secret=secret) for item in value]
+        return [_redact_tree(item, env, secret=secret, by_key=by_key) for item in value]
     if isinstance(value, str):
         return (REDACTED if value else value) if secret else redact_text(value, env)
     return value
@@ -229,18 +245,20 @@ def redact_environment(
 ) -> dict[str, str]: ...
 @overload
 def redact_environment(
-    mapping: Mapping[str, str | None], environ: Mapping[str, str] | None = None
-) -> dict[str, str | None]: ...
+    mapping: Mapping[str, str] | Mapping[str, str | None],
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]: ...
 def redact_environment(
-    mapping: Mapping[str, str | None], environ: Mapping[str, str] | None = None
-) -> dict[str, str | None]:
+    mapping: Mapping[str, str] | Mapping[str, str | None],
+    environ: Mapping[str, str] | None = None,
+) -> dict[str, Any]:
     """Environment variables as they may be written: the value of a secret variable is
     `REDACTED` (its name is kept; an unset or empty value stays as it is), any other value
     is cleaned as free text against the secrets of ``mapping`` and ``environ`` (default:
     this process's environment)."""
     own = {name: value for name, value in mapping.items() if isinstance(value, str)}
-    env = ChainMap(own, dict(_environ(environ)))
-    out: dict[str, str | None] = {}
+    env = ChainMap(own, _environ(environ))  # type: ignore[arg-type]
+    out: dict[str, Any] = {}
     for name, value in mapping.items():
         if not value:
             out[name] = value

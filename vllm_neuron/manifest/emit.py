@@ -2,8 +2,9 @@
 
 Run once per engine after warm-up by ``local_rank == 0``: group the ledger lines of this
 run by key (accumulating the global ranks that traced each graph), enrich each graph from
-its compile-cache entry, join the config and the environment, write
-``<prefix>/manifest.json`` atomically, then remove this engine's ledger directory only.
+its compile-cache entry, join the config and the environment (both with every secret
+redacted: `redacted_config`), write ``<prefix>/manifest.json`` atomically, then remove this
+engine's ledger directory only.
 
 A manifest lists what this run compiled. Segments under the prefix from other runs (a
 server killed before its emit leaves its segments behind; so does a version of this
@@ -30,7 +31,7 @@ from vllm_neuron.backends.records import Document, RecordCodec
 from vllm_neuron.compile.entry import ENTRY_RECORD, ENTRY_SCHEMA_VERSION, ENTRY_TAG
 from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
 from vllm_neuron.compile.toolchains.neuron import parse_hlo_entry_result_shapes
-from vllm_neuron.envs import manifest_settings
+from vllm_neuron.envs import manifest_settings, redact_config, redact_text
 from vllm_neuron.identity import get_server_prefix
 
 from .fold import FoldedGraph, fold_ledger
@@ -50,6 +51,21 @@ def environment_snapshot() -> dict[str, str]:
         if name:
             versions[str(name).lower()] = str(dist.version)
     return {"python": platform.python_version(), **dict(sorted(versions.items()))}
+
+
+def redacted_config(config: ManifestConfig) -> ManifestConfig:
+    """``config`` with every secret redacted (`vllm_neuron.envs.secrets`): vLLM's resolved
+    config carries ``hf_token`` and whatever the user put in ``model_loader_extra_config``
+    or a connector's extra config, and a manifest is copied around a fleet."""
+    return msgspec.convert(redact_config(msgspec.to_builtins(config)), ManifestConfig)
+
+
+def redacted_environment(environment: Mapping[str, str]) -> dict[str, str]:
+    """The manifest's ``environment`` with secret values redacted. Its keys are
+    distribution names, not variables, so they are not judged by name (``google-auth``
+    keeps its version); every value is cleaned as free text (`redact_text`): the value of
+    a secret variable of this process, a URL's credentials."""
+    return {name: redact_text(value) for name, value in environment.items()}
 
 
 def _iso(mtime: float) -> str:
@@ -205,9 +221,11 @@ def emit_manifest(
             "; ".join(problems[:3]),
         )
     manifest = Manifest(
-        config=config,
+        config=redacted_config(config),
         graphs=enriched,
-        environment=dict(environment if environment is not None else environment_snapshot()),
+        environment=redacted_environment(
+            environment if environment is not None else environment_snapshot()
+        ),
         pieces=summarize_pieces(enriched) or msgspec.UNSET,
     )
     fault_point("emit.before-write")

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_neuron.backends import EventLog, Record, Store, encode_into, fault_point, join, open_store
-from vllm_neuron.envs import run_id
+from vllm_neuron.envs import redact_argv, run_id
 from vllm_neuron.identity import get_server_prefix
 
 from .schema import Piece
@@ -108,15 +108,18 @@ def _is_machine_path(value: str) -> bool:
 
 
 def sanitize_compiler_flags(flags: Sequence[str] | str) -> str:
-    """The flags as one string, with machine-specific paths removed (memoised: a process
-    compiles many graphs with the same flags, and this runs on every ledger line)."""
+    """The flags as one string, with machine-specific paths and secrets removed (memoised:
+    a process compiles many graphs with the same flags, and this runs on every ledger
+    line)."""
     return _sanitize(flags if isinstance(flags, str) else tuple(str(f) for f in flags))
 
 
 @functools.lru_cache(maxsize=256)
 def _sanitize(flags: str | tuple[str, ...]) -> str:
     """A flag whose value is an absolute path (``--logfile=/tmp/x`` or ``--workdir /tmp/x``)
-    is dropped with its value; a bare absolute path argument is dropped.
+    is dropped with its value; a bare absolute path argument is dropped. What is left is
+    redacted as a command line (`redact_argv`): the flags come from ``NEURON_CC_FLAGS`` and
+    reach the manifest, which must hold no secret.
     """
     tokens = flags.split() if isinstance(flags, str) else [str(t) for t in flags]
     out: list[str] = []
@@ -135,7 +138,7 @@ def _sanitize(flags: str | tuple[str, ...]) -> str:
             continue
         out.append(token)
         i += 1
-    return " ".join(out)
+    return " ".join(redact_argv(out))
 
 
 class LedgerWriter:

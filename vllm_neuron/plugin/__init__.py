@@ -36,6 +36,7 @@ from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
 from vllm_neuron.dynamo_backend import register_backend
 from vllm_neuron.envs import (
     ConfigError,
+    RedactingFilter,
     check_snapshot_root,
     compile_cache_settings,
     fault_settings,
@@ -140,7 +141,8 @@ def _show_logs() -> None:
     """Make this package's INFO lines visible in the server log, like vLLM's own.
 
     vLLM configures only its own ``vllm`` logger; without a handler ours would print
-    warnings only (through logging's last-resort handler).
+    warnings only (through logging's last-resort handler). The handler redacts secrets
+    (`RedactingFilter`): a line of ours may quote a URL or a command line.
     """
     pkg = logging.getLogger("vllm_neuron")
     if pkg.handlers or logging.getLogger().handlers:
@@ -150,6 +152,7 @@ def _show_logs() -> None:
         logging.Formatter("(pid=%(process)d) %(levelname)s %(asctime)s [%(name)s] %(message)s",
                           datefmt="%m-%d %H:%M:%S")
     )
+    handler.addFilter(RedactingFilter())
     pkg.addHandler(handler)
     pkg.setLevel(logging.INFO)
     pkg.propagate = False

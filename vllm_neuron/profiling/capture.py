@@ -16,6 +16,11 @@ The order is the contract:
    and the validation result. A second Ctrl-C during that block is ignored, so a capture
    cannot leak a device-holding server by being interrupted twice.
 
+Secrets (`vllm_neuron.envs.secrets`) are redacted from everything the capture writes: the
+run spec and the manifest when they are encoded, its own log lines (`run_capture`'s
+``say``) and an error that quotes the server's log. The server's own ``logs/serve.log`` is
+the server's output, written by it directly, and is not rewritten.
+
 The run directory is a store, and the capture reads, lists and moves its files through it.
 The two directories another program writes its own files into, the profiler's ``output/``
 and the server's ``logs/``, are handed out by the store's door (`Store.local_output`) for as
@@ -36,7 +41,7 @@ import msgspec
 
 from vllm_neuron.backends import open_store
 from vllm_neuron.backends.writable import directory_problem, free_bytes, mib
-from vllm_neuron.envs import load_profiling_settings
+from vllm_neuron.envs import environment_with, load_profiling_settings, redact_text
 from vllm_neuron.version import __version__
 
 from . import artifacts as artifacts_mod
@@ -367,7 +372,8 @@ class _Run:
 
     def fail(self, status: str, error: str) -> None:
         self.status = status
-        self.error = error
+        # The error may quote the server's log, which may echo the server's own secrets.
+        self.error = redact_text(error, environment_with(self.serve_config.env))
         self.failed_stage = self.stage
 
 
@@ -379,7 +385,13 @@ def run_capture(
     opts: CaptureOptions, *, log: Callable[[str], None] | None = None
 ) -> CaptureResult:
     """Run one capture; always returns with a manifest written (see the module docstring)."""
-    say = log or (lambda msg: print(f"vllm-neuron profile: {msg}", file=sys.stderr, flush=True))
+    emit = log or (lambda msg: print(f"vllm-neuron profile: {msg}", file=sys.stderr, flush=True))
+    secrets = environment_with(opts.server_env)
+
+    def say(msg: str) -> None:
+        """Every line of ours (the server's command line among them) without secrets."""
+        emit(redact_text(msg, secrets))
+
     run = _Run(opts, say)
     say(f"run directory {run.layout.run_dir} (profiler {run.profiler})")
     exit_code = EXIT_FAILED

@@ -42,6 +42,7 @@ import msgspec
 
 from vllm_neuron.backends import Store, local_path_of, register_upcaster
 from vllm_neuron.backends.records import Document, RecordCodec, encode_document
+from vllm_neuron.envs import redact_config
 
 from .artifacts import NEURON, ProfileArtifacts
 from .layout import MANIFEST_FILE, OUTPUT_DIR, RUN_SPEC_FILE, SERVE_LOG
@@ -205,7 +206,10 @@ def with_location(manifest: ProfileManifest, run_dir: str) -> ProfileManifest:
 
 
 def encode_manifest(value: ProfileManifest) -> bytes:
-    return encode_document(value)
+    """The record as ``manifest.json`` holds it, every secret redacted
+    (`vllm_neuron.envs.secrets`): an error quotes the server's log, a fallback its connector
+    config, and either may carry a credential."""
+    return encode_document(redact_config(msgspec.to_builtins(value)))
 
 
 _MANIFESTS = RecordCodec(ProfileManifest)

@@ -7,6 +7,10 @@ ran. The decode-only fallback's KV-transfer connector is recorded next to it
 (``kv_transfer``), never merged into it, so a drift check still sees the pinned serving
 configuration served unmodified.
 
+What is written holds no secret (`encode_run_spec`): the values of credentials in
+``serve_config`` (its ``env``, ``extra_args``, ``model``), ``model_env`` and the launch's
+``argv`` are ``<redacted>``, their names kept.
+
 `RunSpec` is a `Document` of the record layer: the guide fixes ``schema_version`` as its
 version field, and a later version is read by an upcaster registered for ``RUN_SPEC_TAG``.
 """
@@ -23,6 +27,7 @@ import msgspec
 
 from vllm_neuron.backends import Store
 from vllm_neuron.backends.records import Document, RecordCodec, encode_document
+from vllm_neuron.envs import environment_with, redact_config
 
 from .artifacts import NEURON, TORCH
 from .layout import RUN_SPEC_FILE
@@ -215,7 +220,8 @@ def serve_command(cfg: ServeConfig, kv_transfer: KVTransfer | None = None) -> li
 def snapshot_model_env(
     names: Iterable[str], environ: Mapping[str, str] | None = None
 ) -> dict[str, str | None]:
-    """The launch-time values of the declared variables (null when unset)."""
+    """The launch-time values of the declared variables (null when unset); a secret's
+    value is redacted when the spec is written (`encode_run_spec`)."""
     env = os.environ if environ is None else environ
     return {name: env.get(name) for name in sorted(set(names))}
 
@@ -225,7 +231,13 @@ def utc_now() -> str:
 
 
 def encode_run_spec(value: RunSpec) -> bytes:
-    return encode_document(value)
+    """The spec as ``run_spec.json`` holds it: with every secret redacted
+    (`vllm_neuron.envs.secrets`). A server's command line and environment are where
+    credentials are passed (``--hf-token``, ``--server-env HF_TOKEN=...``, a URL with
+    ``user:pass@``), and ``model_env`` may name any variable; the names are kept, the values
+    become ``<redacted>``, looked up in this process's environment and the server's own."""
+    secrets = environment_with({**value.serve_config.env, **value.model_env})
+    return encode_document(redact_config(msgspec.to_builtins(value), secrets))
 
 
 _RUN_SPECS = RecordCodec(RunSpec)

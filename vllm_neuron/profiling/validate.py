@@ -100,7 +100,7 @@ def _seed_shaped(data: bytes) -> bool:
         raw = json.loads(data)
     except ValueError:
         return False
-    return isinstance(raw, dict) and SEED_RUN_SPEC_KEYS <= raw.keys()
+    return isinstance(raw, dict) and raw.keys() >= SEED_RUN_SPEC_KEYS
 
 
 def validate_run(run_dir: str) -> ValidationReport:
