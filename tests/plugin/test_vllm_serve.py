@@ -69,6 +69,16 @@ CAPTURE = {SNAP + "ENABLE": "1", SNAP + "CAPTURE_REQUEST": f"chatcmpl-{SNAPPED_I
            SNAP + "MAX_CAPTURES": "64"}  # fmt: skip
 
 
+CANARY_CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "AKIACANARY7F3E9A21B4",
+    "AWS_SECRET_ACCESS_KEY": "canary-aws-secret-3f9c1e7d2b8a",
+    "AWS_SESSION_TOKEN": "canary-aws-session-9d2e4f6a8c1b",
+    "HF_TOKEN": "hf_canaryB7d4E9f2A6c1",
+    "HUGGING_FACE_HUB_TOKEN": "hf_canaryHub5C8e1D3f7",
+    "MY_SERVICE_PASSWORD": "canary-password-6e2a9c4f",
+}
+
+
 @dataclass
 class Node:
     """One "node": its cache root, and what each run on it did to the cache."""
@@ -249,8 +259,12 @@ def node_c(vllm_python: Path, tiny_model: str, work: Path,
            s3_remote: tuple[str, str]) -> ServerRun:
     url, endpoint = s3_remote
     node = Node(work / "node-c")
+    # A canary in every credential variable (moto accepts any credentials); the manifest
+    # and snapshots on: test_no_credential_reaches_a_file looks for them in every file.
     env = node.env("node-c", NEURON_LIBTORCH_REMOTE_CACHE=url, AWS_ENDPOINT_URL=endpoint,
-                   VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")
+                   VLLM_NEURON_DISABLE_WARMUP_COMPILE="1",
+                   VLLM_NEURON_MANIFEST_DIR=str(node.root / "manifests"), **CAPTURE,
+                   **CANARY_CREDENTIALS)
     run = run_server("node-c", vllm_python, tiny_model, work, env, extra_args=DTYPE,
                      requests=REQUESTS)
     run.extra["stats"] = delta(node.stats(), CacheStats())
@@ -306,6 +320,17 @@ def test_precompiled_only_node_fetches_everything_from_s3(
     assert {c[2] for c in calls} == {"remote"}
     stats = node_c.extra["stats"]
     assert stats["compiles"] == 0 and stats["fetches"] == len(calls)
+
+
+def test_no_credential_reaches_a_file(node_c: ServerRun, work: Path) -> None:
+    """Every file the node's run wrote - its cache tier and events, the manifest, the
+    snapshot bundles, the server's log - holds none of the canary credentials it ran with."""
+    written = [p for p in (work / "node-c").rglob("*") if p.is_file()] + [node_c.log_path]
+    assert any(p.name == "manifest.json" for p in written)
+    assert any(p.name == "meta.json" for p in written)  # a captured bundle
+    found = [(str(p), name) for p in written for name, value in CANARY_CREDENTIALS.items()
+             if value.encode() in p.read_bytes()]
+    assert not found, found
 
 
 def test_outputs_equal_the_stock_cpu_platform(
