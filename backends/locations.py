@@ -85,6 +85,13 @@ def check_location(location: str | os.PathLike[str]) -> str:
     """
     location = _check_location(location, "check_location")
     name, rest = split_location(location)
+    if is_url(location) and "@" in rest.split("/", 1)[0]:
+        # Credentials in a URL end up wherever the URL is recorded (events, logs, reports);
+        # every backend takes them from its environment instead (AWS_*, a profile).
+        raise InvalidLocation(
+            f"{name}://<user information>@...: a store URL with credentials in it is refused; "
+            "give credentials through the environment (AWS_ACCESS_KEY_ID, AWS_PROFILE, ...)"
+        )
     scheme = scheme_named(name)
     if scheme is None:
         raise UnknownScheme(

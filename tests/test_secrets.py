@@ -390,3 +390,19 @@ def test_the_command_line_prints_no_secret(tmp_path: Path, canaries: None,
 def test_the_report_page_shows_no_secret(canaries: None) -> None:
     page = esc(f"model s3://AK:{AWS}@bucket/m, error: token {HF}")
     assert page == f"model s3://{esc(REDACTED)}@bucket/m, error: token {esc(REDACTED)}"
+
+
+def test_a_store_url_with_credentials_is_refused_anywhere_without_echoing_them() -> None:
+    """On the command line too (not only in settings): the URL would end up in events."""
+    import subprocess
+    import sys
+
+    from vllm_neuron.backends import InvalidLocation, check_location
+
+    with pytest.raises(InvalidLocation, match="credentials in it is refused"):
+        check_location("s3://AKIAXYZ:canary-cli-secret-77@bucket/cache")
+    done = subprocess.run([sys.executable, "-m", "vllm_neuron.cli", "cache", "ls",
+                           "s3://AKIAXYZ:canary-cli-secret-77@bucket/cache"],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2 and "credentials in it is refused" in done.stderr
+    assert "canary-cli-secret-77" not in done.stderr + done.stdout
