@@ -108,11 +108,7 @@ class RemoteSingleFlight:
         next_lease_try = 0.0  # monotonic; the lease is asked again only once it may be free
         while True:
             try:
-                since = min(started, time.time() - self.retry_after)
-                note = recent_failure(remote, key, since=since)
-                if note is not None:
-                    self._waited(key, wait_start, waited, "failed-elsewhere")
-                    raise FleetCompileError(failure_message(key, note, remote))
+                self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
                 if time.monotonic() >= next_lease_try:
                     lease.acquire(timeout=0)
                     break
@@ -186,11 +182,7 @@ class RemoteSingleFlight:
         delay = 0.05
         while True:
             try:
-                since = min(started, time.time() - self.retry_after)
-                note = recent_failure(remote, key, since=since)
-                if note is not None:
-                    self._waited(key, wait_start, waited, "failed-elsewhere")
-                    raise FleetCompileError(failure_message(key, note, remote))
+                self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
                 busy = lease.busy()
             except FleetCompileError:
                 raise
@@ -214,6 +206,16 @@ class RemoteSingleFlight:
             delay = min(delay * 1.5, MAX_POLL_INTERVAL)
 
     # ---------------------------------------------------------------- parts
+    def _raise_if_failed_elsewhere(self, remote: Store, key: str, started: float,
+                                   wait_start: float, waited: bool) -> None:  # fmt: skip
+        """`FleetCompileError` when a compile of `key` failed in the fleet during this wait
+        (or within `retry_after`): every waiter raises it at once, not at its timeout."""
+        since = min(started, time.time() - self.retry_after)
+        note = recent_failure(remote, key, since=since)
+        if note is not None:
+            self._waited(key, wait_start, waited, "failed-elsewhere")
+            raise FleetCompileError(failure_message(key, note, remote))
+
     def _waited(self, key: str, since: float, waited: bool, outcome: str) -> None:
         if waited:
             self._record(LeaseWaited(key=key, at=time.time(),
