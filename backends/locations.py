@@ -85,7 +85,7 @@ def check_location(location: str | os.PathLike[str]) -> str:
     """
     location = _check_location(location, "check_location")
     name, rest = split_location(location)
-    if is_url(location) and "@" in rest.split("/", 1)[0]:
+    if is_url(location) and _has_user_information(rest):
         # Credentials in a URL end up wherever the URL is recorded (events, logs, reports);
         # every backend takes them from its environment instead (AWS_*, a profile).
         raise InvalidLocation(
@@ -101,6 +101,17 @@ def check_location(location: str | os.PathLike[str]) -> str:
     if scheme.check is not None:
         scheme.check(location, rest)
     return location
+
+
+def _has_user_information(rest: str) -> bool:
+    """Whether a URL's part after ``scheme://`` starts with ``user[:password]@``: an ``@``
+    before any ``/`` (``s3://KEY:SECRET@bucket``), or after a ``user:`` whose password holds
+    a ``/`` (AWS secret keys often do: ``s3://KEY:ab/cd@bucket``). An ``@`` in a path
+    (``s3://bucket/x@y``) is a path."""
+    if "@" not in rest:
+        return False
+    before = rest.split("@", 1)[0]
+    return "/" not in before or ("/" not in before.split(":", 1)[0] and ":" in before)
 
 
 def absolute_path(path: str, home: str | None) -> str:

@@ -119,7 +119,7 @@ SECRET_NAMES = st.sampled_from(sorted(KNOWN_SECRET_NAMES) + ["MY_SERVICE_PASSWOR
 # A value overlapping the marker (a "<", a ">", or a piece of "<redacted>") could not be
 # told from it; no credential does, and a boolean word is not looked for in text.
 SECRET_VALUES = st.text(st.characters(blacklist_characters="<>", blacklist_categories=["Cs"]),
-                        min_size=4, max_size=40).filter(
+                        min_size=8, max_size=40).filter(
     lambda v: v not in REDACTED and v.lower() not in ("true", "false", "none", "null"))
 PLAIN = st.text(st.characters(whitelist_categories=["L", "N"], whitelist_characters=" _./,"),
                 max_size=60)
@@ -406,3 +406,10 @@ def test_a_store_url_with_credentials_is_refused_anywhere_without_echoing_them()
                           capture_output=True, text=True, timeout=120)  # fmt: skip
     assert done.returncode == 2 and "credentials in it is refused" in done.stderr
     assert "canary-cli-secret-77" not in done.stderr + done.stdout
+
+
+def test_a_short_placeholder_is_not_taken_for_a_secret_in_text() -> None:
+    """vLLM's usual OPENAI_API_KEY=EMPTY, or a 4-digit PIN, must not rewrite every EMPTY or
+    1234 in a report's numbers and a listing's keys."""
+    text = "EMPTY 1234 entries, 12345678 bytes"
+    assert redact_text(text, {"OPENAI_API_KEY": "EMPTY", "MY_PIN_PASSWORD": "1234"}) == text

@@ -202,11 +202,15 @@ def test_a_node_that_cannot_sign_neither_promotes_nor_leases(
         promote_entry(node.local, open_store(str(remote)), KEY, policy=node.trust)
 
 
-def test_off_ignores_signatures_and_a_key_still_signs(
+def test_a_builder_trusts_its_own_key_and_off_still_signs(
     tmp_path: Path, compile_fn: Any, keys: dict[str, Any]
 ) -> None:
-    policy = load_trust_policy(load_trust_settings(
+    alone = load_trust_policy(load_trust_settings(
         {"VLLM_NEURON_CACHE_SIGNING_KEY": keys["builder"][0]}))  # fmt: skip
+    assert alone.mode == "require" and list(alone.keys.keys) == [keys["builder"][2]]
+    policy = load_trust_policy(load_trust_settings(
+        {"VLLM_NEURON_CACHE_SIGNING_KEY": keys["builder"][0],
+         "VLLM_NEURON_CACHE_TRUST": "off"}))  # fmt: skip
     assert policy.mode == "off" and policy.may_publish_remote
     cache = TwoTierCache(str(tmp_path / "c"), trust=policy)
     cache.get_or_compile(KEY, compile_fn(KEY))
@@ -315,3 +319,31 @@ def test_the_report_shows_how_a_tiers_entries_are_signed(
     assert judged.returncode == 0, judged.stderr
     html = page.read_text()
     assert 'data-trust="trusted"' in html and 'data-trust="unsigned"' in html
+
+
+def test_a_local_entry_of_unknown_origin_is_judged_by_its_signature(
+    tmp_path: Path, compile_fn: Any, keys: dict[str, Any]
+) -> None:
+    """A record with neither ``compiled_on`` nor ``fetched`` (written by an older version or
+    another tool: perhaps fetched from a tampered remote) is trusted only if a trusted key
+    signed it, and is never re-signed by a promotion."""
+    tier = tmp_path / "node"
+    TwoTierCache(str(tier), trust=builder_policy(keys)).get_or_compile(KEY, compile_fn(KEY))
+    other = "6f" * 16
+    TwoTierCache(str(tier), trust=TrustPolicy()).get_or_compile(other, compile_fn(other))
+    for key in (KEY, other):  # as an older version wrote them
+        path = tier / key / ENTRY_RECORD
+        raw = json.loads(path.read_bytes())
+        raw.pop("compiled_on")
+        path.write_text(json.dumps(raw))
+    node = TwoTierCache(str(tier), trust=serving_policy(keys))
+    assert node.get_or_compile(KEY, compile_fn(KEY)).source == "local"  # signed: trusted
+    assert node.get_or_compile(other, compile_fn(other)).source == "compiled"  # refused
+    assert "compiled_on" in json.loads((tier / other / ENTRY_RECORD).read_bytes())
+    # A builder never signs such an entry for the fleet.
+    (tier / other / ENTRY_RECORD).write_text(json.dumps(
+        {k: v for k, v in json.loads((tier / other / ENTRY_RECORD).read_bytes()).items()
+         if k != "compiled_on"}))
+    with pytest.raises(CannotSign, match="origin is unknown"):
+        promote_entry(open_store(str(tier)), open_store(str(tmp_path / "remote")), other,
+                      policy=builder_policy(keys))

@@ -35,7 +35,7 @@ from vllm_neuron.compile.quarantine import quarantine_entry
 from vllm_neuron.compile.trust import signer_of
 from vllm_neuron.envs import compile_cache_settings, remote_cache_url
 
-from .cache_trust import trust_check, trusted_keys_option
+from .cache_trust import load_policy, trust_check, trusted_keys_option
 from .cache_warm import event_recorder, evicted_event, incompatible_here, manifest_keys
 from .format import human_age, human_size, print_json, table
 from .progress import ByteProgress, callback
@@ -152,13 +152,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     bad = [r for r in results if not r.ok]
     loads: dict[str, LoadCheck] = {}
     if args.load:  # this node's word only: reported, never quarantined for it
+        policy = load_policy(args)
         never_here = incompatible_here(store)  # another target or CPU: not this node's to say
         for r in results:
             if not r.ok:
                 continue
             why = never_here.get(r.key)
             loads[r.key] = (LoadCheck(None, f"cannot check here: {why}") if why
-                            else check_loads(store, r.key, own_tier=not args.url))  # fmt: skip
+                            else check_loads(store, r.key, policy=policy,
+                                             own_tier=not args.url))  # fmt: skip
     unloadable = [k for k, c in loads.items() if c.loads is False]
     trust = trust_check(args, store)
     untrusted = [] if trust is None else [r.key for r in results

@@ -22,14 +22,14 @@ from vllm_neuron.compile.signing import (
     load_public_keys,
     load_signer,
 )
-from vllm_neuron.compile.trust import judge_tier, sign_tier, trust_policy
+from vllm_neuron.compile.trust import TrustPolicy, judge_tier, sign_tier, trust_policy
 from vllm_neuron.envs import ConfigError
 from vllm_neuron.envs.trust import split_key_paths
 
 from .format import print_json
 from .tiers import tier
 
-__all__ = ["register", "trust_check", "trusted_keys_option"]
+__all__ = ["load_policy", "register", "trust_check", "trusted_keys_option"]
 
 
 def register(cmds: Any) -> None:
@@ -96,18 +96,29 @@ def cmd_sign(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _given_keys(args: argparse.Namespace) -> TrustedKeys | None:
+    if not args.trusted_keys:
+        return None
+    try:
+        return load_public_keys(split_key_paths(args.trusted_keys, {}))
+    except KeyProblem as exc:
+        raise ConfigError(f"--trusted-keys: {exc}") from None
+
+
+def load_policy(args: argparse.Namespace) -> TrustPolicy:
+    """The policy `cache verify --load` loads under: ``require`` with ``--trusted-keys``
+    when given (nothing they do not trust is ever loaded), else the process's."""
+    keys = _given_keys(args)
+    return trust_policy() if keys is None else TrustPolicy(mode="require", keys=keys)
+
+
 def trust_check(args: argparse.Namespace, store: Any) -> dict[str, Verdict] | None:
     """The verdict on each entry of ``store`` for `cache verify`: by ``--trusted-keys``, or
     the process's trusted keys when its policy is on; None when neither asks for it."""
-    keys: TrustedKeys
-    if args.trusted_keys:
-        try:
-            keys = load_public_keys(split_key_paths(args.trusted_keys, {}))
-        except KeyProblem as exc:
-            raise ConfigError(f"--trusted-keys: {exc}") from None
-    else:
+    keys = _given_keys(args)
+    if keys is None:
         policy = trust_policy()
         if not policy.checking:
             return None
         keys = policy.keys
-    return dict(judge_tier(store, keys))
+    return dict(judge_tier(store, keys, own_tier=not getattr(args, "url", None)))

@@ -16,11 +16,14 @@ import errno
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+import msgspec
 
 from vllm_neuron.backends import Record, Staging, Store, fault_point, open_store
 
@@ -112,6 +115,7 @@ def compile_and_publish(
             raise
         try:
             _write_signature(staging, record, sign)
+            record = _compiled_here(record)
             staging.write(ENTRY_RECORD, encode_record(record))
             fault_point("compile.record-written")
             staging.commit()
@@ -122,6 +126,12 @@ def compile_and_publish(
             raise LocalTierFault(_fault_reason(exc, local)) from exc
         fault_point("compile.published")
     return record, seconds
+
+
+def _compiled_here(record: EntryRecord) -> EntryRecord:
+    """The local tier's record of an entry this node compiled: ``compiled_on`` says it is
+    this node's own code (docs/trust.md), and is stripped when the entry is promoted."""
+    return msgspec.structs.replace(record, compiled_on=socket.gethostname())
 
 
 def _write_signature(staging: Staging, record: EntryRecord, sign: Signing | None) -> None:
@@ -153,7 +163,7 @@ def adopt_into_tier(local: Store, key: str, out_dir: str, record: EntryRecord,
             for name in record.files:
                 staging.put_file(name, os.path.join(out_dir, name))
             _write_signature(staging, record, sign)
-            staging.write(ENTRY_RECORD, encode_record(record))
+            staging.write(ENTRY_RECORD, encode_record(_compiled_here(record)))
             return bool(staging.commit())
         except OSError as exc:
             staging.abort()

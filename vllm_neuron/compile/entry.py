@@ -77,6 +77,9 @@ class EntryRecord(Document, frozen=True, kw_only=True, gc=False):
     # Only in a local tier's copy of a fetched entry; never written otherwise (UNSET fields
     # are left out of the encoding), and left out of what a signature covers.
     fetched: FetchedFrom | msgspec.UnsetType = msgspec.UNSET
+    # Only in a local tier's copy of an entry this node compiled (the host's name): its own
+    # code, trusted without a signature. Never leaves the node (a promotion strips it).
+    compiled_on: str | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def total_size(self) -> int:

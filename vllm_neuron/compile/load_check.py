@@ -55,7 +55,9 @@ def check_loads(store: Store, key: str, *, policy: TrustPolicy | None = None,
     ``own_tier``: ``store`` is this node's local tier (its own compiles need no signature)."""
     policy = trust_policy() if policy is None else policy
     try:
-        if store.local_dir_of(".staging") is not None:
+        if own_tier and store.local_dir_of(".staging") is not None:
+            # This node's own tier: loaded where it is. Any other tier (a remote folder
+            # too) is fetched first: judged, and every file verified as it is copied.
             why = refusal(policy, store, key, own_tier=own_tier)
             if why is not None:
                 return LoadCheck(None, f"not loaded: untrusted ({why})")

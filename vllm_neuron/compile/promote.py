@@ -47,13 +47,14 @@ from .entry import (
     EntryProblem,
     EntryRecord,
     check_checksums,
+    decode_record,
     encode_record,
     read_record,
 )
 from .events import EVENTS_STREAM, Promoted
 from .load_notes import forget_load_failures
 from .quarantine import quarantine_entry
-from .signing import SIGNATURE_FILE, decode_signature
+from .signing import SIGNATURE_FILE
 from .trust import TrustPolicy, trust_policy
 
 logger = logging.getLogger("vllm_neuron.compile")
@@ -85,21 +86,24 @@ class CannotSign(RuntimeError):
 
 def _signature_to_publish(local: Store, prefix: str, record: EntryRecord, key: str,
                           policy: TrustPolicy) -> bytes | None:  # fmt: skip
-    """The ``entry.sig`` the remote copy gets: this process's own when it signs, else the
-    local entry's as it is (None: unsigned, the trust policy being off)."""
+    """The ``entry.sig`` the remote copy gets: this process's own, made now, when it signs
+    (never over an entry it fetched without a signature its keys trust, whatever the
+    policy: it signs only what it built or trusts); else the local entry's as it is (None:
+    unsigned, the trust policy being off)."""
     existing = local.read(join(prefix, SIGNATURE_FILE))
     if policy.signer is None:
         return existing
-    if policy.checking:
-        verdict = policy.judge_local(record)
-        if verdict is not None and not verdict.trusted:
-            raise CannotSign(f"not promoting {key}: the local entry is untrusted "
-                             f"({verdict.reason}); this process signs only what it trusts")
-    try:
-        if existing is not None and decode_signature(existing).key_id == policy.signer.key_id:
-            return existing
-    except RecordError:
-        pass
+    fetched = record.fetched
+    if not isinstance(fetched, msgspec.UnsetType) and fetched.verified_by not in policy.keys.keys:
+        raise CannotSign(f"not promoting {key}: it was fetched from {fetched.remote} without a "
+                         "signature this process trusts; it signs only what it built or trusts")
+    if isinstance(fetched, msgspec.UnsetType) and isinstance(record.compiled_on,
+                                                             msgspec.UnsetType):
+        # Neither fetched nor compiled by this version: trusted only by its signature.
+        verdict = policy.judge(local.read(join(prefix, ENTRY_RECORD)) or b"", existing)
+        if not verdict.trusted:
+            raise CannotSign(f"not promoting {key}: the local entry's origin is unknown and it "
+                             f"is not signed by a trusted key ({verdict.reason})")
     return policy.signer.sign_bytes(record)
 
 
@@ -113,16 +117,17 @@ def _remote_problem(remote: Store, hash_key: str, there: Publication,
         return None
     if there.problem is not None or there.prefix is None:
         return str(there.problem)
+    record_bytes = remote.read(join(there.prefix, ENTRY_RECORD))  # read once: judged as read
+    if record_bytes is None:
+        return f"{remote.url}/{hash_key}: {ENTRY_RECORD} is missing"
     try:
-        found = read_record(remote, there.prefix)
-    except EntryProblem as exc:
-        return str(exc)
+        found = decode_record(record_bytes, source=f"{remote.url}/{hash_key}/{ENTRY_RECORD}")
+    except RecordError as exc:
+        return f"{exc.source} is unreadable: {exc.problem}"
     if found.key != hash_key:
         return f"{remote.url}/{hash_key}: record names key {found.key}"
     if policy.checking and policy.signer is not None:
-        record_bytes = remote.read(join(there.prefix, ENTRY_RECORD)) or b""
-        verdict = policy.judge(found, record_bytes,
-                               remote.read(join(there.prefix, SIGNATURE_FILE)))  # fmt: skip
+        verdict = policy.judge(record_bytes, remote.read(join(there.prefix, SIGNATURE_FILE)))
         if not verdict.trusted:
             return f"{remote.url}/{hash_key}: untrusted: {verdict.reason}"
     return None
@@ -167,13 +172,14 @@ def promote_entry(
         with remote.stage(hash_key) as staging:
             if signature is not None:
                 staging.write(SIGNATURE_FILE, signature)
-            if isinstance(record.fetched, msgspec.UnsetType):
-                copy_tree(local, prefix, staging, keys=[*record.files, ENTRY_RECORD],
-                          progress=progress)
-            else:  # this node's note of where it fetched the entry from is its own
-                copy_tree(local, prefix, staging, keys=[*record.files], progress=progress)
-                staging.write(ENTRY_RECORD, encode_record(
-                    msgspec.structs.replace(record, fetched=msgspec.UNSET)))
+            # The local record's notes of where the entry came from (fetched, compiled_on)
+            # are this node's own: the remote gets the record without them.
+            copy_tree(local, prefix, staging, keys=[*record.files, ENTRY_RECORD],
+                      progress=progress)
+            shared = msgspec.structs.replace(record, fetched=msgspec.UNSET,
+                                             compiled_on=msgspec.UNSET)  # fmt: skip
+            if shared != record:
+                staging.write(ENTRY_RECORD, encode_record(shared))
             fault_point("promote.uploaded")
             published = staging.commit()
         fault_point("promote.committed")

@@ -234,10 +234,13 @@ def fetch_entry(
     if record.key != key:
         raise PublicationProblem(f"{remote.url}/{key}: record names key {record.key}",
                                  version=found.version)  # fmt: skip
-    signature = remote.read(join(prefix, SIGNATURE_FILE))
+    try:
+        signature = remote.read(join(prefix, SIGNATURE_FILE))
+    except OSError:  # an unreadable signature is this entry's problem, not a remote outage
+        signature = b""
     verdict = None
     if policy is not None and policy.checking:
-        verdict = policy.judge(record, record_bytes, signature, source=f"{remote.url}/{key}")
+        verdict = policy.judge(record_bytes, signature, source=f"{remote.url}/{key}")
         if not verdict.trusted:
             admitted = (admit(verdict) if admit is not None
                         else policy.admits(key, remote.url, verdict, action="fetch"))  # fmt: skip

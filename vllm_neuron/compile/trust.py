@@ -23,9 +23,11 @@ compiled itself have no ``fetched``: they are this node's own code.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -113,16 +115,22 @@ class TrustPolicy:
         """``entry.sig``'s bytes for an entry this process publishes, or None (no key)."""
         return None if self.signer is None else self.signer.sign_bytes(record)
 
-    def judge(self, record: EntryRecord, record_bytes: bytes, signature: bytes | None,
-              *, source: str = "") -> Verdict:  # fmt: skip
-        """The verdict on an entry (remembered by its record's and signature's bytes: the
-        same entry is verified once per process)."""
+    def judge(self, record_bytes: bytes, signature: bytes | None, *, source: str = ""
+              ) -> Verdict:  # fmt: skip
+        """The verdict on the entry whose ``entry.json`` is ``record_bytes`` (decoded here,
+        so what is judged is exactly what is remembered: the same bytes are verified once
+        per process). A record that does not read is a bad signature's equal: untrusted."""
         cache_key = (record_bytes, signature or b"")
         known = self._verified.get(cache_key)
         if known is not None:
             return known
+        try:
+            record = decode_record(record_bytes, source=source or ENTRY_RECORD)
+        except RecordError as exc:
+            return Verdict("bad-signature", None, f"{ENTRY_RECORD} does not read: {exc.problem}")
         verdict = self.keys.judge(record, signature, source=source)
-        self._verified[cache_key] = verdict
+        with self._lock:
+            self._verified[cache_key] = verdict
         return verdict
 
     def admits(self, key: str, where: str, verdict: Verdict, *, action: str = "load") -> bool:
@@ -140,15 +148,25 @@ class TrustPolicy:
                            "signer)", key, where, verdict.reason, then)  # fmt: skip
         return not refused
 
-    def judge_local(self, record: EntryRecord) -> Verdict | None:
-        """Why a local entry is not trusted, or None when it is or needs no verdict: the
-        policy is off, the entry was compiled on this node (no ``fetched`` in its record:
-        this node's own code, whatever key, if any, signed it), or the key that verified it
-        when it was fetched is still trusted. On every local hit: a set lookup, nothing
-        more."""
-        fetched = record.fetched
-        if not self.checking or isinstance(fetched, msgspec.UnsetType):
+    def judge_local(self, record: EntryRecord, record_bytes: bytes,
+                    signature: Callable[[], bytes | None]) -> Verdict | None:  # fmt: skip
+        """Why a local entry is not trusted, or None when it is or needs no verdict.
+
+        - the policy is off: None;
+        - compiled on this node (``compiled_on`` in its local record): this node's own code;
+        - fetched (``fetched``): judged by the key that verified it then, by key id alone -
+          still trusted, or not (revoked, or never);
+        - neither (an entry written before trust, by an older version or another tool):
+          judged by its signature (``signature()`` reads ``entry.sig``), as a remote one.
+        Every hit of a new entry is a field test and at most a set lookup, no file read."""
+        if not self.checking:
             return None
+        fetched = record.fetched
+        if isinstance(fetched, msgspec.UnsetType):
+            if not isinstance(record.compiled_on, msgspec.UnsetType):
+                return None
+            verdict = self.judge(record_bytes, signature())
+            return None if verdict.trusted else verdict
         key_id = fetched.verified_by
         if key_id in self.keys.keys:
             return None
@@ -167,9 +185,14 @@ def refusal(policy: TrustPolicy, store: Store, key: str, *, own_tier: bool) -> s
     data = None if prefix is None else store.read(join(prefix, ENTRY_RECORD))
     if not policy.requires or prefix is None or data is None:
         return None
-    record = decode_record(data)
-    verdict = (policy.judge_local(record) if own_tier
-               else policy.judge(record, data, store.read(join(prefix, SIGNATURE_FILE))))
+    signature = lambda: store.read(join(prefix, SIGNATURE_FILE))  # noqa: E731
+    if own_tier:
+        try:
+            verdict = policy.judge_local(decode_record(data), data, signature)
+        except RecordError as exc:
+            return f"{ENTRY_RECORD} does not read: {exc.problem}"
+    else:
+        verdict = policy.judge(data, signature())
     return None if verdict is None or verdict.trusted else verdict.reason
 
 
@@ -186,6 +209,8 @@ def load_trust_policy(settings: TrustSettings) -> TrustPolicy:
         keys = load_public_keys(settings.trusted_keys)
     except KeyProblem as exc:
         raise ConfigError(f"{VLLM_NEURON_CACHE_TRUSTED_KEYS}: {exc}") from None
+    if signer is not None and signer.key_id not in keys.keys:
+        keys.keys[signer.key_id] = signer.public_key  # a builder trusts what it signs
     return TrustPolicy(mode=settings.mode, keys=keys, signer=signer)
 
 
@@ -225,8 +250,16 @@ def signer_of(store: Store, key: str) -> str | None:
         return None
 
 
-def judge_tier(store: Store, keys: TrustedKeys) -> list[tuple[str, Verdict]]:
-    """Every published entry of ``store`` whose record reads, judged by ``keys``."""
+def _given(value: bytes | None) -> bytes | None:
+    return value
+
+
+def judge_tier(store: Store, keys: TrustedKeys, *, own_tier: bool = False
+               ) -> list[tuple[str, Verdict]]:  # fmt: skip
+    """Every published entry of ``store`` whose record reads, judged by ``keys``: by its
+    signature, or - ``own_tier``, this node's local tier - as a hit judges it
+    (`TrustPolicy.judge_local`: its own compiles need no signature)."""
+    local = TrustPolicy(mode="require", keys=keys) if own_tier else None
     out = []
     for key in store.published_children(""):
         prefix = store.published(key) if KEY_RE.fullmatch(key) else None
@@ -238,6 +271,11 @@ def judge_tier(store: Store, keys: TrustedKeys) -> list[tuple[str, Verdict]]:
         except RecordError:
             continue  # `cache verify` reports it as corrupt
         signature = store.read(join(prefix, SIGNATURE_FILE))
+        if local is not None:
+            verdict = local.judge_local(record, data, functools.partial(_given, signature))
+            out.append((key, verdict or Verdict("trusted", None, "this node's own, or "
+                                                "signed by a trusted key")))  # fmt: skip
+            continue
         out.append((key, keys.judge(record, signature, source=f"{store.url}/{key}")))
     return out
 

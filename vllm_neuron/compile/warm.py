@@ -27,7 +27,7 @@ from .events import Fetched
 from .inventory import KEY_RE, check_entry
 from .quarantine import quarantine_entry
 from .remote_tier import fetch_entry
-from .trust import TrustPolicy, UntrustedEntry, trust_policy
+from .trust import TrustPolicy, UntrustedEntry, refusal, trust_policy
 
 DEFAULT_JOBS = 4
 """Entries fetched at once by `vllm-neuron cache warm` (each copies its files in parallel
@@ -90,7 +90,8 @@ def warm_keys(
     for key in unique_keys(keys):
         if not KEY_RE.fullmatch(key):
             result.missing.append(key)  # never a cache key: no tier can hold it
-        elif check_entry(local, key, full=False).ok:
+        elif check_entry(local, key, full=False).ok and refusal(policy, local, key,
+                                                                  own_tier=True) is None:
             result.present.append(key)
         else:
             wanted.append(key)
@@ -119,12 +120,14 @@ def warm_keys(
         try:
             with local.lock(key, timeout=lock_timeout):
                 judged = check_entry(local, key, full=False)
-                if judged.ok:  # another process of the node fetched or compiled it
+                refused = refusal(policy, local, key, own_tier=True) if judged.ok else None
+                if judged.ok and refused is None:  # another process fetched or compiled it
                     with guard:
                         result.present.append(key)
                     return
-                if local.publication(key).state != "absent":  # defective: make room
-                    quarantine_entry(local, key, str(judged.problem), version=judged.version)
+                if local.publication(key).state != "absent":  # defective or untrusted
+                    why = f"untrusted: {refused}" if judged.ok else str(judged.problem)
+                    quarantine_entry(local, key, why, version=judged.version)
                 entry = fetch_entry(remote, key, local, policy=policy,
                                     progress=None if on_bytes is None else landed)
         except UntrustedEntry as exc:

@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 REDACTED = "<redacted>"
-MIN_SECRET_LENGTH = 4
+MIN_SECRET_LENGTH = 8  # shorter values (EMPTY, 1234) are placeholders, and common text
 
 KNOWN_SECRET_NAMES: frozenset[str] = frozenset({
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN",

@@ -51,7 +51,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         VLLM_NEURON_CACHE_TRUST,
-        "require when trusted keys are set, else off",
+        "require when trusted keys or a signing key are set, else off",
         "compile cache",
         "off | warn | require. require: an entry not signed by a trusted key is never "
         "loaded or copied (a miss); warn: it is loaded, with a warning; off: signatures are "
@@ -88,14 +88,14 @@ def load_trust_settings(environ: Mapping[str, str] | None = None) -> TrustSettin
         value = env[VLLM_NEURON_CACHE_TRUSTED_KEYS]
         raise ConfigError(f"{VLLM_NEURON_CACHE_TRUSTED_KEYS}={value!r} names no key file")
     mode_raw = raw(env, VLLM_NEURON_CACHE_TRUST)
-    if mode_raw is None:
-        mode: TrustMode = "require" if trusted else "off"
+    if mode_raw is None:  # a builder (a signing key) trusts at least its own key
+        mode: TrustMode = "require" if trusted or signing is not None else "off"
     elif mode_raw.lower() in TRUST_MODES:
         mode = cast(TrustMode, mode_raw.lower())
     else:
         raise ConfigError(f"{VLLM_NEURON_CACHE_TRUST}={env[VLLM_NEURON_CACHE_TRUST]!r} is not one "
                           f"of {', '.join(TRUST_MODES)}")  # fmt: skip
-    if mode != "off" and not trusted:
+    if mode != "off" and not trusted and signing is None:
         raise ConfigError(
             f"{VLLM_NEURON_CACHE_TRUST}={mode} needs {VLLM_NEURON_CACHE_TRUSTED_KEYS} (the "
             "public keys of the builders to trust); none is set"
