@@ -35,7 +35,6 @@ from vllm_neuron.backends import (
     LockTimeout,
     Record,
     Store,
-    join,
     normalize_location,
     open_store,
     validate_hex,
@@ -71,7 +70,7 @@ from .outcomes import CacheResult, CompileError, PrecompiledOnlyMiss, RemoteWrit
 from .promote import promote_entry
 from .quarantine import PublicationProblem, quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
-from .signing import SIGNATURE_FILE, Verdict
+from .signing import Verdict
 from .tier_health import (
     LOCAL_DISK_FULL_OR_READ_ONLY,
     LocalTierFault,
@@ -212,8 +211,9 @@ class TwoTierCache:
                     raise EntryProblem(f"{self.local_dir}/{key}: record names key {record.key}")
                 self._decoded[key] = (data, record)
             local.check_sizes(prefix, record.files)
-            verdict = self.trust.judge_local(
-                record, data, lambda: local.read(join(prefix, SIGNATURE_FILE)))
+            trust = self.trust
+            verdict = None if trust.mode == "off" else trust.judge_local(record, data, local,
+                                                                         prefix)
         except Exception as exc:  # noqa: BLE001 - any defect is a miss (plus a quarantine)
             if quarantine:
                 self.quarantine(local, key, str(exc), tier="local")

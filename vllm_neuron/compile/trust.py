@@ -23,11 +23,9 @@ compiled itself have no ``fetched``: they are this node's own code.
 
 from __future__ import annotations
 
-import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -148,8 +146,8 @@ class TrustPolicy:
                            "signer)", key, where, verdict.reason, then)  # fmt: skip
         return not refused
 
-    def judge_local(self, record: EntryRecord, record_bytes: bytes,
-                    signature: Callable[[], bytes | None]) -> Verdict | None:  # fmt: skip
+    def judge_local(self, record: EntryRecord, record_bytes: bytes, store: Store,
+                    prefix: str) -> Verdict | None:  # fmt: skip
         """Why a local entry is not trusted, or None when it is or needs no verdict.
 
         - the policy is off: None;
@@ -157,24 +155,24 @@ class TrustPolicy:
         - fetched (``fetched``): judged by the key that verified it then, by key id alone -
           still trusted, or not (revoked, or never);
         - neither (an entry written before trust, by an older version or another tool):
-          judged by its signature (``signature()`` reads ``entry.sig``), as a remote one.
+          judged by its signature (``entry.sig`` under ``prefix`` in ``store``), as a
+          remote one.
         Every hit of a new entry is a field test and at most a set lookup, no file read."""
-        if not self.checking:
-            return None
         fetched = record.fetched
-        if isinstance(fetched, msgspec.UnsetType):
-            if not isinstance(record.compiled_on, msgspec.UnsetType):
+        if fetched.__class__ is FetchedFrom:  # the hot case first: a fetched entry
+            key_id = fetched.verified_by
+            if key_id in self.keys.keys or self.mode == "off":
                 return None
-            verdict = self.judge(record_bytes, signature())
-            return None if verdict.trusted else verdict
-        key_id = fetched.verified_by
-        if key_id in self.keys.keys:
-            return None
-        if key_id is None:
-            return Verdict("unsigned", None, f"it was fetched from {fetched.remote} "
-                           "without a trusted signature")  # fmt: skip
-        return Verdict("untrusted", key_id, f"signed by key {key_id}, which is no longer "
-                       "trusted here")  # fmt: skip
+            if key_id is None:
+                return Verdict("unsigned", None, f"it was fetched from {fetched.remote} "
+                               "without a trusted signature")  # fmt: skip
+            return Verdict("untrusted", key_id, f"signed by key {key_id}, which is no "
+                           "longer trusted here")  # fmt: skip
+        if self.mode == "off" or not isinstance(record.compiled_on, msgspec.UnsetType):
+            return None  # not looked at, or this node's own compile
+        signature = store.read(join(prefix, SIGNATURE_FILE))  # of unknown origin: signed?
+        verdict = self.judge(record_bytes, signature)
+        return None if verdict.trusted else verdict
 
 
 def refusal(policy: TrustPolicy, store: Store, key: str, *, own_tier: bool) -> str | None:
@@ -185,14 +183,13 @@ def refusal(policy: TrustPolicy, store: Store, key: str, *, own_tier: bool) -> s
     data = None if prefix is None else store.read(join(prefix, ENTRY_RECORD))
     if not policy.requires or prefix is None or data is None:
         return None
-    signature = lambda: store.read(join(prefix, SIGNATURE_FILE))  # noqa: E731
     if own_tier:
         try:
-            verdict = policy.judge_local(decode_record(data), data, signature)
+            verdict = policy.judge_local(decode_record(data), data, store, prefix)
         except RecordError as exc:
             return f"{ENTRY_RECORD} does not read: {exc.problem}"
     else:
-        verdict = policy.judge(data, signature())
+        verdict = policy.judge(data, store.read(join(prefix, SIGNATURE_FILE)))
     return None if verdict is None or verdict.trusted else verdict.reason
 
 
@@ -250,10 +247,6 @@ def signer_of(store: Store, key: str) -> str | None:
         return None
 
 
-def _given(value: bytes | None) -> bytes | None:
-    return value
-
-
 def judge_tier(store: Store, keys: TrustedKeys, *, own_tier: bool = False
                ) -> list[tuple[str, Verdict]]:  # fmt: skip
     """Every published entry of ``store`` whose record reads, judged by ``keys``: by its
@@ -272,7 +265,7 @@ def judge_tier(store: Store, keys: TrustedKeys, *, own_tier: bool = False
             continue  # `cache verify` reports it as corrupt
         signature = store.read(join(prefix, SIGNATURE_FILE))
         if local is not None:
-            verdict = local.judge_local(record, data, functools.partial(_given, signature))
+            verdict = local.judge_local(record, data, store, prefix)
             out.append((key, verdict or Verdict("trusted", None, "this node's own, or "
                                                 "signed by a trusted key")))  # fmt: skip
             continue
