@@ -40,7 +40,6 @@ from dataclasses import dataclass
 import msgspec
 
 from vllm_neuron.backends import open_store
-from vllm_neuron.backends.writable import directory_problem, free_bytes, mib
 from vllm_neuron.envs import environment_with, load_profiling_settings, redact_text
 from vllm_neuron.version import __version__
 
@@ -53,6 +52,7 @@ from .layout import (
     SERVE_LOG_NAME,
     RunLayout,
     attempt_log_key,
+    check_room,
     default_run_name,
 )
 from .lifecycle import ReadyTimeout, ServerExited, ServerProcess
@@ -104,28 +104,6 @@ class CaptureResult:
     exit_code: int
 
 
-CAPTURE_SPACE_RESERVE = 64 << 20
-"""Free bytes a run directory's filesystem must have before a server is started for it: a
-trace that cannot be written costs the whole capture, found after minutes of start-up."""
-
-
-def _check_room(run_dir: str, project_root: str) -> None:
-    """A ValueError naming the setting and the reason when the run directory cannot take
-    the capture's files (read-only, refused, or less than `CAPTURE_SPACE_RESERVE` free),
-    before anything is started. The probe's parents stay; the run directory itself is
-    created later, as before."""
-    parent = os.path.dirname(run_dir)
-    problem = directory_problem(parent)
-    if problem is None:
-        free = free_bytes(parent)
-        if free is not None and free < CAPTURE_SPACE_RESERVE:
-            problem = (f"no space left: {mib(free)} free, a capture needs at least "
-                       f"{mib(CAPTURE_SPACE_RESERVE)}")  # fmt: skip
-    if problem is not None:
-        raise ValueError(f"cannot write the capture's run directory {run_dir} (under "
-                         f"NEURON_PROJECT_ROOT or --project-root: {project_root}): {problem}")
-
-
 class _Run:
     """The mutable state of one capture, folded into the manifest at the end."""
 
@@ -136,7 +114,7 @@ class _Run:
         self.settings = load_profiling_settings(project_root=opts.project_root)
         self.run_name = opts.run_name or default_run_name(PHASES[self.recipe])
         self.layout = RunLayout.for_run(self.settings.project_root, self.run_name)
-        _check_room(self.layout.run_dir, self.settings.project_root)
+        check_room(self.layout.run_dir, self.settings.project_root)
         if open_store(self.layout.run_dir, create=False).list_dir(""):
             raise ValueError(
                 f"run directory {self.layout.run_dir} already exists; choose another --run-name"

@@ -14,6 +14,8 @@ import re
 import time
 from dataclasses import dataclass
 
+from vllm_neuron.backends.writable import directory_problem, free_bytes, mib
+
 ARTIFACTS_DIR = "agent_artifacts"
 RUN_SPEC_FILE = "run_spec.json"
 MANIFEST_FILE = "manifest.json"
@@ -98,3 +100,25 @@ class RunLayout:
 
     def attempt_log(self, attempt: int) -> str:
         return os.path.join(self.run_dir, attempt_log_key(attempt))
+
+
+CAPTURE_SPACE_RESERVE = 64 << 20
+"""Free bytes a run directory's filesystem must have before a server is started for it: a
+trace that cannot be written costs the whole capture, found after minutes of start-up."""
+
+
+def check_room(run_dir: str, project_root: str) -> None:
+    """A ValueError naming the setting and the reason when the run directory cannot take
+    the capture's files (read-only, refused, or less than `CAPTURE_SPACE_RESERVE` free),
+    before anything is started. The probe's parents stay; the run directory itself is
+    created later, as before."""
+    parent = os.path.dirname(run_dir)
+    problem = directory_problem(parent)
+    if problem is None:
+        free = free_bytes(parent)
+        if free is not None and free < CAPTURE_SPACE_RESERVE:
+            problem = (f"no space left: {mib(free)} free, a capture needs at least "
+                       f"{mib(CAPTURE_SPACE_RESERVE)}")  # fmt: skip
+    if problem is not None:
+        raise ValueError(f"cannot write the capture's run directory {run_dir} (under "
+                         f"NEURON_PROJECT_ROOT or --project-root: {project_root}): {problem}")
