@@ -2,8 +2,9 @@
 
 `compile` knows how to key, cache and load a graph, and offers two hooks (listeners and
 executable wrappers); it knows no feature. This module is the one place that decides
-which features listen: the manifest recorder (when VLLM_NEURON_MANIFEST_DIR is set) and
-the snapshot capturer (when snapshot capture is enabled). Everything that needs "the"
+which features listen: the manifest recorder (when VLLM_NEURON_MANIFEST_DIR is set), the
+snapshot capturer (when snapshot capture is enabled) and, with both on, the link that names
+each bundle written in the engine's manifest (`link_bundles`). Everything that needs "the"
 runtime of this process (the torch.compile backend, vLLM's compiler adaptor, the worker
 hooks, the demo) gets it here with `get_runtime`.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 from vllm_neuron.compile.cache import TwoTierCache
 from vllm_neuron.compile.local_tier import resolve_local_tier
@@ -27,8 +29,9 @@ from vllm_neuron.envs import (
     manifest_settings,
 )
 from vllm_neuron.manifest.recorder import install_recorder
-from vllm_neuron.snapshot.capture import install_snapshot_capture
-from vllm_neuron.snapshot.config import snapshot_config
+from vllm_neuron.manifest.snapshot_links import SnapshotLinker
+from vllm_neuron.snapshot.capture import CapturedBundle, install_snapshot_capture
+from vllm_neuron.snapshot.config import SnapshotConfig, snapshot_config
 
 logger = logging.getLogger("vllm_neuron")
 
@@ -78,11 +81,30 @@ def build_runtime() -> CompileRuntime:
         remote_lease_seconds=settings.remote_lease_seconds,
         compile_retry_after=settings.compile_retry_after,
         max_size=settings.cache_max_size,
+        compile_workers=settings.compile_workers,
+        defer_compiles=settings.defer_compiles,
     )
     runtime = CompileRuntime(cache, toolchain)
     install_recorder(runtime, manifest_dir)
-    install_snapshot_capture(runtime, snapshots)
+    install_snapshot_capture(runtime, snapshots, on_bundle=link_bundles(manifest_dir, snapshots))
     return runtime
+
+
+def link_bundles(manifest_dir: str | None,
+                 snapshots: SnapshotConfig) -> Callable[[CapturedBundle], None] | None:
+    """With the manifest and input snapshots both on: each bundle written is named in the
+    engine's manifest, on its graph (docs/manifest.md); else None (nothing listens)."""
+    if not manifest_dir or not snapshots.enabled:
+        return None
+    linker = SnapshotLinker(manifest_dir, snapshots.root)
+
+    def link(bundle: CapturedBundle) -> None:
+        meta = bundle.meta
+        linker.record(meta.compilation_hash, global_rank=meta.global_rank,
+                      call_index=meta.call_index, call_prefix=bundle.prefix,
+                      outputs=bool(meta.outputs))
+
+    return link
 
 
 def get_runtime() -> CompileRuntime:

@@ -45,6 +45,8 @@ EVENTS = st.one_of(
               remote=st.just("s3://b/c")),
     st.builds(ev.Evicted, key=st.just(KEY), at=at, size=sizes, last_used=at,
               reason=st.sampled_from(sorted(REASONS))),
+    st.builds(ev.Deferred, key=st.just(KEY), at=at,
+              reason=st.sampled_from(["local-lock", "remote-lease", "no-slot"])),
 )
 
 
@@ -67,6 +69,7 @@ def test_series_agree_with_cache_stats_for_any_stream(events: list[Record]) -> N
               s.VERIFICATION_FAILURES: stats.verification_failures,
               s.REMOTE_OUTAGES: stats.remote_outages, s.LEASE_WAITS: stats.lease_waits,
               s.LEASE_TAKEOVERS: stats.lease_takeovers, s.EVICTIONS: stats.evictions,
+              s.DEFERRED: stats.deferred,
               s.EVICTED_BYTES: stats.evicted_bytes}
     for series, want in counts.items():
         assert totals.total(series) == want, series.metric
@@ -103,6 +106,7 @@ def test_every_cache_event_type_is_mapped_and_other_records_are_not() -> None:
         ev.LeaseWaited: ev.LeaseWaited(key=KEY, at=1.0, seconds=1.0, outcome="fetched"),
         ev.LeaseTakenOver: ev.LeaseTakenOver(key=KEY, at=1.0, previous_owner="o", remote="r"),
         ev.Evicted: ev.Evicted(key=KEY, at=1.0, size=5, last_used=0.5),
+        ev.Deferred: ev.Deferred(key=KEY, at=1.0, reason="local-lock"),
     }
     assert set(examples) == set(CACHE_EVENTS)
     for event in examples.values():

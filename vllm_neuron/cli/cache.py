@@ -71,6 +71,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
         ("lock wait", f"{stats.lock_wait_seconds:.1f} s"),
         ("fleet lease waits", f"{stats.lease_waits} ({stats.lease_wait_seconds:.1f} s)"),
         ("lease takeovers", stats.lease_takeovers),
+        ("deferred at trace", stats.deferred),
         ("evictions", f"{stats.evictions} ({human_size(stats.evicted_bytes)})"),
         ("time saved", f"{stats.time_saved_seconds:.1f} s"),
         # What tensor parallelism (any per-rank difference) cost: a piece's keys beyond one.

@@ -52,6 +52,7 @@ from .events import (
     EVENTS_STREAM,
     CacheHit,
     CacheMiss,
+    Deferred,
     Fetched,
     LoadFailed,
     LockWaited,
@@ -66,11 +67,19 @@ from .fleet import RemoteSingleFlight
 from .gc import STAGING_MAX_AGE
 from .inventory import verify_entry
 from .load_notes import note_load_failure
-from .outcomes import CacheResult, CompileError, PrecompiledOnlyMiss, RemoteWrite
+from .outcomes import (
+    CacheResult,
+    CompileError,
+    DeferCompile,
+    PendingCompile,
+    PrecompiledOnlyMiss,
+    RemoteWrite,
+)
 from .promote import promote_entry
 from .quarantine import PublicationProblem, quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
 from .signing import Verdict
+from .slots import CompileSlots
 from .tier_health import (
     LOCAL_DISK_FULL_OR_READ_ONLY,
     LocalTierFault,
@@ -112,6 +121,8 @@ class TwoTierCache:
         compile_retry_after: float = 300.0,
         max_size: int | None = None,
         trust: TrustPolicy | None = None,
+        compile_workers: int | None = None,
+        defer_compiles: bool = True,
     ) -> None:
         if disabled and precompiled_only:
             raise ValueError(
@@ -139,6 +150,11 @@ class TwoTierCache:
         self.toolchain = toolchain
         self.target = target
         self.lease_duration = lease_duration
+        # VLLM_NEURON_DEFER_COMPILES: whether `begin` may hand back a PendingCompile.
+        self.defer_compiles = defer_compiles
+        # VLLM_NEURON_COMPILE_WORKERS: the node's compile slots (None: compiles unbounded).
+        self._slots = None if compile_workers is None else CompileSlots(
+            self.local, compile_workers, lease_duration=lease_duration)
         self._loaded: dict[str, CacheResult] = {}
         # The last record bytes read for each key and their decoding: a hit still reads the
         # record and stats every file, but bytes seen before are not decoded again.
@@ -266,7 +282,8 @@ class TwoTierCache:
                         raise LocalTierFault(f"could not withdraw the entry {key}")
                     current = None
                 replaced = None if current is None else self.lookup_local(key)
-                healed = replaced or self._compile_and_publish(key, compile_fn, components, piece)
+                healed = replaced or self._compile_here(
+                    key, compile_fn, components, piece, True, time.monotonic() + self.timeout)()
         except (LocalTierFault, OSError) as exc:
             if isinstance(exc, OSError) and unwritable_cause(exc, tier_dir(self.local)) is None:
                 raise
@@ -347,18 +364,49 @@ class TwoTierCache:
     # ------------------------------------------------------------ compile
     def get_or_compile(
         self, key: str, compile_fn: CompileFn, *, components: Mapping[str, str] | None = None,
-        piece: str | None = None,
+        piece: str | None = None, started: float | None = None,
     ) -> CacheResult:
         """The artifacts for `key`: from memory, local, remote, or a compile, in that order.
-        `piece` (which piece of the model it is) only labels the compile's events (stats)."""
+        `piece` (which piece of the model it is) only labels the compile's events (stats).
+        `started` (epoch seconds) is when the caller began to want `key` (a deferral): a
+        compile that failed since then is this caller's failure too."""
+        return self._get(key, compile_fn, components or {}, piece, wait=True, started=started)
+
+    def begin(
+        self, key: str, compile_fn: CompileFn, *, components: Mapping[str, str] | None = None,
+        piece: str | None = None,
+    ) -> CacheResult | PendingCompile:
+        """`get_or_compile` for a caller that traces several graphs before it runs any: where
+        that would wait - another process holds the key's lock or the fleet's lease, or no
+        compile slot of the node is free - a `PendingCompile` comes back at once (and a
+        `deferred` event says why), and the wait happens at its `result()`. With
+        VLLM_NEURON_DEFER_COMPILES=0 (`defer_compiles`) this is `get_or_compile`."""
+        components = components or {}
+        if not self.defer_compiles:
+            return self._get(key, compile_fn, components, piece, wait=True, started=None)
+        at = time.time()
+        try:
+            return self._get(key, compile_fn, components, piece, wait=False, started=at)
+        except DeferCompile as deferral:
+            reason = deferral.reason
+        self._record(Deferred(key=key, at=at, reason=reason, piece=piece or ""))
+
+        def resolve() -> CacheResult:
+            return self._get(key, compile_fn, components, piece, wait=True, started=at)
+
+        return PendingCompile(key, reason, at, resolve)
+
+    def _get(
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
+        piece: str | None, *, wait: bool, started: float | None,
+    ) -> CacheResult:
         validate_hex(key, length=32, what="compile cache key")
         cached = self._loaded.get(key)
         if cached is not None:
             self._record(CacheHit(key=key, at=time.time(), tier="memory"))
             return msgspec.structs.replace(cached, source="memory", seconds=0.0)
         if self.disabled:
-            out_dir, record, seconds = self._compiler.uncached(key, compile_fn, components or {},
-                                                               piece)
+            out_dir, record, seconds = self._compiler.uncached(key, compile_fn, components, piece)
             return CacheResult(key, out_dir, record, "uncached", seconds, "")
         self._upkeep.start_background()  # once (upkeep.py)
         hit = self.lookup_local(key, quarantine=False)
@@ -369,22 +417,26 @@ class TwoTierCache:
             )
             self._loaded[key] = hit
             return hit
-        result = self._locked_miss(key, compile_fn, components or {}, piece)
+        result = self._locked_miss(key, compile_fn, components, piece, wait=wait,
+                                   started=started)
         self._loaded[key] = result
         if result.source in ("compiled", "remote"):  # published: the tier grew
             self.keep_within_bound()
         return result
 
     def _locked_miss(
-        self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None,
+        *, wait: bool, started: float | None,
     ) -> CacheResult:
-        wait_start = time.time()
+        wait_start = time.time() if started is None else started
         deadline = time.monotonic() + self.timeout
         t0 = time.perf_counter()
         try:
             lock = self.local.lock(key, lease_duration=self.lease_duration)
-            lock.acquire(timeout=self.timeout)
+            lock.acquire(timeout=self.timeout if wait else 0)
         except LockTimeout:
+            if not wait:  # a rank of this node compiles it: trace on, wait at the first call
+                raise DeferCompile("local-lock") from None
             raise TimeoutError(
                 f"waited {self.timeout:g} s for another process to compile {key} "
                 f"(NEURON_LIBTORCH_COMPILATION_TIMEOUT={self.timeout:g}); the lock is "
@@ -396,6 +448,7 @@ class TwoTierCache:
             out_dir, record, seconds = self._compiler.serve_from_scratch(
                 key, compile_fn, components, piece, f"cannot take the key's lock: {exc}")
             return CacheResult(key, out_dir, record, "uncached", seconds, "")
+        compile_here = self._compile_here(key, compile_fn, components, piece, wait, deadline)
         waited = time.perf_counter() - t0
         try:
             if waited > 0.05:
@@ -430,19 +483,19 @@ class TwoTierCache:
                 )
             if not self.trust.may_publish_remote:  # cannot sign: waits, never leases
                 return self._fleet.wait_without_lease(
-                    key, started=wait_start, deadline=deadline,
+                    key, started=wait_start, deadline=deadline, wait=wait,
                     fetch=lambda: self.fetch_remote(key),
-                    compile_alone=lambda: self._compile_and_publish(key, compile_fn, components,
-                                                                    piece),
+                    compile_alone=compile_here,
                     timeout_error=lambda: self._timeout(key, f"another node to compile {key}"))
             if self._remote.read_only:  # VLLM_NEURON_REMOTE_WRITE=off, or writes refused
-                return self._compile_and_publish(key, compile_fn, components, piece)
+                return compile_here()
             return self._fleet.run(
                 key,
                 started=wait_start,
                 deadline=deadline,
+                wait=wait,
                 fetch=lambda: self.fetch_remote(key),
-                compile_here=lambda: self._compile_for_fleet(key, compile_fn, components, piece),
+                compile_here=lambda: compile_here(owed=True),
                 promote=lambda remote: self._promote(remote, key),
                 timeout_error=lambda: self._timeout(key, f"another node to compile {key}"),
             )
@@ -455,11 +508,26 @@ class TwoTierCache:
             f"(NEURON_LIBTORCH_COMPILATION_TIMEOUT={self.timeout:g})"
         )
 
-    def _compile_for_fleet(
-        self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None
-    ) -> CacheResult:
-        self._upkeep.owe(key)  # settled by the promotion, or by a later start (owed.py)
-        return self._compile_and_publish(key, compile_fn, components, piece)
+    def _compile_here(
+        self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None,
+        wait: bool, deadline: float,
+    ) -> Callable[..., CacheResult]:
+        """The compile this process does once it has won `key`: in one of the node's compile
+        slots (without `wait`, `DeferCompile` when none is free); with `owed`, the
+        promotion to the remote is owed first (settled by it, or by a later start)."""
+
+        def compile_here(*, owed: bool = False) -> CacheResult:
+            if self._slots is None:
+                if owed:
+                    self._upkeep.owe(key)
+                return self._compile_and_publish(key, compile_fn, components, piece)
+            with self._slots.held(wait=wait, deadline=deadline,
+                                  what=f"{key} ({piece})" if piece else key):
+                if owed:
+                    self._upkeep.owe(key)
+                return self._compile_and_publish(key, compile_fn, components, piece)
+
+        return compile_here
 
     def _promote(self, remote: Store, key: str) -> None:
         if self.local.published(key) is not None:

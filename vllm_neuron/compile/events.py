@@ -139,6 +139,18 @@ class Evicted(Record, frozen=True, tag="evict"):
     reason: str = "size"  # "size" (VLLM_NEURON_CACHE_MAX_SIZE, prune --max-size)
 
 
+class Deferred(Record, frozen=True, tag="deferred", omit_defaults=True):
+    """A graph this process did not wait for when it was traced: another process held its
+    compile (``reason`` "local-lock": a rank of this node; "remote-lease": another node), or
+    every compile slot of the node was taken ("no-slot"). It is waited for, loaded or taken
+    over at its first call; tracing went on to the next graph meanwhile."""
+
+    key: str
+    at: float
+    reason: str
+    piece: str = ""
+
+
 class RemoteUnavailable(Record, frozen=True, tag="remote_unavailable"):
     at: float
     remote: str
@@ -160,6 +172,7 @@ CACHE_EVENTS: tuple[type[Record], ...] = (
     LeaseWaited,
     LeaseTakenOver,
     Evicted,
+    Deferred,
 )
 
 
@@ -197,6 +210,7 @@ class CacheStats:
     lease_waits: int = 0
     lease_wait_seconds: float = 0.0
     lease_takeovers: int = 0
+    deferred: int = 0
     evictions: int = 0
     evicted_bytes: int = 0
     fetch_seconds: float = 0.0
@@ -241,6 +255,8 @@ class CacheStats:
             self.lease_wait_seconds += event.seconds
         elif isinstance(event, LeaseTakenOver):
             self.lease_takeovers += 1
+        elif isinstance(event, Deferred):
+            self.deferred += 1
         elif isinstance(event, Evicted):
             self.evictions += 1
             self.evicted_bytes += event.size

@@ -16,7 +16,8 @@ promoting or writing a failure note, to avoid the wasted upload and the false no
 What a dead or failing compiler costs:
 
 * a holder that dies stops renewing its lease; one waiter takes the lease over when it
-  expires (`VLLM_NEURON_REMOTE_LEASE_SECONDS`) and compiles;
+  expires (`VLLM_NEURON_REMOTE_LEASE_SECONDS` after the last renewal the waiter saw, on
+  the waiter's own monotonic clock: no node's wall clock is trusted) and compiles;
 * a compile that fails leaves a failure note on the remote (`failures.py`); waiters on
   every node raise its error at once, and processes that start within the cool-down
   (`VLLM_NEURON_COMPILE_RETRY_AFTER`) raise it too instead of compiling the same failing
@@ -42,7 +43,7 @@ from .failures import (
     recent_failure,
     write_failure_note,
 )
-from .outcomes import CompileError
+from .outcomes import CompileError, DeferCompile
 from .remote_tier import RemoteTier
 
 logger = logging.getLogger("vllm_neuron.compile")
@@ -87,6 +88,7 @@ class RemoteSingleFlight:
         *,
         started: float,
         deadline: float,
+        wait: bool = True,
         fetch: Callable[[], T | None],
         compile_here: Callable[[], T],
         promote: Callable[[Store], object],
@@ -97,6 +99,9 @@ class RemoteSingleFlight:
 
         `started` (epoch seconds) is when this process began waiting for `key`: a failure
         recorded after it is this wait's failure. `deadline` (monotonic) bounds the wait.
+        Without `wait`, a lease held elsewhere raises `DeferCompile("remote-lease")` (after
+        one look for the holder's result) instead of waiting; so does a compile that finds
+        no free slot (`compile_here` raises it), and the lease is let go for another node.
         """
         remote = self.tier.store()
         if remote is None or self.tier.read_only:
@@ -105,15 +110,15 @@ class RemoteSingleFlight:
         wait_start = time.perf_counter()
         waited = False
         delay = 0.05
-        next_lease_try = 0.0  # monotonic; the lease is asked again only once it may be free
         while True:
             try:
                 self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
-                if time.monotonic() >= next_lease_try:
-                    lease.acquire(timeout=0)
-                    break
+                # Every poll: a waiter sees a dead holder's lease run out only by watching
+                # it stop changing (one read while it does not; docs/compile-cache.md).
+                lease.acquire(timeout=0)
+                break
             except LockTimeout:
-                next_lease_try = time.monotonic() + lease.seconds_until_free()
+                pass
             except FleetCompileError:
                 raise
             except PermissionError as exc:  # a read-only remote: fetch from it, write nothing
@@ -132,6 +137,8 @@ class RemoteSingleFlight:
             if self.tier.store() is None:  # the fetch found the remote down: go on alone
                 self._waited(key, wait_start, waited, "remote-down")
                 return compile_here()
+            if not wait:  # another node compiles it: trace on, wait at the first call
+                raise DeferCompile("remote-lease")
             now = time.monotonic()
             if now >= deadline:
                 self._waited(key, wait_start, waited, "timeout")
@@ -151,6 +158,8 @@ class RemoteSingleFlight:
                 return fetched
             try:
                 result = compile_here()
+            except DeferCompile:
+                raise  # no slot: not a failure; the lease comes free for another node
             except Exception as exc:
                 self._note_failure(remote, lease, key, exc)
                 raise
@@ -165,6 +174,7 @@ class RemoteSingleFlight:
         *,
         started: float,
         deadline: float,
+        wait: bool = True,
         fetch: Callable[[], T | None],
         compile_alone: Callable[[], T],
         timeout_error: Callable[[], Exception],
@@ -197,6 +207,8 @@ class RemoteSingleFlight:
             if not busy or self.tier.store() is None:
                 self._waited(key, wait_start, waited, "alone")
                 return compile_alone()
+            if not wait:  # the builder compiles it: trace on, wait at the first call
+                raise DeferCompile("remote-lease")
             waited = True
             now = time.monotonic()
             if now >= deadline:

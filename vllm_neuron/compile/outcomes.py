@@ -7,13 +7,19 @@ can raise the cache's own errors without importing the cache.
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+
 import msgspec
 
 from vllm_neuron.envs.compile_cache import RemoteWrite  # the setting's own type
 
 from .entry import EntryRecord
 
-__all__ = ["CacheResult", "CompileError", "PrecompiledOnlyMiss", "RemoteWrite"]
+__all__ = [
+    "CacheResult", "CompileError", "DeferCompile", "PendingCompile", "PrecompiledOnlyMiss",
+    "RemoteWrite",
+]
 
 class CompileError(RuntimeError):
     """The compile of a key failed (in this process or in the one we waited for)."""
@@ -36,3 +42,43 @@ class CacheResult(msgspec.Struct, frozen=True, gc=False):
     source: str  # "memory", "local", "local-after-wait", "remote", "compiled", "uncached"
     seconds: float
     prefix: str = ""  # where the entry's files are in the local store
+
+
+class DeferCompile(Exception):  # noqa: N818 - a signal inside the flow, not an error
+    """Raised inside the decision flow where waiting would begin when the caller asked not to
+    wait: the key's lock or lease is held by another process, or no compile slot is free.
+    `TwoTierCache.begin` turns it into a `PendingCompile`; it never leaves the cache."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason  # "local-lock", "remote-lease" or "no-slot"
+
+
+class PendingCompile:
+    """A key whose artifacts are not here yet: another process holds its compile, or this
+    node's compile slots were all taken, when the graph was traced.
+
+    `result()` does what a caller that chose to wait would have done - wait for the holder,
+    load what it published (local tier) or fetch and verify it (remote), take the compile
+    over from a dead holder, or raise the holder's `CompileError` - counting failures from
+    the moment of the deferral, not of the first call. It runs once: later and concurrent
+    callers get the same result; an error is raised to every caller that asks (a later call
+    tries again, as a new compile would)."""
+
+    def __init__(self, key: str, reason: str, deferred_at: float,
+                 resolve: Callable[[], CacheResult]) -> None:  # fmt: skip
+        self.key = key
+        self.reason = reason
+        self.deferred_at = deferred_at  # epoch seconds
+        self._resolve = resolve
+        self._result: CacheResult | None = None
+        self._lock = threading.Lock()
+
+    def result(self) -> CacheResult:
+        done = self._result
+        if done is not None:
+            return done
+        with self._lock:
+            if self._result is None:
+                self._result = self._resolve()
+            return self._result

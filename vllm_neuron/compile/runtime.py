@@ -10,13 +10,16 @@ listens what was compiled. Who listens is not this package's business: the assem
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import msgspec
 
+from .building import CompileFn
 from .cache import CacheResult, TwoTierCache
+from .outcomes import PendingCompile
 from .tier_health import unwritable_cause
 from .toolchains.base import (
     ARTIFACTS,
@@ -30,14 +33,13 @@ from .toolchains.op_libraries import MissingOpLibrary
 logger = logging.getLogger("vllm_neuron.compile")
 
 
-@dataclass(frozen=True)
-class CompiledGraph:
-    """What one `compile_graph` call produced, for listeners."""
+@dataclass(frozen=True, kw_only=True)
+class TracedGraph:
+    """A graph as traced: what it is and its key, known before its artifacts are (a
+    deferred compile's arrive at its first call). What listeners are told."""
 
     key: str
     components: dict[str, str]
-    result: CacheResult
-    artifact: CompiledArtifact
     gm: Any
     example_inputs: Sequence[Any]
     compiler_flags: list[str]
@@ -45,7 +47,15 @@ class CompiledGraph:
     piece: str | None = None  # the piece of the model it is, when the caller named one
 
 
-GraphListener = Callable[[CompiledGraph], None]
+@dataclass(frozen=True, kw_only=True)
+class CompiledGraph(TracedGraph):
+    """A traced graph with its artifacts loaded: where they came from and what they are."""
+
+    result: CacheResult
+    artifact: CompiledArtifact
+
+
+GraphListener = Callable[[TracedGraph], None]
 ExecutableWrapper = Callable[[CompiledGraph, Callable[..., Any]], Callable[..., Any]]
 """Wraps a loaded executable (e.g. the snapshot capturer around each forward)."""
 
@@ -86,13 +96,20 @@ class CompileRuntime:
 
     def compile(
         self, gm: Any, example_inputs: Sequence[Any], *, piece: str | None = None
-    ) -> tuple[Callable[..., Any], CompiledGraph]:
-        """`compile_graph`, plus the record of what happened (key, cache source, artifact).
+    ) -> tuple[Callable[..., Any], TracedGraph]:
+        """`compile_graph`, plus the record of what happened: a `CompiledGraph` (key, cache
+        source, artifact), or only the `TracedGraph` when the compile was deferred.
+
+        Deferred (docs/compile-cache.md): when another process holds the graph's compile,
+        or no compile slot of the node is free, the callable comes back at once and tracing
+        goes on to the next graph; its first call waits for the holder's result and loads
+        it (or takes the compile over, or raises the holder's error). Listeners hear of the
+        graph now, at trace time, either way; wrappers wrap it once it is loaded.
 
         `piece` is the piece of the model the graph is, as the command line names it
         (vLLM's compiler adaptor passes ``Piece.label()``; this layer knows no manifest): it
         goes on the cache's compile events, so `cache stats` can count what tensor
-        parallelism cost (a piece compiled to several keys), and on the `CompiledGraph`."""
+        parallelism cost (a piece compiled to several keys), and on the graph records."""
         from .key import compute_cache_key  # lazy: imports torch.fx, only when compiling
 
         toolchain = self.toolchain
@@ -113,8 +130,23 @@ class CompileRuntime:
             meta["key_inputs"] = msgspec.to_builtins(key.inputs)
             return meta
 
-        result = self.cache.get_or_compile(key.key, compile_into, components=key.components,
-                                           piece=piece)
+        traced = TracedGraph(key=key.key, components=dict(key.components), gm=gm,
+                             example_inputs=example_inputs, compiler_flags=flags,
+                             toolchain=toolchain, piece=piece)  # fmt: skip
+        outcome = self.cache.begin(key.key, compile_into, components=key.components,
+                                   piece=piece)
+        if isinstance(outcome, PendingCompile):
+            self._tell_listeners(traced)
+            return DeferredGraph(lambda: self._loaded(traced, outcome.result(), compile_into)[0]
+                                 ), traced  # fmt: skip
+        compiled, graph = self._loaded(traced, outcome, compile_into)
+        self._tell_listeners(traced)
+        return compiled, graph
+
+    def _loaded(self, traced: TracedGraph, result: CacheResult, compile_into: CompileFn
+                ) -> tuple[Callable[..., Any], CompiledGraph]:  # fmt: skip
+        """Load `result`'s artifact (healing an entry that will not load), record it in
+        `history` and wrap it."""
         try:
             artifact, compiled = self._load(result)
         except ToolchainError as exc:
@@ -122,31 +154,24 @@ class CompileRuntime:
                 raise
             # An entry that verified but will not load (another build of a library, a
             # truncated artifact with the right checksum...): healed, never fatal.
-            _warn_once(f"vllm_neuron: compile cache entry {key.key} ({result.source}) does not "
-                       f"load here ({exc}); withdrawn, compiling the graph again")  # fmt: skip
+            _warn_once(f"vllm_neuron: compile cache entry {traced.key} ({result.source}) does "
+                       f"not load here ({exc}); withdrawn, compiling the graph again")  # fmt: skip
             result = self.cache.heal_unloadable(result, str(exc), compile_into,
-                                                components=key.components, piece=piece)
+                                                components=traced.components, piece=traced.piece)
             artifact, compiled = self._load(result)
-        event = CompiledGraph(
-            key=key.key,
-            components=dict(key.components),
-            result=result,
-            artifact=artifact,
-            gm=gm,
-            example_inputs=example_inputs,
-            compiler_flags=flags,
-            toolchain=toolchain,
-            piece=piece,
-        )
-        self.history.append(event)
+        graph = CompiledGraph(**{f.name: getattr(traced, f.name) for f in fields(TracedGraph)},
+                              result=result, artifact=artifact)  # fmt: skip
+        self.history.append(graph)
+        for wrapper in self._wrappers:
+            compiled = wrapper(graph, compiled)
+        return compiled, graph
+
+    def _tell_listeners(self, traced: TracedGraph) -> None:
         for listener in list(self._listeners):
             try:
-                listener(event)
+                listener(traced)
             except Exception as exc:  # noqa: BLE001 - listeners are best-effort features
                 logger.warning("vllm_neuron: graph listener %r failed: %s", listener, exc)
-        for wrapper in self._wrappers:
-            compiled = wrapper(event, compiled)
-        return compiled, event
 
     def _load(self, result: CacheResult) -> tuple[CompiledArtifact, Callable[..., Any]]:
         artifact = ARTIFACTS.convert(
@@ -158,6 +183,32 @@ class CompileRuntime:
                 "compiled artifacts can only be loaded from a local directory"
             )
         return artifact, self.toolchain.load(result.path, artifact)
+
+
+class DeferredGraph:
+    """The callable of a deferred compile: its first call loads the graph (waiting for
+    the holder if it has not finished), every call runs it. Thread-safe: concurrent first
+    calls load once. A load that raises is tried again at the next call."""
+
+    __slots__ = ("_fn", "_load", "_lock")
+
+    def __init__(self, load: Callable[[], Callable[..., Any]]) -> None:
+        self._load = load
+        self._fn: Callable[..., Any] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def loaded(self) -> bool:
+        return self._fn is not None
+
+    def __call__(self, *args: Any) -> Any:
+        fn = self._fn
+        if fn is None:
+            with self._lock:
+                if self._fn is None:
+                    self._fn = self._load()
+                fn = self._fn
+        return fn(*args)
 
 
 def _entry_at_fault(result: CacheResult, exc: ToolchainError) -> bool:

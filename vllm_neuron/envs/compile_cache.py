@@ -41,6 +41,8 @@ __all__ = [
     "VLLM_CACHE_ROOT",
     "VLLM_NEURON_CACHE_MAX_SIZE",
     "VLLM_NEURON_COMPILE_RETRY_AFTER",
+    "VLLM_NEURON_COMPILE_WORKERS",
+    "VLLM_NEURON_DEFER_COMPILES",
     "VLLM_NEURON_DISABLE_WARMUP_COMPILE",
     "VLLM_NEURON_REMOTE_LEASE_SECONDS",
     "VLLM_NEURON_REMOTE_WRITE",
@@ -51,6 +53,7 @@ __all__ = [
     "cache_max_size",
     "compile_cache_settings",
     "default_cache_root",
+    "default_compile_workers",
     "load_compile_cache_settings",
     "parse_size",
     "remote_cache_url",
@@ -71,6 +74,13 @@ VLLM_NEURON_REMOTE_WRITE = "VLLM_NEURON_REMOTE_WRITE"
 VLLM_NEURON_REMOTE_LEASE_SECONDS = "VLLM_NEURON_REMOTE_LEASE_SECONDS"
 VLLM_NEURON_COMPILE_RETRY_AFTER = "VLLM_NEURON_COMPILE_RETRY_AFTER"
 VLLM_NEURON_CACHE_MAX_SIZE = "VLLM_NEURON_CACHE_MAX_SIZE"
+VLLM_NEURON_DEFER_COMPILES = "VLLM_NEURON_DEFER_COMPILES"
+VLLM_NEURON_COMPILE_WORKERS = "VLLM_NEURON_COMPILE_WORKERS"
+
+COMPILE_MEMORY = 4 << 30
+"""Memory one compile is assumed to need when the node's compile slots are sized from its
+memory (VLLM_NEURON_COMPILE_WORKERS unset): an Inductor compile of one piece peaks near
+1-2 GiB, a Neuron compile of one bucket at several; 4 GiB leaves the serving process room."""
 
 DEFAULT_COMPILATION_TIMEOUT = 600.0
 DEFAULT_REMOTE_LEASE_SECONDS = 30.0
@@ -119,6 +129,21 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Size bound of the local tier (500M, 50G; powers of 1024): after a publish and at "
         "start-up the least recently used entries are evicted, never a pinned one or one "
         "whose key's lock is held.",
+    ),
+    EnvVar(
+        VLLM_NEURON_DEFER_COMPILES,
+        "1",
+        "compile-cache",
+        "1: a graph whose compile another process holds (or that finds no free compile "
+        "slot) is loaded at its first call, and tracing goes on to the next graph; 0 waits "
+        "in place, one graph after another.",
+    ),
+    EnvVar(
+        VLLM_NEURON_COMPILE_WORKERS,
+        "min(CPUs, memory / 4 GiB), at least 1",
+        "compile-cache",
+        "The most compiles that run at once on this node, across all its processes (slots "
+        "are lock files in the local tier).",
     ),
     EnvVar(
         NEURON_LIBTORCH_DISABLE_COMPILE_CACHE,
@@ -178,6 +203,8 @@ class CompileCacheSettings:
     remote_lease_seconds: float = DEFAULT_REMOTE_LEASE_SECONDS
     compile_retry_after: float = DEFAULT_COMPILE_RETRY_AFTER
     cache_max_size: int | None = None  # VLLM_NEURON_CACHE_MAX_SIZE in bytes; None: no bound
+    defer_compiles: bool = True  # VLLM_NEURON_DEFER_COMPILES
+    compile_workers: int = 1  # VLLM_NEURON_COMPILE_WORKERS (or its default for this node)
     cache_root_setting: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -261,6 +288,38 @@ def _toolchain(env: Mapping[str, str]) -> ToolchainName:
     return cast(ToolchainName, lowered)
 
 
+def default_compile_workers() -> int:
+    """How many compiles this node carries at once when VLLM_NEURON_COMPILE_WORKERS is
+    unset: one per CPU this process may run on, but no more than its memory holds at
+    `COMPILE_MEMORY` each, and at least one."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cpus = os.cpu_count() or 1
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, OSError, ValueError):
+        memory = COMPILE_MEMORY * cpus
+    return max(1, min(cpus, memory // COMPILE_MEMORY))
+
+
+def _compile_workers(env: Mapping[str, str]) -> int:
+    text = raw(env, VLLM_NEURON_COMPILE_WORKERS)
+    if text is None:
+        return default_compile_workers()
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ConfigError(
+            f"{VLLM_NEURON_COMPILE_WORKERS}={env[VLLM_NEURON_COMPILE_WORKERS]!r} is not a "
+            "positive whole number of concurrent compiles (unset it for the default: "
+            f"{default_compile_workers()} on this node)"
+        )
+    return value
+
+
 def _positive_seconds(env: Mapping[str, str], name: str, default: float) -> float:
     return default if raw(env, name) is None else parse_positive_float(name, env[name])
 
@@ -332,6 +391,8 @@ def load_compile_cache_settings(environ: Mapping[str, str] | None = None) -> Com
         remote_lease_seconds=lease_seconds,
         compile_retry_after=retry_after,
         cache_max_size=cache_max_size(env),
+        defer_compiles=bool_var(env, VLLM_NEURON_DEFER_COMPILES, True),
+        compile_workers=_compile_workers(env),
         cache_root_setting=_cache_root_setting(env, cache_root, explicit),
     )
 

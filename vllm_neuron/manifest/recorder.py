@@ -24,7 +24,7 @@ from .ledger import LedgerWriter, input_shapes_of
 from .schema import Piece
 
 if TYPE_CHECKING:
-    from vllm_neuron.compile.runtime import CompiledGraph, CompileRuntime
+    from vllm_neuron.compile.runtime import CompileRuntime, TracedGraph
 
 
 def current_ranks() -> tuple[int, int]:
@@ -60,7 +60,7 @@ class ManifestRecorder:
     def __init__(self, writer: LedgerWriter) -> None:
         self.writer = writer
 
-    def __call__(self, graph: CompiledGraph) -> None:
+    def __call__(self, graph: TracedGraph) -> None:
         tp_rank, global_rank = current_ranks()
         self.writer.record(
             graph.key,

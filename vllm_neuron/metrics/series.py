@@ -26,6 +26,7 @@ from vllm_neuron.compile.events import (
     CacheMiss,
     Compiled,
     CompileFailed,
+    Deferred,
     Evicted,
     Fetched,
     LeaseTakenOver,
@@ -110,6 +111,10 @@ EVICTIONS = _series("evictions", "Local entries withdrawn, by reason: size (the 
                     ("reason",), (("size",),))
 EVICTED_BYTES = _series("evicted_bytes", "Bytes of the entries counted by "
                         "vllm_neuron_cache_evictions_total.", ("reason",), (("size",),))
+DEFERRED = _series("deferred", "Graphs not waited for at trace time (loaded at their first "
+                   "call), by why: another rank (local-lock), another node (remote-lease), "
+                   "no free compile slot (no-slot).", ("reason",),
+                   (("local-lock",), ("remote-lease",), ("no-slot",)))
 PROMOTIONS = _series("promotions", "Entries this node published to the remote tier.")
 REMOTE_OUTAGES = _series("remote_outages", "Times the remote tier failed and the node "
                          "carried on alone.")
@@ -120,7 +125,7 @@ SERIES: tuple[Series, ...] = (
     HITS, MISSES, COMPILES, COMPILE_SECONDS, COMPILE_FAILURES, FETCH_BYTES, FETCH_SECONDS,
     LOCK_WAIT_SECONDS, LEASE_WAITS, LEASE_WAIT_SECONDS, LEASE_TAKEOVERS,
     VERIFICATION_FAILURES, LOAD_FAILURES, UNTRUSTED, EVICTIONS, EVICTED_BYTES, PROMOTIONS,
-    REMOTE_OUTAGES, TIME_SAVED_SECONDS,
+    REMOTE_OUTAGES, TIME_SAVED_SECONDS, DEFERRED,
 )
 
 Sample = tuple[Series, tuple[str, ...], float]
@@ -192,6 +197,7 @@ _MAPPING: dict[type[Record], Callable[[Any], tuple[Sample, ...]]] = {
     LeaseWaited: _lease_wait,
     LeaseTakenOver: lambda e: _TAKEOVER,
     Evicted: _evict,
+    Deferred: lambda e: ((DEFERRED, (e.reason,), 1.0),),
 }
 
 

@@ -110,11 +110,13 @@ class NeuronCompilerAdaptor(CompilerInterface):
             named = piece.label() + (f" of engine {self.engine}" if self.engine else "")
         with tracing_piece(piece):
             fn, compiled = get_runtime().compile(graph, example_inputs, piece=named)
-        result = compiled.result
-        logger.info(
-            "vllm_neuron: vLLM %s() %s -> graph %s from %s in %.2f s",
-            what, label, compiled.key, result.source, result.seconds,
-        )
+        result = getattr(compiled, "result", None)  # None: deferred to its first call
+        if result is None:
+            logger.info("vllm_neuron: vLLM %s() %s -> graph %s deferred: another process "
+                        "compiles it, loaded at its first call", what, label, compiled.key)
+        else:
+            logger.info("vllm_neuron: vLLM %s() %s -> graph %s from %s in %.2f s",
+                        what, label, compiled.key, result.source, result.seconds)
         return fn, compiled.key
 
     def compile(
