@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import sys
 import time
 import traceback
@@ -276,6 +277,66 @@ def run_get(args: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def run_trace(args: Mapping[str, Any]) -> dict[str, Any]:
+    """One "rank" tracing a model of several graphs, as vLLM's piecewise backend does: every
+    graph is handed to the cache (`TwoTierCache.begin`) before any runs, then each is
+    "called" in order (a deferred one is waited for then) and its entry checked.
+
+    ``keys``: the graphs, traced in this order by every rank; ``fail_key``: the graph
+    whose compile fails; ``hold_key`` + ``hold_dir``: the graph whose first compile stops
+    half-way until the test resumes it (or SIGKILLs it). ``compile_workers``: the node's
+    compile slots (None: unbounded); ``defer``: VLLM_NEURON_DEFER_COMPILES."""
+    from vllm_neuron.backends import open_store
+    from vllm_neuron.compile.cache import TwoTierCache
+    from vllm_neuron.compile.outcomes import PendingCompile
+
+    workers = args.get("compile_workers")
+    cache = TwoTierCache(
+        open_store(args["cache_dir"]),
+        remote=args.get("remote"),
+        timeout=float(args.get("timeout", 120)),
+        remote_options=args.get("remote_options"),
+        remote_lease_seconds=float(args.get("remote_lease_seconds", 30)),
+        compile_workers=None if workers is None else int(workers),
+        defer_compiles=bool(args.get("defer", True)),
+    )
+
+    def compile_fn(key: str) -> Any:
+        def compile_into(out: str) -> dict[str, Any]:
+            if args.get("rendezvous_dir"):
+                _rendezvous(args["rendezvous_dir"], key, int(args["rendezvous"]))
+            return fake_compile(
+                out, key=key, delay=float(args.get("delay", 0)),
+                marker_dir=args.get("marker_dir"),
+                fail="the compiler rejects this graph" if key == args.get("fail_key") else None,
+                hold_dir=args.get("hold_dir") if key == args.get("hold_key") else None)
+        return compile_into
+
+    _wait_for_go(args.get("barrier_dir"))
+    outcomes: list[Any] = []
+    for i, key in enumerate(args["keys"]):
+        try:
+            outcomes.append(cache.begin(key, compile_fn(key), piece=f"graph {i}"))
+        except Exception as exc:  # reported to the test, which asserts on it
+            outcomes.append(exc)
+    traced = time.time()
+    graphs: dict[str, Any] = {}
+    for key, outcome in zip(args["keys"], outcomes, strict=True):
+        try:
+            if isinstance(outcome, Exception):
+                raise outcome
+            deferred = isinstance(outcome, PendingCompile)
+            result = outcome.result() if deferred else outcome
+        except Exception as exc:  # reported to the test, which asserts on it
+            graphs[key] = {"ok": False, "error_type": type(exc).__name__, "error": str(exc)}
+            continue
+        assert result.path is not None
+        graphs[key] = {"ok": True, "deferred": deferred, "source": result.source,
+                       "wrong": entry_is_right(result.path, key)}
+    return {"ok": True, "graphs": graphs, "traced": traced, "pid": os.getpid(),
+            "writer": f"{socket.gethostname()}-{os.getpid()}"}
+
+
 def run_promote(args: Mapping[str, Any]) -> dict[str, Any]:
     """One "node": promote its local entry with `save_cache` once the barrier opens."""
     from vllm_neuron.compile import save_cache
@@ -351,7 +412,8 @@ def run_torch(args: Mapping[str, Any]) -> dict[str, Any]:
 def main(argv: list[str]) -> int:
     mode, raw = argv[0], argv[1]
     args = json.loads(raw)
-    result = {"get": run_get, "promote": run_promote, "torch": run_torch}[mode](args)
+    result = {"get": run_get, "promote": run_promote, "torch": run_torch,
+              "trace": run_trace}[mode](args)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 
