@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from vllm_neuron import envs
 from vllm_neuron.envs import CompileCacheSettings, ConfigError, load_compile_cache_settings
+from vllm_neuron.envs.compile_cache import default_compile_workers
 
 HOME_ENV = {"HOME": "/home/alice", "USER": "alice"}
 
@@ -40,7 +41,30 @@ def test_defaults_follow_the_seed() -> None:
         compilation_timeout=600.0,
         disable_warmup_compile=False,
         toolchain="auto",
+        defer_compiles=True,
+        compile_workers=default_compile_workers(),
     )
+
+
+def test_compile_workers_default_to_the_nodes_cpus_and_memory_and_take_a_whole_number(
+) -> None:
+    cpus = len(os.sched_getaffinity(0))
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert default_compile_workers() == max(1, min(cpus, memory // (4 << 30)))
+    s = load_compile_cache_settings({**HOME_ENV, "VLLM_NEURON_COMPILE_WORKERS": " 3 "})
+    assert s.compile_workers == 3
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(ConfigError) as info:
+            load_compile_cache_settings({**HOME_ENV, "VLLM_NEURON_COMPILE_WORKERS": bad})
+        assert f"VLLM_NEURON_COMPILE_WORKERS={bad!r}" in str(info.value)
+
+
+def test_defer_compiles_is_a_strict_boolean() -> None:
+    assert not load_compile_cache_settings(
+        {**HOME_ENV, "VLLM_NEURON_DEFER_COMPILES": "0"}).defer_compiles
+    with pytest.raises(ConfigError) as info:
+        load_compile_cache_settings({**HOME_ENV, "VLLM_NEURON_DEFER_COMPILES": "sometimes"})
+    assert "VLLM_NEURON_DEFER_COMPILES='sometimes'" in str(info.value)
 
 
 def test_xdg_cache_home_moves_the_default_root_like_vllm() -> None:
