@@ -171,8 +171,10 @@ class Group:
 
 
 def run_group(workdir: str, remote_kind: str, endpoint: str | None, *, nodes: int, ranks: int,
-              graphs: int, design: str, mode: str, args: argparse.Namespace) -> Group:
-    """Start nodes x ranks workers, release them together, wait for the last; collect."""
+              graphs: int, design: str, mode: str, args: argparse.Namespace,
+              worker_extra: dict[str, Any] | None = None) -> Group:
+    """Start nodes x ranks workers, release them together, wait for the last; collect.
+    `worker_extra` goes into every fake worker's arguments (``defer``, ``compile_workers``)."""
     from vllm_neuron.compile.events import read_stats
 
     name = f"{remote_kind}-{nodes}x{ranks}-{design.replace(' ', '-')}-"
@@ -201,7 +203,7 @@ def run_group(workdir: str, remote_kind: str, endpoint: str | None, *, nodes: in
                         "keys": [key_for(g) for g in range(graphs)],
                         "compile_seconds": args.compile_seconds, "files": args.files,
                         "file_mib": args.file_mib, "marker_dir": markers, "barrier_dir": barrier,
-                        "timeout": WORKER_TIMEOUT,
+                        "timeout": WORKER_TIMEOUT, **(worker_extra or {}),
                     }
                     env = worker_env(remote)
                 else:

@@ -112,6 +112,7 @@ def run_fake(args: Mapping[str, Any]) -> dict[str, Any]:
 
         return compile_fn
 
+    workers = args.get("compile_workers")
     cache = TwoTierCache(
         args["node_dir"],
         remote=args["remote"],
@@ -119,12 +120,20 @@ def run_fake(args: Mapping[str, Any]) -> dict[str, Any]:
         remote_write=args["remote_write"],
         remote_lease_seconds=float(args.get("lease_seconds", 30.0)),
         timeout=float(args.get("timeout", 600.0)),
+        compile_workers=None if workers is None else int(workers),
+        defer_compiles=bool(args.get("defer", False)),
     )
     warm_up(cache)  # opens and probes the remote too: start-up, not the cold start
     keys = list(args["keys"])
     released = wait_for_go(args["barrier_dir"])
     cpu = time.process_time()
-    results = [cache.get_or_compile(key, compile_for(key)) for key in keys]
+    if args.get("defer"):  # traced as vLLM's piecewise backend does: every graph, then calls
+        from vllm_neuron.compile.outcomes import PendingCompile
+
+        traced = [cache.begin(key, compile_for(key)) for key in keys]
+        results = [t.result() if isinstance(t, PendingCompile) else t for t in traced]
+    else:
+        results = [cache.get_or_compile(key, compile_for(key)) for key in keys]
     finished = time.time()
     cpu = time.process_time() - cpu
     wrong = [w for key, r in zip(keys, results, strict=True)

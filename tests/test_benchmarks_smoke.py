@@ -41,6 +41,8 @@ RATIO_LINES: dict[str, list[str]] = {
         rf"baseline wall / fleet wall {RATIO} \(",
         r"compiles == unique graphs in every fleet: met",
     ],
+    "bench_parallel_cold_start": [rf"deferred / in place {RATIO} \(",
+                                  r"compiles \d+ == \d+: (met|NOT MET)"],
     "bench_manifest_emit": [rf"ratio: median of per-round ratios {RATIO}"],
     "bench_manifest_ledger": [rf"ratio: median of per-round ratios {RATIO}"],
     "bench_snapshot_overhead": [r"capture off .* overhead [+-]\d+ ns/call"],
