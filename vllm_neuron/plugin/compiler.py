@@ -112,8 +112,9 @@ class NeuronCompilerAdaptor(CompilerInterface):
             fn, compiled = get_runtime().compile(graph, example_inputs, piece=named)
         result = getattr(compiled, "result", None)  # None: deferred to its first call
         if result is None:
-            logger.info("vllm_neuron: vLLM %s() %s -> graph %s deferred: another process "
-                        "compiles it, loaded at its first call", what, label, compiled.key)
+            logger.info("vllm_neuron: vLLM %s() %s -> graph %s from deferred in 0.00 s "
+                        "(another process compiles it, or no compile slot was free: loaded "
+                        "at its first call)", what, label, compiled.key)
         else:
             logger.info("vllm_neuron: vLLM %s() %s -> graph %s from %s in %.2f s",
                         what, label, compiled.key, result.source, result.seconds)
