@@ -18,9 +18,11 @@ from vllm_neuron.manifest.inspect import (
     check_startup,
     diff_manifests,
     load_manifest,
+    snapshot_paths,
 )
 from vllm_neuron.manifest.pieces import extra_compiles, summarize_pieces
 from vllm_neuron.manifest.schema import GraphEntry, Manifest
+from vllm_neuron.manifest.snapshot_links import path_order
 
 from .format import human_size, print_json, table
 
@@ -29,7 +31,8 @@ def register(sub: Any) -> None:
     parser = sub.add_parser("manifest", help="read, compare and check compile manifests")
     cmds = parser.add_subparsers(dest="manifest_command", required=True)
 
-    show = cmds.add_parser("show", help="graphs, shapes, sizes and ranks of a manifest")
+    show = cmds.add_parser("show", help="graphs, shapes, sizes, ranks and snapshot bundles of "
+                           "a manifest")
     show.add_argument("location", help="manifest.json, an engine directory, or a URL")
     show.add_argument("--json", action="store_true")
     show.set_defaults(handler=cmd_show)
@@ -70,16 +73,35 @@ def cmd_show(args: argparse.Namespace) -> int:
         _show_pieces(manifest)
         return 0
     rows = [(g.graph_hash[:12], *_graph_cells(g, g.ranks)) for g in manifest.graphs]
-    print(table(["GRAPH", "INPUTS", "OUTPUTS", "SIZE", "RANKS", "CREATED"], rows))
-    print(f"{len(manifest.graphs)} graphs")
+    print(table(["GRAPH", "INPUTS", "OUTPUTS", "SIZE", "RANKS", "CREATED", "BUNDLES"], rows))
+    print(f"{len(manifest.graphs)} graphs{_bundles_note(manifest)}")
     return 0
 
 
-def _graph_cells(g: GraphEntry, ranks: list[int]) -> tuple[str, str, str, str, str]:
-    """A graph's INPUTS, OUTPUTS, SIZE, RANKS and CREATED cells."""
+def _graph_cells(g: GraphEntry, ranks: list[int]) -> tuple[str, str, str, str, str, str]:
+    """A graph's INPUTS, OUTPUTS, SIZE, RANKS, CREATED and BUNDLES cells."""
     return ("; ".join(g.input_shapes) or "-", "; ".join(g.output_shapes) or "-",
             human_size(g.neff_size) if g.neff_size is not None else "-",
-            ",".join(map(str, ranks)), g.created_timestamp or "-")
+            ",".join(map(str, ranks)), g.created_timestamp or "-", _bundles_cell(g))
+
+
+def _bundles_cell(g: GraphEntry) -> str:
+    """How many snapshot bundles the graph names: ``4``, or ``4 (3 with outputs)``."""
+    bundles = len(snapshot_paths([g]))
+    outputs = len(g.output_snapshot_paths)
+    return str(bundles) if outputs == bundles else f"{bundles} ({outputs} with outputs)"
+
+
+def _bundles_note(manifest: Manifest) -> str:
+    """The bundles the graphs name, with the ranks that captured them (empty when none)."""
+    paths = snapshot_paths(list(manifest.graphs))
+    if not paths:
+        return ""
+    ranks = sorted({r for r, _, _ in map(path_order, paths) if r >= 0})
+    graphs = sum(1 for g in manifest.graphs if snapshot_paths([g]))
+    return (f"; {len(paths)} snapshot bundles for {graphs} of them, captured by ranks "
+            f"{','.join(map(str, ranks)) or '-'} (replay: vllm-neuron snapshot replay "
+            f"--manifest)")
 
 
 def _show_pieces(manifest: Manifest) -> None:
@@ -97,10 +119,11 @@ def _show_pieces(manifest: Manifest) -> None:
     rows += [("-", "-", g.graph_hash[:12], *_graph_cells(g, g.ranks))
              for g in manifest.graphs if not g.traces]
     print(table(["PIECE", "VARIANT", "GRAPH", "INPUTS", "OUTPUTS", "SIZE", "RANKS",
-                 "CREATED"], rows))
+                 "CREATED", "BUNDLES"], rows))
     specific = sum(1 for s in summaries if s.compiles > 1)
     print(f"{len(manifest.graphs)} graphs for {len(summaries)} pieces; {specific} pieces "
-          f"rank-specific, costing {extra_compiles(summaries)} compiles beyond one per piece")
+          f"rank-specific, costing {extra_compiles(summaries)} compiles beyond one per piece"
+          f"{_bundles_note(manifest)}")
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

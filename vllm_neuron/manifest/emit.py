@@ -12,6 +12,10 @@ package without run ids) are left out of the fold, logged, and removed with the 
 the engine's ledger: the manifest of their run was never written and never will be, and
 a prefix names one engine at a time in a manifest directory (its ``manifest.json`` is per
 prefix too), so another run's segments there are taken to be a dead run's.
+
+Each graph also lists the snapshot bundles the run's processes have named so far, and with
+input snapshots on the emit marks the manifest as this run's, so the bundles written later
+update it (`snapshot_links`).
 """
 
 from __future__ import annotations
@@ -31,13 +35,20 @@ from vllm_neuron.backends.records import Document, RecordCodec
 from vllm_neuron.compile.entry import ENTRY_RECORD, ENTRY_SCHEMA_VERSION, ENTRY_TAG
 from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
 from vllm_neuron.compile.toolchains.neuron import parse_hlo_entry_result_shapes
-from vllm_neuron.envs import manifest_settings, redact_config, redact_text
+from vllm_neuron.envs import (
+    manifest_settings,
+    redact_config,
+    redact_text,
+    run_id,
+    snapshot_settings,
+)
 from vllm_neuron.identity import get_server_prefix
 
 from .fold import FoldedGraph, fold_ledger
 from .ledger import LEDGER_DIR
 from .pieces import summarize_pieces
 from .schema import MANIFEST_FILE, GraphEntry, Manifest, ManifestConfig, encode_manifest
+from .snapshot_links import link_at_emit, mark_emitted
 
 logger = logging.getLogger("vllm_neuron.manifest")
 
@@ -162,14 +173,19 @@ def emit_manifest(
     environment: Mapping[str, str] | None = None,
     cleanup: bool = True,
     run: str | None = None,
+    link_snapshots: bool = False,
 ) -> Manifest:
     """Build, write and return this engine's manifest (raises on failure).
 
     ``run`` is the engine run whose ledger is folded (default: this process's run);
     ``cleanup`` removes the whole ledger of the prefix afterwards, other runs' included.
+    Each graph lists the snapshot bundles the run's processes named so far
+    (`snapshot_links`); ``link_snapshots`` (input snapshots are on) also lets the bundles
+    written from now on update the manifest.
     """
     store = manifest_dir if isinstance(manifest_dir, Store) else open_store(manifest_dir)
     prefix = prefix or get_server_prefix()
+    run = run_id() if run is None else run
     fold = fold_ledger(store, prefix, tp_ranks, run=run)
     if fold.stale:
         logger.warning(
@@ -228,9 +244,12 @@ def emit_manifest(
         ),
         pieces=summarize_pieces(enriched) or msgspec.UNSET,
     )
+    manifest, links = link_at_emit(store, prefix, run, manifest, cleanup=cleanup)
     fault_point("emit.before-write")
     store.write(join(prefix, MANIFEST_FILE), encode_manifest(manifest))
     fault_point("emit.after-write")
+    if link_snapshots:
+        manifest = mark_emitted(store, prefix, run, manifest, links)
     if cleanup:
         store.delete_tree(join(LEDGER_DIR, prefix))
     return manifest
@@ -269,4 +288,14 @@ def emit_for_this_engine(
         config,
         cache_root=get_neuron_compile_cache_dir(),
         tp_ranks=tp_ranks,
+        link_snapshots=_capture_on(),
     )
+
+
+def _capture_on() -> bool:
+    """Whether input snapshots are on in this engine (its bundles then name themselves in
+    the manifest: `snapshot_links`)."""
+    try:
+        return snapshot_settings().enabled
+    except Exception:  # noqa: BLE001 - a malformed setting stopped start-up already
+        return False

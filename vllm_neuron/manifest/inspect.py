@@ -55,6 +55,33 @@ def load_manifest(location: str) -> tuple[str, Manifest]:
     return where, decode_manifest(data, source=where)
 
 
+def select_graphs(manifest: Manifest, where: str, graph: str | None = None) -> list[GraphEntry]:
+    """Every graph, or the one `graph` names: its full hash, or a prefix of one hash (as
+    `manifest show` prints them). A value naming none, or several, is a ValueError naming it."""
+    if graph is None:
+        return list(manifest.graphs)
+    wanted = graph.strip().lower()
+    exact = [g for g in manifest.graphs if g.graph_hash == wanted]
+    found = exact or ([g for g in manifest.graphs if g.graph_hash.startswith(wanted)]
+                      if wanted else [])
+    hashes = sorted({g.graph_hash for g in found})
+    if not hashes:
+        known = ", ".join(g.graph_hash[:12] for g in manifest.graphs[:8]) or "none"
+        more = ", ..." if len(manifest.graphs) > 8 else ""
+        raise ValueError(f"--graph {graph!r}: {where} has no graph with that hash "
+                         f"(its graphs: {known}{more})")
+    if len(hashes) > 1:
+        raise ValueError(f"--graph {graph!r} names {len(hashes)} graphs of {where} "
+                         f"({', '.join(hashes)}): give more of the hash")
+    return [g for g in found if g.graph_hash == hashes[0]][:1]
+
+
+def snapshot_paths(graphs: list[GraphEntry]) -> list[str]:
+    """The snapshot bundles `graphs` name (input and output paths, once each, in order)."""
+    return list(dict.fromkeys(p for g in graphs
+                              for p in (*g.input_snapshot_paths, *g.output_snapshot_paths)))
+
+
 @dataclass(frozen=True)
 class ManifestDiff:
     """Graphs by hash (``added``/``removed``/``changed``: only graphs naming no piece when

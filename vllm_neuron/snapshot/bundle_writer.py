@@ -135,12 +135,12 @@ class BundleWriter:
         fn: Callable[..., Any],
         args: Sequence[Any],
         forward_call: int | None = None,
-    ) -> tuple[Any, bool]:
+    ) -> tuple[Any, CallMeta | None]:
         """Write the bundle of this call around running ``fn``; see the module docstring.
 
-        (``fn``'s result, whether the bundle was written: not when the snapshot root could
-        not take files). ``forward_call`` is the call's position among the forward's graph
-        calls."""
+        (``fn``'s result, the bundle's record: None when it was not written, the snapshot
+        root could not take files). ``forward_call`` is the call's position among the
+        forward's graph calls."""
         spec = self.spec
         fmt = spec.format
         prefix = spec.call_prefix(call_index)
@@ -167,7 +167,7 @@ class BundleWriter:
             if store is not None:
                 self._cleanup(store, prefix)
             if self._root_cannot_take_files(exc, where):
-                return fn(*args), False
+                return fn(*args), None
             raise SnapshotCaptureError(
                 f"input snapshot of {where} failed while writing the inputs: {exc}; "
                 "the forward was aborted and no bundle was left"
@@ -218,7 +218,7 @@ class BundleWriter:
         except Exception as exc:
             self._cleanup(store, prefix)
             if self._root_cannot_take_files(exc, where):
-                return out, False
+                return out, None
             raise SnapshotCaptureError(
                 f"input snapshot of {where} failed while writing the outputs/meta.json: {exc}; "
                 "the forward was aborted and no bundle was left"
@@ -228,7 +228,7 @@ class BundleWriter:
             raise
         logger.info("vllm_neuron: captured input snapshot %s (selected by %s)", where,
                     ", ".join(selected_by))  # fmt: skip
-        return out, True
+        return out, meta
 
     def _root_cannot_take_files(self, exc: Exception, where: str) -> bool:
         """True when ``exc`` says the snapshot root cannot take files (no space, read-only,

@@ -15,7 +15,9 @@ executables of one compilation hash share one capturer and one call counter. Per
 6. any failure leaves no bundle and gives the budget unit back; a snapshot root that cannot
    take files (full, read-only, refused) ends capture for the process with one warning
    naming the setting, and the forward is served; any other failure (a value that cannot be
-   stored) raises :class:`SnapshotCaptureError`, aborting the forward.
+   stored) raises :class:`SnapshotCaptureError`, aborting the forward;
+7. a bundle written is announced to the ``on_bundle`` listener, if any (the assembly's: it
+   names the bundle in the engine's manifest); a listener that fails is logged once.
 
 Steps 1-4 run on every forward and stay cheap; what one executable captures and where is
 its :class:`CaptureSpec` (:mod:`.capture_spec`), how tensors reach the store its writer
@@ -27,6 +29,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm_neuron.identity import RankInfo
@@ -37,14 +40,28 @@ from .capture_spec import CaptureSpec, resolve_capture_spec
 from .config import RULE_CALL, RULE_ORDER, SnapshotConfig, snapshot_config
 from .context import SnapshotForwardContext
 from .context import next_forward_call as ctx_position
+from .meta import CallMeta
 from .tensor_writers import SnapshotWriter, default_writer
 
 if TYPE_CHECKING:
     from vllm_neuron.compile.runtime import CompiledGraph, CompileRuntime
 
-__all__ = ["SnapshotCapturer", "build_capturer", "install_snapshot_capture"]
+__all__ = ["BundleListener", "CapturedBundle", "SnapshotCapturer", "build_capturer",
+           "install_snapshot_capture"]
 
 logger = logging.getLogger("vllm_neuron.snapshot")
+
+
+@dataclass(frozen=True)
+class CapturedBundle:
+    """A bundle just written: the snapshot root, its call prefix there, its record."""
+
+    root: str
+    prefix: str
+    meta: CallMeta
+
+
+BundleListener = Callable[[CapturedBundle], None]
 
 
 class SnapshotCapturer:
@@ -57,6 +74,7 @@ class SnapshotCapturer:
         *,
         writer: SnapshotWriter | None = None,
         graph: CompiledGraph | None = None,
+        on_bundle: BundleListener | None = None,
     ) -> None:
         self.spec = spec
         self.bundles = BundleWriter(
@@ -64,7 +82,9 @@ class SnapshotCapturer:
         )
         self.calls = 0  # post-warm-up calls seen so far; the next call's index
         self.captured: list[str] = []  # call prefixes written by this capturer
+        self.on_bundle = on_bundle
         self._warned_budget = False
+        self._warned_listener = False
         selector = spec.config.selector
         self._all_calls = selector.all_calls
         self._at_calls = selector.at_calls or frozenset()
@@ -161,11 +181,25 @@ class SnapshotCapturer:
     ) -> tuple[Any, bool]:
         """Write the bundle of this call around running ``fn`` (:mod:`.bundle_writer`);
         (``fn``'s result, whether the bundle was written)."""
-        out, written = self.bundles.capture_call(ctx, call_index, selected_by, matches, fn,
-                                                 args, forward_call)  # fmt: skip
-        if written:
-            self.captured.append(self.spec.call_prefix(call_index))
-        return out, written
+        out, meta = self.bundles.capture_call(ctx, call_index, selected_by, matches, fn,
+                                              args, forward_call)  # fmt: skip
+        if meta is None:
+            return out, False
+        prefix = self.spec.call_prefix(call_index)
+        self.captured.append(prefix)
+        if self.on_bundle is not None:
+            self._announce(self.on_bundle, CapturedBundle(self.spec.root, prefix, meta))
+        return out, True
+
+    def _announce(self, listener: BundleListener, bundle: CapturedBundle) -> None:
+        """Tell the listener; the bundle is written whatever it does (logged once)."""
+        try:
+            listener(bundle)
+        except Exception as exc:  # noqa: BLE001 - the forward and its bundle stand
+            if not self._warned_listener:
+                self._warned_listener = True
+                logger.warning("vllm_neuron: the listener of snapshot bundles failed on %s/%s: "
+                               "%s", bundle.root.rstrip("/"), bundle.prefix, exc)
 
 
 # Integration --------------------------------------------------------------------------------
@@ -177,21 +211,26 @@ def build_capturer(
     config: SnapshotConfig | None = None,
     ranks: RankInfo | None = None,
     writer: SnapshotWriter | None = None,
+    on_bundle: BundleListener | None = None,
 ) -> SnapshotCapturer | None:
     """The capturer of one compiled executable, or None when it never captures."""
     spec = resolve_capture_spec(graph.key, config=config, ranks=ranks)
     if spec is None:
         return None
-    return SnapshotCapturer(spec, writer=writer, graph=graph)
+    return SnapshotCapturer(spec, writer=writer, graph=graph, on_bundle=on_bundle)
 
 
 def install_snapshot_capture(
-    runtime: CompileRuntime, config: SnapshotConfig | None = None
+    runtime: CompileRuntime,
+    config: SnapshotConfig | None = None,
+    *,
+    on_bundle: BundleListener | None = None,
 ) -> bool:
     """Wrap every executable ``runtime`` loads with a capturer, when capture is enabled.
 
     Disabled (the default), nothing is installed: executables are the raw callables.
     Called by ``build_runtime``; a malformed snapshot setting raises here, at start-up.
+    ``on_bundle`` is called with every bundle written (in the capturing thread).
     """
     cfg = snapshot_config() if config is None else config
     if not cfg.enabled:
@@ -206,7 +245,7 @@ def install_snapshot_capture(
     def snapshot_wrapper(graph: CompiledGraph, fn: Callable[..., Any]) -> Callable[..., Any]:
         with lock:
             if graph.key not in capturers:
-                capturers[graph.key] = build_capturer(graph, config=cfg)
+                capturers[graph.key] = build_capturer(graph, config=cfg, on_bundle=on_bundle)
             capturer = capturers[graph.key]
         return fn if capturer is None else capturer.wrap(fn)
 
