@@ -3,6 +3,7 @@
     vllm-neuron snapshot ls [ROOT] [--json]
     vllm-neuron snapshot show BUNDLE [--json]
     vllm-neuron snapshot replay BUNDLE [--runner auto|cache|eager] [--atol A] [--rtol R]
+    vllm-neuron snapshot replay --manifest MANIFEST [--graph HASH] [--root R] ...
 
 ROOT defaults to the configured snapshot root ($VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR, else
 $VLLM_CACHE_ROOT/neuron/snapshots). BUNDLE is a path or URL of a call directory, or a hash or
@@ -10,7 +11,10 @@ rank directory (every bundle below it: all ranks of a tensor-parallel capture), 
 ``<hash>[/rank<N>[/call<K>]]`` relative to --root. `replay` exits 1 when any output fails;
 its report is per bundle and per rank. A bundle whose graph calls a collective is replayed
 together with the other ranks' bundles of the same call, one process per rank (or refused,
-saying which rank's bundle is missing; see `vllm_neuron.snapshot.tp_replay`).
+saying which rank's bundle is missing; see `vllm_neuron.snapshot.tp_replay`). With
+``--manifest`` it replays every bundle an engine's manifest names on its graphs (or on the
+one ``--graph`` names): a path relative to the snapshot root (``--root``, default the
+configured one), or a URL.
 
 Bundles written by AWS's Neuron plugin (``meta.json`` without our record tag; see
 `vllm_neuron.snapshot.meta`) are listed and shown like ours, with ``-`` for what the plugin
@@ -26,6 +30,9 @@ from typing import Any
 
 import msgspec
 
+from vllm_neuron.backends import is_url, join
+from vllm_neuron.manifest.inspect import load_manifest, select_graphs, snapshot_paths
+from vllm_neuron.manifest.snapshot_links import path_order
 from vllm_neuron.snapshot.bundles import (
     find_bundles,
     list_bundles,
@@ -34,7 +41,8 @@ from vllm_neuron.snapshot.bundles import (
     open_snapshot_root,
 )
 from vllm_neuron.snapshot.config import load_snapshot_config
-from vllm_neuron.snapshot.replay import replay
+from vllm_neuron.snapshot.meta import META_FILE
+from vllm_neuron.snapshot.replay import ReplayReport, replay, replay_prefixes
 
 from .format import human_age, human_size, print_json, table
 
@@ -57,8 +65,13 @@ def register(sub: Any) -> None:
     replay = cmds.add_parser(
         "replay", help="run a bundle's inputs through its graph and compare the outputs"
     )
-    replay.add_argument("bundle", help="a call directory, or a hash/rank directory (all below)")
-    replay.add_argument("--root", help="snapshot root for a relative BUNDLE")
+    replay.add_argument("bundle", nargs="?",
+                        help="a call directory, or a hash/rank directory (all below)")
+    replay.add_argument("--manifest", help="instead of BUNDLE: every bundle this engine "
+                        "manifest names (manifest.json, an engine directory, or a URL)")
+    replay.add_argument("--graph", help="with --manifest: only this graph's bundles (its hash "
+                        "or a prefix of it)")
+    replay.add_argument("--root", help="snapshot root for a relative BUNDLE or manifest path")
     replay.add_argument(
         "--runner",
         choices=("auto", "cache", "eager"),
@@ -161,13 +174,76 @@ def _fmt(x: float) -> str:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    if args.manifest is not None:
+        if args.bundle is not None:
+            raise ValueError(f"give BUNDLE ({args.bundle!r}) or --manifest "
+                             f"({args.manifest!r}), not both")
+        return print_replay(replay_manifest(args), args.json)
+    if args.graph is not None:
+        raise ValueError(f"--graph {args.graph!r} needs --manifest")
+    if args.bundle is None:
+        raise ValueError("give the BUNDLE to replay, or --manifest MANIFEST")
     store, prefix = locate(args.bundle, args.root)
-    reports = list(replay(
+    return print_replay(list(replay(
         store, prefix, runner=args.runner, cache_dir=args.cache_dir, atol=args.atol,
         rtol=args.rtol,
-    ).values())  # fmt: skip
+    ).values()), args.json)  # fmt: skip
+
+
+def replay_manifest(args: argparse.Namespace) -> list[ReplayReport]:
+    """`replay --manifest`: every bundle the manifest's graphs (or ``--graph``'s) name,
+    grouped by snapshot root, each root's bundles replayed together (a tensor-parallel
+    call's ranks as one group). A bundle named but not there is a failed report of its own;
+    when none is there, the root is the problem (exit 2, naming it)."""
+    where, manifest = load_manifest(args.manifest)
+    graphs = select_graphs(manifest, where, args.graph)
+    paths = snapshot_paths(graphs)
+    if not paths:
+        what = f"graph {graphs[0].graph_hash} of {where}" if args.graph else where
+        raise ValueError(
+            f"{what} names no snapshot bundle (empty input_snapshot_paths): the engine ran "
+            "without VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_ENABLE=1, captured nothing for it, or "
+            "predates graphs listing their bundles")  # fmt: skip
+    roots: dict[str, tuple[Any, list[str]]] = {}
+    local = None
+    for path in paths:
+        if is_url(path):
+            store, prefix = locate(path)
+        else:
+            local = local or _root(args.root)
+            store, prefix = local, path.strip("/")
+        roots.setdefault(store.url, (store, []))[1].append(prefix)
+    found = {(url, p) for url, (store, prefixes) in roots.items() for p in prefixes
+             if store.exists(join(p, META_FILE))}  # fmt: skip
+    if not found:
+        url, (_, prefixes) = next(iter(roots.items()))
+        raise ValueError(
+            f"none of the {len(paths)} bundles {where} names is there (the first: "
+            f"{url.rstrip('/')}/{prefixes[0]}): pass the snapshot root they were captured "
+            "under as --root")  # fmt: skip
+    by_path: dict[tuple[str, str], ReplayReport] = {}
+    for url, (store, prefixes) in roots.items():
+        here = [p for p in prefixes if (url, p) in found]
+        if here:
+            for prefix, report in replay_prefixes(
+                store, here, runner=args.runner, cache_dir=args.cache_dir, atol=args.atol,
+                rtol=args.rtol,
+            ).items():  # fmt: skip
+                by_path[url, prefix] = report
+        for prefix in (p for p in prefixes if (url, p) not in found):
+            rank, call, _ = path_order(prefix)
+            by_path[url, prefix] = ReplayReport(
+                f"{url.rstrip('/')}/{prefix}", args.runner, global_rank=max(rank, 0),
+                call_index=max(call, 0),
+                problem=f"{where} names this bundle, but it is not there (no {META_FILE}): "
+                        "removed since, or captured under another snapshot root (--root)")
+    return [by_path[url, p] for url, (_, prefixes) in roots.items() for p in prefixes]
+
+
+def print_replay(reports: list[ReplayReport], as_json: bool) -> int:
+    """The replay report (per bundle, then per rank), or its JSON; 1 when any failed."""
     failed = [r for r in reports if not r.passed]
-    if args.json:
+    if as_json:
         print_json([{**r.__dict__, "passed": r.passed} for r in reports])
         return 1 if failed else 0
     for n, report in enumerate(reports):

@@ -34,7 +34,7 @@ from .runners import resolve_runner
 from .tp_replay import plan_groups, replay_groups
 
 __all__ = ["PreparedReplay", "ReplayReport", "prepare_bundle", "replay", "replay_bundle",
-           "report_of"]
+           "replay_prefixes", "report_of"]
 
 
 def _no_reference(bundle: Bundle) -> str:
@@ -160,6 +160,23 @@ def replay(
     prefixes = find_bundles(store, prefix)
     if not prefixes:
         raise ReplayError(f"no snapshot bundle at {store.url.rstrip('/')}/{prefix}".rstrip("/"))
+    return replay_prefixes(store, prefixes, runner=runner, cache_dir=cache_dir, atol=atol,
+                           rtol=rtol)  # fmt: skip
+
+
+def replay_prefixes(
+    store: Store,
+    prefixes: Sequence[str],
+    *,
+    runner: str = "auto",
+    cache_dir: str | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+) -> dict[str, ReplayReport]:
+    """Replay the bundles at ``prefixes`` (call directories under ``store``), as `replay`
+    does: each report under its prefix, in the order given. A bundle that does not load
+    raises ``ReplayError``."""
+    prefixes = list(dict.fromkeys(prefixes))
     bundles = [load_bundle(store, p) for p in prefixes]
     plan = plan_groups(store, bundles)
     reports: dict[str, ReplayReport] = dict(plan.refused)
