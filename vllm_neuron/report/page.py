@@ -210,7 +210,7 @@ def render_page(report: Report) -> str:
         Markup("<main>"), _cards(report), _sources(report),
         _section("Compile cache", "cache", caches, "No local compile cache was read.",
                  bool(report.caches)),
-        _section("Manifests", "manifests", render_engines(report.engines),
+        _section("Manifests", "manifests", render_engines(report.engines, report.snapshots),
                  "No engine manifest was found.", bool(report.engines)),
         _section("Snapshot bundles", "snapshots", render_snapshots(report.snapshots),
                  "No snapshot root was read.", bool(report.snapshots)),

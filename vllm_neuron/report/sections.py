@@ -4,6 +4,11 @@ Why apart from `page`: each renders one feature's records as tables, as its own 
 shows them (`manifest show`/`check`, `snapshot ls`/`replay`, `profile show`/`validate`),
 and only marks what matters at a glance: a partial deployment, a failed replay, a failed
 validation. Each row carries the record's identity in a ``data-*`` attribute.
+
+A graph links to the snapshot bundles its manifest names (``input_snapshot_paths``, relative
+to a snapshot root or a URL): each is looked up among the bundles of the snapshot roots the
+page lists, and links (``href="#..."``, within the page: nothing is loaded) to that bundle's
+row and, when it was replayed, to its replay, with the verdict beside it.
 """
 
 from __future__ import annotations
@@ -12,13 +17,16 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_neuron.manifest.inspect import snapshot_paths
+from vllm_neuron.manifest.schema import GraphEntry
 from vllm_neuron.snapshot.replay import ReplayReport
 
 from .gather import EngineView
 from .markup import Markup, el, join
 from .runs import ARTIFACT_FIELDS, ProfileRun, SnapshotView
 
-__all__ = ["human_size", "render_engines", "render_profiles", "render_snapshots"]
+__all__ = ["bundle_index", "human_size", "render_engines", "render_profiles",
+           "render_snapshots"]
 
 
 def human_size(n: float | None) -> str:
@@ -47,7 +55,57 @@ def problem_list(title: str, items: Sequence[str]) -> Markup:
 # Manifests ----------------------------------------------------------------------------------
 
 
-def _engine(engine: EngineView) -> Markup:
+def _anchor(kind: str, root: int, prefix: str) -> str:
+    """The id of a bundle's row (``bundle``) or replay (``replay``) in the snapshot section."""
+    return f"{kind}-{root}-{prefix}"
+
+
+BundleIndex = dict[str, tuple[int, str, ReplayReport | None]]
+
+
+def bundle_index(views: Sequence[SnapshotView]) -> BundleIndex:
+    """How a manifest's snapshot path finds its bundle on the page: by URL (root and
+    prefix), or by prefix alone for a path relative to its root (the first root holding it)
+    -> (the root's number, the bundle's prefix, its replay)."""
+    out: BundleIndex = {}
+    for n, view in enumerate(views):
+        if view.listing is None:
+            continue
+        root = view.root.rstrip("/")
+        for b in view.listing.bundles:
+            found = (n, b.prefix, view.replays.get(b.prefix))
+            out.setdefault(f"{root}/{b.prefix}", found)
+            out.setdefault(b.prefix, found)
+    return out
+
+
+def _bundle_links(g: GraphEntry, index: BundleIndex) -> Markup:
+    """The graph's bundles: a link to each bundle's row, its replay verdict linking to the
+    replay; a bundle the page does not list is named as text."""
+    paths = snapshot_paths([g])
+    if not paths:
+        return el("td", "-", class_="muted")
+    links = []
+    for path in paths:
+        label = "/".join(path.rstrip("/").split("/")[-2:])  # rank<N>/call<K>
+        found = index.get(path)
+        if found is None:
+            links.append(el("span", label, " (not in the snapshot roots read)", title=path,
+                            class_="muted", data_bundle_link=path))  # fmt: skip
+            continue
+        root, prefix, replayed = found
+        row = _anchor("bundle", root, prefix)
+        # The replay's table when it has one (outputs compared), else the row saying why.
+        target = _anchor("replay", root, prefix) if replayed and replayed.outputs else row
+        verdict = (None if replayed is None else
+                   el("a", _badge("pass", "ok") if replayed.passed else _badge("FAIL", "bad"),
+                      href=f"#{target}", data_replay_link=path))
+        links.append(el("span", el("a", label, href=f"#{row}", title=path), " ", verdict,
+                        class_="bundle-link", data_bundle_link=path))  # fmt: skip
+    return el("td", join(links, Markup(" · ")), data_bundles=len(paths))
+
+
+def _engine(engine: EngineView, index: BundleIndex) -> Markup:
     if engine.manifest is None:
         return el("section", el("h3", engine.location),
                   problem_list("This manifest cannot be read", [engine.error or "unknown error"]),
@@ -72,7 +130,7 @@ def _engine(engine: EngineView) -> Markup:
             el("td", "; ".join(g.output_shapes) or "-", class_="mono"),
             el("td", human_size(g.neff_size), class_="num"),
             el("td", ",".join(map(str, g.ranks)) or "-"), el("td", g.created_timestamp or "-"),
-            el("td", "; ".join(found) if found else "ok"),
+            el("td", "; ".join(found) if found else "ok"), _bundle_links(g, index),
             class_="bad" if found else None, data_graph=g.graph_hash,
             data_partial="true" if any("partial" in p for p in found) else None,
         ))  # fmt: skip
@@ -80,15 +138,19 @@ def _engine(engine: EngineView) -> Markup:
     return el("section",
               el("h3", engine.location, " ", badge), el("p", facts, class_="muted"),
               problem_list("Not part of any graph", other) if other else None,
-              _table(["graph", "inputs", "outputs", "size", "ranks", "created", "check"], rows,
-                     class_="graphs"),
+              _table(["graph", "inputs", "outputs", "size", "ranks", "created", "check",
+                      "snapshot bundles"], rows, class_="graphs"),
               el("p", f"{len(m.graphs)} graphs", class_="muted"),
               class_="engine", data_engine=engine.location,
               data_partial="true" if partial else None)  # fmt: skip
 
 
-def render_engines(engines: Sequence[EngineView]) -> Markup:
-    return join(_engine(e) for e in engines)
+def render_engines(engines: Sequence[EngineView],
+                   snapshots: Sequence[SnapshotView] = ()) -> Markup:
+    """Each engine's manifest; its graphs link to their bundles among `snapshots` (the
+    page's snapshot roots, in the order `render_snapshots` draws them)."""
+    index = bundle_index(snapshots)
+    return join(_engine(e, index) for e in engines)
 
 
 # Snapshots ----------------------------------------------------------------------------------
@@ -108,7 +170,7 @@ def _replay_cell(report: ReplayReport | None) -> Markup:
     return el("td", _badge("FAIL", "bad"), " ", report.problem or f"({report.runner})")
 
 
-def _replay_details(report: ReplayReport) -> Markup | None:
+def _replay_details(report: ReplayReport, anchor: str) -> Markup | None:
     if not report.outputs:
         return None
     rows = [el("tr", el("td", o.index, class_="num"), el("td", o.dtype),
@@ -123,11 +185,13 @@ def _replay_details(report: ReplayReport) -> Markup | None:
             for o in report.outputs]  # fmt: skip
     headers = ["output", "dtype", "shape", "max abs err", "max rel err", "cosine", "atol", "rtol",
                "result"]  # fmt: skip
+    # The id on the table, inside the closed details: a link to it opens them.
     return el("details", el("summary", f"replay of {report.bundle}"),
-              _table(headers, rows, class_="replay", data_bundle=report.bundle))  # fmt: skip
+              _table(headers, rows, class_="replay", data_bundle=report.bundle,
+                     id=anchor))  # fmt: skip
 
 
-def _snapshot_root(view: SnapshotView) -> Markup:
+def _snapshot_root(n: int, view: SnapshotView) -> Markup:
     if view.listing is None:
         return el("section", el("h3", view.root),
                   problem_list("This snapshot root cannot be read", [view.error or "unknown"]),
@@ -145,9 +209,10 @@ def _snapshot_root(view: SnapshotView) -> Markup:
             el("td", f"{b.inputs}/{b.outputs}"), el("td", human_size(b.size), class_="num"),
             _replay_cell(replayed), data_bundle=b.prefix,
             class_="bad" if replayed is not None and not replayed.passed else None,
+            id=_anchor("bundle", n, b.prefix),
         ))  # fmt: skip
         if replayed is not None:
-            details.append(_replay_details(replayed))
+            details.append(_replay_details(replayed, _anchor("replay", n, b.prefix)))
     headers = ["hash", "rank (global / tp / dp)", "call", "step", "phase", "selected by",
                "format", "in/out", "size", "replay"]  # fmt: skip
     leftovers = ([f"incomplete (no meta.json, not a bundle): {p}" for p in view.listing.incomplete]
@@ -162,7 +227,7 @@ def _snapshot_root(view: SnapshotView) -> Markup:
 
 
 def render_snapshots(views: Sequence[SnapshotView]) -> Markup:
-    return join(_snapshot_root(v) for v in views)
+    return join(_snapshot_root(n, v) for n, v in enumerate(views))
 
 
 # Profiles -----------------------------------------------------------------------------------
