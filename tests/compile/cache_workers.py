@@ -337,6 +337,35 @@ def run_trace(args: Mapping[str, Any]) -> dict[str, Any]:
             "writer": f"{socket.gethostname()}-{os.getpid()}"}
 
 
+def run_pieces(args: Mapping[str, Any]) -> dict[str, Any]:
+    """One process handing several real graphs to the runtime as vLLM's piecewise backend
+    does (a piece name each, every graph before any call), then calling each and checking
+    it against eager PyTorch. The cache settings come from the environment."""
+    import torch
+
+    from vllm_neuron.assembly import get_runtime
+
+    runtime = get_runtime()
+    graphs = []
+    for width in args["widths"]:
+        torch.manual_seed(width)
+        model = torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.ReLU(),
+                                    torch.nn.Linear(width, 8)).eval()
+        x = torch.randn(4, width)
+        fn, traced = runtime.compile(torch.fx.symbolic_trace(model), [x],
+                                     piece=f"piece {width}")
+        graphs.append((fn, model, x, traced.key))
+    matches = []
+    with torch.no_grad():
+        for fn, model, x, _ in graphs:
+            out = fn(x)
+            out = out[0] if isinstance(out, (tuple, list)) else out
+            matches.append(bool(torch.allclose(out, model(x), rtol=1e-4, atol=1e-5)))
+    return {"ok": True, "matches": matches, "keys": [g[3] for g in graphs],
+            "sources": [g.result.source for g in runtime.history],
+            "writer": f"{socket.gethostname()}-{os.getpid()}"}
+
+
 def run_promote(args: Mapping[str, Any]) -> dict[str, Any]:
     """One "node": promote its local entry with `save_cache` once the barrier opens."""
     from vllm_neuron.compile import save_cache
@@ -413,7 +442,7 @@ def main(argv: list[str]) -> int:
     mode, raw = argv[0], argv[1]
     args = json.loads(raw)
     result = {"get": run_get, "promote": run_promote, "torch": run_torch,
-              "trace": run_trace}[mode](args)
+              "trace": run_trace, "pieces": run_pieces}[mode](args)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0
 

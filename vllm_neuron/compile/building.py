@@ -30,6 +30,7 @@ from vllm_neuron.backends import Record, Staging, Store, fault_point, open_store
 from .entry import ENTRY_RECORD, EntryRecord, build_record, encode_record
 from .events import CacheMiss, Compiled, CompileFailed
 from .failures import clear_failure_note, describe, write_failure_note
+from .outcomes import CompileWorkerLost
 from .signing import SIGNATURE_FILE
 from .tier_health import (
     COMPILE_SPACE_RESERVE,
@@ -110,8 +111,8 @@ def compile_and_publish(
             fault = unwritable_cause(exc, tier_dir(local))
             if fault is not None:  # the place's fault, not the graph's: no failure note
                 raise LocalTierFault(_fault_reason(fault, local)) from exc
-            if isinstance(exc, Exception):
-                on_failure(exc)
+            if isinstance(exc, Exception) and not isinstance(exc, CompileWorkerLost):
+                on_failure(exc)  # a lost worker is not the graph's failure: no note
             raise
         try:
             _write_signature(staging, record, sign)
@@ -325,6 +326,8 @@ class Compiler:
     ) -> tuple[str, EntryRecord, float]:
         try:
             return self.uncached(key, compile_fn, components, piece)
+        except CompileWorkerLost:
+            raise  # not the graph's failure: compiled in place by the caller
         except Exception as exc:  # the graph's own failure: said to the waiters as usual
             self._failed(key, exc, piece)
             raise

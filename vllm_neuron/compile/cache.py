@@ -24,8 +24,10 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -70,6 +72,7 @@ from .load_notes import note_load_failure
 from .outcomes import (
     CacheResult,
     CompileError,
+    CompileWorkerLost,
     DeferCompile,
     PendingCompile,
     PrecompiledOnlyMiss,
@@ -95,6 +98,10 @@ __all__ = [  # noqa: RUF022 - grouped: settings and names, then types
 ]
 
 logger = logging.getLogger("vllm_neuron.compile")
+
+WorkerCompile = Callable[[], "tuple[CompileFn, Callable[[], None]] | None"]
+"""Prepares a graph for a compile worker (`TwoTierCache.begin`): the compile to run, and
+what discards the prepared job; None when the graph cannot go to a worker."""
 
 EVENT_OBSERVERS: list[Callable[[Record], None]] = []
 """Told every event any cache of this process records, before it is written; each must
@@ -156,6 +163,9 @@ class TwoTierCache:
         self._slots = None if compile_workers is None else CompileSlots(
             self.local, compile_workers, lease_duration=lease_duration)
         self._loaded: dict[str, CacheResult] = {}
+        self._pool: ThreadPoolExecutor | None = None  # background compiles (begin's workers)
+        self._pool_lock = threading.Lock()
+        self._bound_lock = threading.Lock()  # one eviction pass at a time
         # The last record bytes read for each key and their decoding: a hit still reads the
         # record and stats every file, but bytes seen before are not decoded again.
         self._decoded: dict[str, tuple[bytes, EntryRecord]] = {}
@@ -374,31 +384,67 @@ class TwoTierCache:
 
     def begin(
         self, key: str, compile_fn: CompileFn, *, components: Mapping[str, str] | None = None,
-        piece: str | None = None,
+        piece: str | None = None, worker: WorkerCompile | None = None,
     ) -> CacheResult | PendingCompile:
         """`get_or_compile` for a caller that traces several graphs before it runs any: where
         that would wait - another process holds the key's lock or the fleet's lease, or no
         compile slot of the node is free - a `PendingCompile` comes back at once (and a
-        `deferred` event says why), and the wait happens at its `result()`. With
-        VLLM_NEURON_DEFER_COMPILES=0 (`defer_compiles`) this is `get_or_compile`."""
+        `deferred` event says why), and the wait happens at its `result()`.
+
+        With `worker`, a graph this process wins is compiled in the background too: `worker()`
+        prepares it here, in the tracing thread, and returns the compile to run in a worker
+        process plus what discards the prepared job (None: compile in place, now); a thread of
+        this cache then runs the flow with it (`deferred` event, reason ``worker``). A worker
+        that cannot run (`CompileWorkerLost`) costs an in-place compile at the first call.
+        With VLLM_NEURON_DEFER_COMPILES=0 (`defer_compiles`) this is `get_or_compile`."""
         components = components or {}
         if not self.defer_compiles:
             return self._get(key, compile_fn, components, piece, wait=True, started=None)
         at = time.time()
         try:
-            return self._get(key, compile_fn, components, piece, wait=False, started=at)
+            return self._get(key, compile_fn, components, piece, wait=False, started=at,
+                             to_worker=worker is not None)
         except DeferCompile as deferral:
             reason = deferral.reason
+        in_place = compile_fn
+        if reason == "worker":
+            assert worker is not None
+            prepared = worker()
+            if prepared is None:  # no worker for this graph: compiled here and now
+                return self._get(key, compile_fn, components, piece, wait=True, started=at)
+            future = self._compile_pool().submit(self._compile_in_worker, key, prepared,
+                                                 components, piece, at)  # fmt: skip
         self._record(Deferred(key=key, at=at, reason=reason, piece=piece or ""))
 
         def resolve() -> CacheResult:
-            return self._get(key, compile_fn, components, piece, wait=True, started=at)
+            if reason == "worker":
+                try:
+                    return future.result()
+                except CompileWorkerLost as exc:
+                    logger.warning("compile cache: %s; compiling %s in this process", exc, key)
+            return self._get(key, in_place, components, piece, wait=True, started=at)
 
         return PendingCompile(key, reason, at, resolve)
 
+    def _compile_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:  # threads that wait: the node's slots bound the compiles
+                self._pool = ThreadPoolExecutor(max_workers=64,
+                                                thread_name_prefix="vllm-neuron-compile")
+            return self._pool
+
+    def _compile_in_worker(self, key: str, prepared: tuple[CompileFn, Callable[[], None]],
+                           components: Mapping[str, str], piece: str | None,
+                           started: float) -> CacheResult:  # fmt: skip
+        compile_fn, discard = prepared
+        try:
+            return self._get(key, compile_fn, components, piece, wait=True, started=started)
+        finally:
+            discard()
+
     def _get(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
-        piece: str | None, *, wait: bool, started: float | None,
+        piece: str | None, *, wait: bool, started: float | None, to_worker: bool = False,
     ) -> CacheResult:
         validate_hex(key, length=32, what="compile cache key")
         cached = self._loaded.get(key)
@@ -418,7 +464,7 @@ class TwoTierCache:
             self._loaded[key] = hit
             return hit
         result = self._locked_miss(key, compile_fn, components, piece, wait=wait,
-                                   started=started)
+                                   started=started, to_worker=to_worker)
         self._loaded[key] = result
         if result.source in ("compiled", "remote"):  # published: the tier grew
             self.keep_within_bound()
@@ -426,7 +472,7 @@ class TwoTierCache:
 
     def _locked_miss(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None,
-        *, wait: bool, started: float | None,
+        *, wait: bool, started: float | None, to_worker: bool = False,
     ) -> CacheResult:
         wait_start = time.time() if started is None else started
         deadline = time.monotonic() + self.timeout
@@ -448,7 +494,8 @@ class TwoTierCache:
             out_dir, record, seconds = self._compiler.serve_from_scratch(
                 key, compile_fn, components, piece, f"cannot take the key's lock: {exc}")
             return CacheResult(key, out_dir, record, "uncached", seconds, "")
-        compile_here = self._compile_here(key, compile_fn, components, piece, wait, deadline)
+        compile_here = self._compile_here(key, compile_fn, components, piece, wait, deadline,
+                                          to_worker)
         waited = time.perf_counter() - t0
         try:
             if waited > 0.05:
@@ -510,13 +557,16 @@ class TwoTierCache:
 
     def _compile_here(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None,
-        wait: bool, deadline: float,
+        wait: bool, deadline: float, to_worker: bool = False,
     ) -> Callable[..., CacheResult]:
         """The compile this process does once it has won `key`: in one of the node's compile
-        slots (without `wait`, `DeferCompile` when none is free); with `owed`, the
-        promotion to the remote is owed first (settled by it, or by a later start)."""
+        slots (without `wait`, `DeferCompile` when none is free, or - `to_worker` -
+        `DeferCompile("worker")`: `begin` hands it to a worker); with `owed`, the promotion
+        to the remote is owed first (settled by it, or by a later start)."""
 
         def compile_here(*, owed: bool = False) -> CacheResult:
+            if to_worker and not wait:
+                raise DeferCompile("worker")
             if self._slots is None:
                 if owed:
                     self._upkeep.owe(key)
@@ -552,7 +602,8 @@ class TwoTierCache:
     def keep_within_bound(self) -> None:
         """Evict the least recently used entries above the bound, never one this process
         has loaded (its artifact is loaded from the entry); best-effort (eviction.py)."""
-        self._upkeep.keep_within_bound(self._loaded.keys())
+        with self._bound_lock:
+            self._upkeep.keep_within_bound(list(self._loaded))
 
     def wait_for_upkeep(self, timeout: float | None = None) -> bool:
         """Wait for the background pass this cache started when it opened (what killed

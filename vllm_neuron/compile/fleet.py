@@ -43,7 +43,7 @@ from .failures import (
     recent_failure,
     write_failure_note,
 )
-from .outcomes import CompileError, DeferCompile
+from .outcomes import CompileError, CompileWorkerLost, DeferCompile
 from .remote_tier import RemoteTier
 
 logger = logging.getLogger("vllm_neuron.compile")
@@ -158,8 +158,8 @@ class RemoteSingleFlight:
                 return fetched
             try:
                 result = compile_here()
-            except DeferCompile:
-                raise  # no slot: not a failure; the lease comes free for another node
+            except (DeferCompile, CompileWorkerLost):
+                raise  # no slot, or no worker: not the graph's failure; the lease comes free
             except Exception as exc:
                 self._note_failure(remote, lease, key, exc)
                 raise

@@ -17,12 +17,18 @@ from vllm_neuron.envs.compile_cache import RemoteWrite  # the setting's own type
 from .entry import EntryRecord
 
 __all__ = [
-    "CacheResult", "CompileError", "DeferCompile", "PendingCompile", "PrecompiledOnlyMiss",
-    "RemoteWrite",
+    "CacheResult", "CompileError", "CompileWorkerLost", "DeferCompile", "PendingCompile",
+    "PrecompiledOnlyMiss", "RemoteWrite",
 ]
 
 class CompileError(RuntimeError):
     """The compile of a key failed (in this process or in the one we waited for)."""
+
+
+class CompileWorkerLost(RuntimeError):
+    """A compile worker could not run (no room for its job, a failed start, a signal, an
+    exit without a result): not the graph's fault, so no failure note is written and no
+    waiter is told the graph failed; the graph is compiled in place instead."""
 
 
 class PrecompiledOnlyMiss(RuntimeError):

@@ -1,0 +1,101 @@
+"""A host graph compiled in another process: the exported program travels as a file.
+
+The tracing process exports the graph (`export_job`: the same export plan as
+`HostToolchain.compile`, then ``torch.export.save``) into a job directory; a compile worker
+process loads it (``torch.export.load``) and runs AOTInductor on it (`compile_job`), writing
+the same ``graph.pt2`` and the same `CompiledArtifact` as an in-process compile. Export needs
+the live graph (fake tensors, the tracing context) and stays with the tracer; AOTInductor's
+compile - most of the time - is neither thread-safe nor in need of the tracer, and moves out.
+An exported program is also what a remote builder would need.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from vllm_neuron.compile.toolchains.base import CompiledArtifact, ToolchainError
+from vllm_neuron.compile.toolchains.host import (
+    ARTIFACT_NAME,
+    HostToolchain,
+    _export_plan,
+    _outside_tracing,
+    _user_output_shapes,
+)
+from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
+
+__all__ = ["JOB_PROGRAM", "JOB_RECORD", "HostJob", "compile_job", "export_job"]
+
+JOB_PROGRAM = "program.pt2"
+JOB_RECORD = "job.json"
+
+
+class HostJob(msgspec.Struct, frozen=True):
+    """What a worker needs besides the program: the compile's flags and what the artifact
+    record says about the graph's inputs and outputs (known at export)."""
+
+    inductor_configs: dict[str, Any]
+    out_spec: str
+    output_shapes: tuple[str, ...]
+    num_inputs: int
+    derived_inputs: tuple[int, ...]
+
+
+def export_job(toolchain: HostToolchain, gm: Any, example_inputs: Sequence[Any],
+               job_dir: str) -> None:  # fmt: skip
+    """Export `gm` for `example_inputs` into `job_dir` (program and job record)."""
+    # Lazy: torch is heavy and optional; only this path needs it.
+    import torch
+    import torch.utils._pytree as pytree
+
+    inputs = tuple(example_inputs)
+    plan = _export_plan(gm, inputs)
+    try:
+        with _outside_tracing():
+            ep = torch.export.export(plan.gm, plan.args, dynamic_shapes=plan.dynamic_shapes)
+    except Exception as exc:
+        raise ToolchainError(f"torch.export could not export the graph: {exc}") from exc
+    out_spec = ep.call_spec.out_spec
+    if out_spec is None:
+        raise ToolchainError("the exported program has no output spec")
+    shapes = _user_output_shapes(ep)
+    if len(shapes) != out_spec.num_leaves:
+        raise ToolchainError(f"exported program has {len(shapes)} user outputs but its output "
+                             f"spec has {out_spec.num_leaves} leaves")  # fmt: skip
+    with _outside_tracing():
+        torch.export.save(ep, os.path.join(job_dir, JOB_PROGRAM))
+    job = HostJob(inductor_configs=toolchain.inductor_configs, out_spec=pytree.treespec_dumps(
+        out_spec), output_shapes=tuple(shapes), num_inputs=len(inputs),
+        derived_inputs=plan.derived)  # fmt: skip
+    with open(os.path.join(job_dir, JOB_RECORD), "wb") as f:
+        f.write(msgspec.json.encode(job))
+
+
+def compile_job(job_dir: str, out_dir: str) -> CompiledArtifact:
+    """Compile the job in `job_dir` into `out_dir` (in a compile worker process)."""
+    # Lazy: torch is heavy and optional; only this path needs it.
+    import torch
+
+    with open(os.path.join(job_dir, JOB_RECORD), "rb") as f:
+        job = msgspec.json.decode(f.read(), type=HostJob)
+    path = os.path.join(job_dir, JOB_PROGRAM)
+    try:
+        ep = torch.export.load(path)
+    except Exception as exc:  # a graph calling a kernel library this process has not loaded
+        if not load_for_missing_schema(exc, f"the exported graph {path}"):
+            raise
+        ep = torch.export.load(path)
+    os.makedirs(out_dir, exist_ok=True)
+    try:
+        torch._inductor.aoti_compile_and_package(
+            ep, package_path=os.path.join(out_dir, ARTIFACT_NAME),
+            inductor_configs=dict(job.inductor_configs) or None)
+    except Exception as exc:
+        raise ToolchainError(f"AOTInductor failed to compile the graph: {exc}") from exc
+    return CompiledArtifact(toolchain=HostToolchain.name, target="cpu-inductor",
+                            files=(ARTIFACT_NAME,), output_shapes=job.output_shapes,
+                            out_spec=job.out_spec, num_inputs=job.num_inputs,
+                            derived_inputs=job.derived_inputs)  # fmt: skip
