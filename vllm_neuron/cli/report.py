@@ -26,7 +26,14 @@ from typing import Any
 from vllm_neuron.backends import check_location, is_url, local_root_missing, open_store
 from vllm_neuron.report.gather import gather
 from vllm_neuron.report.page import render_page
-from vllm_neuron.report.roots import CACHE, MANIFESTS, PROFILES, SNAPSHOTS, resolve_sources
+from vllm_neuron.report.roots import (
+    CACHE,
+    MANIFESTS,
+    PROFILES,
+    REMOTE,
+    SNAPSHOTS,
+    resolve_sources,
+)
 
 from . import cache as cache_cmd
 
@@ -37,13 +44,18 @@ def register(sub: Any) -> None:
         "snapshot bundles, profile runs",
         description="Roots are looked at for neuron/compile_cache, neuron/snapshots (a "
         "VLLM_CACHE_ROOT), manifests, agent_artifacts/profiles (a project root), else for "
-        "what they hold themselves; an explicit --*-dir replaces what the roots give for its "
-        "kind. Any root may be a URL (s3://...).",
+        "what they hold themselves (a tier: its event log or its entries), else for children "
+        "that are either (a directory of nodes: the demo's output); an explicit option "
+        "replaces what the roots give for its kind. A tier with an event log is local, one "
+        "with entries and none is remote. Any root may be a URL (s3://...).",
     )  # fmt: skip
     parser.add_argument("roots", nargs="*", metavar="DIR|URL", help="deployment roots")
     parser.add_argument("-o", "--output", default="report.html",
                         help="the page to write (default: report.html; a URL works too)")
-    for option, what in (("cache-dir", "a local compile-cache tier"),
+    for option, what in (("cache-dir", "a compile-cache tier, local or remote by what it "
+                                       "holds"),
+                         ("remote", "a remote compile-cache tier (read as one whatever it "
+                                    "holds)"),
                          ("manifest-dir", "a manifest directory or one engine's"),
                          ("snapshot-dir", "a snapshot root"),
                          ("profile-dir", "a directory of profile runs, or one run")):
@@ -86,10 +98,10 @@ def _write(output: str, page: str) -> str:
 
 
 def cmd_report(args: argparse.Namespace) -> int:
-    explicit = {CACHE: args.cache_dir, MANIFESTS: args.manifest_dir,
+    explicit = {CACHE: args.cache_dir, REMOTE: args.remote, MANIFESTS: args.manifest_dir,
                 SNAPSHOTS: args.snapshot_dir, PROFILES: args.profile_dir}  # fmt: skip
     if not args.roots and not any(explicit.values()):
-        raise ValueError("report: give at least one DIR|URL root (or --cache-dir, "
+        raise ValueError("report: give at least one DIR|URL root (or --cache-dir, --remote, "
                          "--manifest-dir, --snapshot-dir, --profile-dir)")  # fmt: skip
     sources = resolve_sources(args.roots, explicit)
     report = gather(sources, stats_of=cache_stats_document, generated=time.time(),
@@ -98,8 +110,12 @@ def cmd_report(args: argparse.Namespace) -> int:
     compiles = sum(int(c.stats.get("compiles", 0)) for c in report.caches)
     fetches = sum(int(c.stats.get("fetches", 0)) for c in report.caches)
     processes = sum(len(c.rows) for c in report.caches)
+    remote = sum(c.remote for c in report.caches)
+    entries = sum(len(c.entries.live) for c in report.caches if c.entries)
     print(f"wrote {where}: {len(report.engines)} engines, {processes} processes "
           f"({compiles} compiles, {fetches} fetches), "
           f"{sum(len(s.listing.bundles) for s in report.snapshots if s.listing)} snapshot "
-          f"bundles, {len(report.profiles)} profile runs")  # fmt: skip
+          f"bundles, {len(report.profiles)} profile runs; {len(report.caches)} tiers "
+          f"({len(report.caches) - remote} local, {remote} remote) holding {entries} "
+          "entries")  # fmt: skip
     return 0

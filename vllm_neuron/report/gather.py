@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import posixpath
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_neuron.backends import Record, RecordCodec, local_path_of, open_store
@@ -27,6 +27,7 @@ from vllm_neuron.manifest.schema import Manifest
 
 from .roots import Sources
 from .runs import ProfileRun, SnapshotView, gather_profiles, gather_snapshots
+from .tiers import TierEntries, piece_index, read_entries
 
 __all__ = ["CacheView", "EngineView", "ProcessRow", "Report", "gather"]
 
@@ -46,7 +47,8 @@ class ProcessRow:
 
 @dataclass(frozen=True)
 class CacheView:
-    """A local tier: the `cache stats --json` document and one row per process."""
+    """A tier. A local one has the `cache stats --json` document and one row per process; a
+    remote one (`remote`: no event log of its own, or given with ``--remote``) has neither."""
 
     location: str
     stats: Mapping[str, Any]
@@ -57,6 +59,8 @@ class CacheView:
     # Hosts that fetched an entry of this tier and could not load it (a remote's notes,
     # `compile.load_notes`): "<key>: did not load on <host>: <error>".
     load_failures: tuple[str, ...] = ()
+    remote: bool = False
+    entries: TierEntries | None = None  # its entries (`report.tiers`)
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,21 @@ def process_rows(cache: str) -> tuple[ProcessRow, ...]:
 def gather_caches(
     sources: Sources, stats_of: Callable[[str], Mapping[str, Any]]
 ) -> tuple[CacheView, ...]:
-    return tuple(CacheView(c, stats_of(c), process_rows(c), _trust(c), _load_failures(c))
-                 for c in sources.caches)  # fmt: skip
+    """The local tiers, then the remote ones (no statistics: nothing of theirs is logged)."""
+    local = [CacheView(c, stats_of(c), process_rows(c), _trust(c), _load_failures(c))
+             for c in sources.caches]  # fmt: skip
+    remote = [CacheView(r, {}, (), _trust(r), _load_failures(r), remote=True)
+              for r in sources.remotes]  # fmt: skip
+    return tuple(local + remote)
+
+
+def with_entries(caches: tuple[CacheView, ...], engines: tuple[EngineView, ...]
+                 ) -> tuple[CacheView, ...]:  # fmt: skip
+    """Each tier with its entries, their pieces from every tier's events and every engine's
+    manifest read."""
+    pieces = piece_index((e for c in caches for row in c.rows for e in row.events),
+                         (e.manifest for e in engines if e.manifest is not None))  # fmt: skip
+    return tuple(replace(c, entries=read_entries(c.location, pieces)) for c in caches)
 
 
 def _load_failures(cache: str) -> tuple[str, ...]:
@@ -158,11 +175,12 @@ def gather(
     """Everything the page shows. `replay` runs each snapshot bundle's replay (needs torch;
     the first local tier is the cache replay loads entries from)."""
     replay_cache = next((c for c in sources.caches if local_path_of(c)), None)
+    engines = gather_engines(sources)
     return Report(
         sources=sources,
         generated=generated,
-        caches=gather_caches(sources, stats_of),
-        engines=gather_engines(sources),
+        caches=with_entries(gather_caches(sources, stats_of), engines),
+        engines=engines,
         snapshots=gather_snapshots(sources.snapshots, replay=replay, cache_dir=replay_cache),
         profiles=gather_profiles(sources.profiles),
     )

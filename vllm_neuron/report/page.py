@@ -23,6 +23,7 @@ from vllm_neuron.version import __version__
 from .gather import CacheView, ProcessRow, Report
 from .markup import Markup, el, join
 from .sections import human_size, problem_list, render_engines, render_profiles, render_snapshots
+from .tier_table import TIER_CSS, render_entries
 from .timeline import BAR_KINDS, TIMELINE_CSS, TimelineRow, event_kind, render_timeline
 
 __all__ = ["render_page"]
@@ -153,23 +154,40 @@ def _trust_table(trust: Mapping[str, int] | None) -> Markup:
               join(rows), class_="trust")  # fmt: skip
 
 
-def render_caches(caches: Sequence[CacheView]) -> Markup:
-    """One timeline for every process of every tier read (one shared clock), then each
-    tier's statistics. A tier is named by its number, ``[n]``, in rows and headings."""
+_REMOTE_NOTE = ("A remote tier: it keeps no event log (the nodes' processes log into their "
+                "local tiers), so what was done with it is in their timelines and statistics.")
+
+
+def _tier(n: int, cache: CacheView, now: float) -> Markup:
+    """One tier: its statistics (a local tier), who signed its entries, its notes, its
+    entries. Labelled local or remote, as `report.roots` read it."""
+    role = "remote" if cache.remote else "local"
+    usage = (el("p", _REMOTE_NOTE, class_="muted") if cache.remote
+             else stats_table(cache.stats, cache.location))  # fmt: skip
+    notes = (problem_list("Entries that did not load on a host (notes on this tier; the "
+                          "entries stay: see cache verify --load)", cache.load_failures)
+             if cache.load_failures else join([]))  # fmt: skip
+    return el("section", el("h3", f"[{n}] {role.capitalize()} tier {cache.location}"), usage,
+              _trust_table(cache.trust), notes, render_entries(cache.entries, cache.location, now),
+              class_="cache", data_cache=cache.location, data_tier=role,
+              id=f"cache-{n}")  # fmt: skip
+
+
+def render_caches(caches: Sequence[CacheView], now: float) -> Markup:
+    """One timeline for every process of every local tier read (one shared clock), then
+    each tier: local ones first. A tier is named by its number, ``[n]``, in rows and
+    headings. `now`: the report's time, which entries' ages are counted to."""
     rows = _rows(caches)
     timeline = [TimelineRow(f"[{n}] {r.writer}" if len(caches) > 1 else r.writer,
                             f"{r.writer} in {r.cache}", r.events) for n, r in rows]  # fmt: skip
+    quiet = ("No process has written events to these tiers yet."
+             if any(not c.remote for c in caches) else
+             "No local tier was read: a remote tier keeps no event log.")  # fmt: skip
     picture = (
         join([_legend(), render_timeline(timeline), _process_table(rows)])
-        if rows else el("p", "No process has written events to these tiers yet.", class_="muted")
+        if rows else el("p", quiet, class_="muted")
     )
-    tiers = [el("section", el("h3", f"[{n}] Local tier {c.location}"),
-                stats_table(c.stats, c.location), _trust_table(c.trust),
-                problem_list("Entries that did not load on a host (notes on this tier; the "
-                          "entries stay: see cache verify --load)", c.load_failures)
-                if c.load_failures else join([]), class_="cache",
-                data_cache=c.location, id=f"cache-{n}")
-             for n, c in enumerate(caches, 1)]  # fmt: skip
+    tiers = [_tier(n, c, now) for n, c in enumerate(caches, 1)]
     return join([el("h3", f"Timeline: {len(rows)} processes"), picture, join(tiers)])
 
 
@@ -180,8 +198,10 @@ def _cards(report: Report) -> Markup:
     graphs = sum(len(e.manifest.graphs) for e in report.engines if e.manifest is not None)
     bundles = sum(len(s.listing.bundles) for s in report.snapshots if s.listing is not None)
     processes = sum(len(c.rows) for c in report.caches)
+    entries = {r.key for c in report.caches if c.entries for r in c.entries.live}
     cards = [("processes", processes), ("compiles", total("compiles")),
              ("fetches", total("fetches")), ("hits", total("hits")), ("misses", total("misses")),
+             ("tiers", len(report.caches)), ("cache entries", len(entries)),
              ("engines", len(report.engines)), ("graphs", graphs), ("snapshot bundles", bundles),
              ("profile runs", len(report.profiles))]  # fmt: skip
     return el("div", join(el("div", el("b", n), label, class_="card", data_card=label)
@@ -203,12 +223,12 @@ def _section(title: str, anchor: str, body: Markup, empty: str, present: bool) -
 def render_page(report: Report) -> str:
     """The whole page, as text (UTF-8 when written)."""
     when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(report.generated))
-    caches = render_caches(report.caches)
+    caches = render_caches(report.caches, report.generated)
     body = join([
         el("header", el("h1", "vLLM Neuron deployment report"),
            el("p", f"generated {when} by vllm-neuron {__version__}")),
         Markup("<main>"), _cards(report), _sources(report),
-        _section("Compile cache", "cache", caches, "No local compile cache was read.",
+        _section("Compile cache", "cache", caches, "No compile-cache tier was read.",
                  bool(report.caches)),
         _section("Manifests", "manifests", render_engines(report.engines, report.snapshots),
                  "No engine manifest was found.", bool(report.engines)),
@@ -223,6 +243,6 @@ def render_page(report: Report) -> str:
         el("meta", http_equiv="Content-Security-Policy", content=CSP),
         Markup('<meta name="viewport" content="width=device-width, initial-scale=1">'),
         el("title", f"vLLM Neuron report {when}"),
-        el("style", Markup(PAGE_CSS + TIMELINE_CSS)),
+        el("style", Markup(PAGE_CSS + TIMELINE_CSS + TIER_CSS)),
     ])  # fmt: skip
     return f"<!DOCTYPE html>\n<html lang=\"en\"><head>{head}</head><body>{body}</body></html>\n"
