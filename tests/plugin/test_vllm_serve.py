@@ -284,7 +284,8 @@ def test_cold_start_compiles_every_piece_through_the_cache(cold: ServerRun) -> N
     # vLLM says how long compiling them all took; each piece went through the adaptor.
     assert "Compiling a graph for compile range" in log
     assert len(calls) >= 2
-    assert {c[0] for c in calls} == {"compile"} and {c[2] for c in calls} == {"compiled"}
+    # Each piece went to a compile worker while vLLM traced on (docs/compile-cache.md).
+    assert {c[0] for c in calls} == {"compile"} and {c[2] for c in calls} == {"deferred"}
     keys = {c[1] for c in calls}
     assert cold.extra["stats"]["compiles"] == len(keys) == len(calls)
     assert cold.extra["stats"]["compile_failures"] == 0
