@@ -67,7 +67,8 @@ _TICK_LEGEND = (("hit", "local", "hit (local)"), ("hit", "memory", "hit (memory)
                 ("miss", None, "miss"), ("compile_failed", None, "compile failed"),
                 ("promote", None, "promotion"), ("evict", None, "eviction"),
                 ("lease_takeover", None, "lease takeover"),
-                ("remote_unavailable", None, "remote down"))  # fmt: skip
+                ("remote_unavailable", None, "remote down"),
+                ("deferred", None, "deferred to its first call"))  # fmt: skip
 
 
 def _value_text(value: Any) -> str:

@@ -57,6 +57,7 @@ svg.timeline line.tick { stroke-width: 2; }
 .k-evict { stroke: #795548; background: #795548; }
 .k-lease_takeover { stroke: #d81b60; background: #d81b60; }
 .k-remote_unavailable { stroke: #000; background: #000; }
+.k-deferred { stroke: #5c6bc0; background: #5c6bc0; }
 """
 
 
