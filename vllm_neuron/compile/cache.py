@@ -17,6 +17,11 @@ Correctness never rests on a lock or a lease: publication is first-writer-wins, 
 holder that died (its kernel lock is dropped, its lease expires) only costs the next one a
 compile, and nothing half-built is ever visible. The remote tier is best-effort: when it
 fails, one warning, and the node carries on alone.
+
+Step 8 runs in one of the node's compile slots (`slots.py`). `begin` (`deferral.py`) is this
+flow for a caller that traces several graphs before it calls any: where it would wait, it
+returns a `PendingCompile` instead. What reads, withdraws and accounts for the local tier
+without compiling is `local_view.py`'s.
 """
 
 from __future__ import annotations
@@ -35,7 +40,6 @@ import msgspec
 from vllm_neuron.backends import (
     EventLog,
     LockTimeout,
-    Record,
     Store,
     normalize_location,
     open_store,
@@ -43,23 +47,18 @@ from vllm_neuron.backends import (
 )
 
 from .building import CompileFn, Compiler
+from .deferral import DeferringFlow
 from .entry import (
-    ENTRY_RECORD,
     EntryProblem,
     EntryRecord,
-    decode_record,
-    read_record,
 )
 from .events import (
     EVENTS_STREAM,
     CacheHit,
     CacheMiss,
-    Deferred,
     Fetched,
     LoadFailed,
     LockWaited,
-    Untrusted,
-    VerificationFailed,
 )
 from .failures import (
     FAILURES_DIR,
@@ -67,21 +66,18 @@ from .failures import (
 )
 from .fleet import RemoteSingleFlight
 from .gc import STAGING_MAX_AGE
-from .inventory import verify_entry
 from .load_notes import note_load_failure
+from .local_view import EVENT_OBSERVERS, LocalTierView
 from .outcomes import (
     CacheResult,
     CompileError,
-    CompileWorkerLost,
     DeferCompile,
-    PendingCompile,
     PrecompiledOnlyMiss,
     RemoteWrite,
 )
 from .promote import promote_entry
 from .quarantine import PublicationProblem, quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
-from .signing import Verdict
 from .slots import CompileSlots
 from .tier_health import (
     LOCAL_DISK_FULL_OR_READ_ONLY,
@@ -99,16 +95,7 @@ __all__ = [  # noqa: RUF022 - grouped: settings and names, then types
 
 logger = logging.getLogger("vllm_neuron.compile")
 
-WorkerCompile = Callable[[], "tuple[CompileFn, Callable[[], None]] | None"]
-"""Prepares a graph for a compile worker (`TwoTierCache.begin`): the compile to run, and
-what discards the prepared job; None when the graph cannot go to a worker."""
-
-EVENT_OBSERVERS: list[Callable[[Record], None]] = []
-"""Told every event any cache of this process records, before it is written; each must
-never raise. Empty (one empty loop per event) unless vllm_neuron.metrics installed its
-counters, which it does only inside vLLM."""
-
-class TwoTierCache:
+class TwoTierCache(LocalTierView, DeferringFlow):
     """One node's view of the cache: a local store plus an optional remote store."""
 
     def __init__(
@@ -185,78 +172,7 @@ class TwoTierCache:
             quarantine=lambda key, why: self.quarantine(self.local, key, why, tier="local"))
         self._upkeep.at_start()
 
-    # ------------------------------------------------------------- events
-    def _record(self, event: Record) -> None:
-        for observe in EVENT_OBSERVERS:
-            observe(event)
-        if self._events_broken:
-            return
-        try:
-            self._events.append(event)
-        except Exception as exc:  # noqa: BLE001 - statistics never break a compile
-            self._events_broken = True
-            logger.warning("compile cache: cannot record events in %s: %s", self.local_dir, exc)
-
     # -------------------------------------------------------------- local
-    def _result(self, key: str, prefix: str, record: EntryRecord, source: str,
-                seconds: float) -> CacheResult:
-        # The documented door (docs/storage.md): the toolchain loads from this directory.
-        return CacheResult(key, self.local.local_dir_of(prefix), record, source, seconds, prefix)
-
-    def lookup_local(self, key: str, *, quarantine: bool = True) -> CacheResult | None:
-        """A published, size-checked local entry or None (no lock taken).
-
-        A defective entry is a miss; with `quarantine` it is also withdrawn. The decision
-        flow's first, unlocked check passes ``quarantine=False`` and leaves the withdrawal
-        to the re-check under the key's lock: an unlocked withdrawal could remove the good
-        entry that the lock holder has just published in place of the defective one.
-        """
-        start = time.perf_counter()
-        local = self.local
-        try:
-            # One store operation for the record (on local disk: one read; the directory is
-            # stat'ed only when the record is absent), one for the sizes (a stat per file).
-            found = local.read_published(key, ENTRY_RECORD)
-        except OSError:
-            found = (key, b"")  # unreadable (an I/O error): a defective entry
-        if found is None:
-            return None
-        prefix, data = found
-        try:
-            if data is None:
-                # A published entry without a record (deleted, or not a file) is defective,
-                # not a miss, or its directory would block the recompiled entry from being
-                # published in its place.
-                raise EntryProblem(f"{self.local_dir}/{key}: {ENTRY_RECORD} is missing")
-            known = self._decoded.get(key)
-            if known is not None and known[0] == data:
-                record = known[1]  # the same bytes as last time: the same (frozen) record
-            else:
-                record = decode_record(data, source=f"{self.local_dir}/{key}/{ENTRY_RECORD}")
-                if record.key != key:
-                    raise EntryProblem(f"{self.local_dir}/{key}: record names key {record.key}")
-                self._decoded[key] = (data, record)
-            local.check_sizes(prefix, record.files)
-            trust = self.trust
-            verdict = None if trust.mode == "off" else trust.judge_local(record, data, local,
-                                                                         prefix)
-        except Exception as exc:  # noqa: BLE001 - any defect is a miss (plus a quarantine)
-            if quarantine:
-                self.quarantine(local, key, str(exc), tier="local")
-            return None
-        if verdict is not None and not verdict.trusted:
-            # Under require the locked re-check decides (and says so); under warn every
-            # hit is used and counted.
-            if (quarantine or not self.trust.requires) and self._admitted(key, "local", verdict):
-                pass
-            else:
-                if quarantine:  # withdrawn (evidence kept); the graph is compiled here
-                    quarantine_entry(local, key, f"untrusted: {verdict.reason}", warn=False)
-                return None
-        # The documented door (docs/storage.md): the toolchain loads from this directory.
-        return CacheResult(key, local.local_dir_of(prefix), record, "local",
-                           time.perf_counter() - start, prefix)
-
     def heal_unloadable(
         self, result: CacheResult, error: str, compile_fn: CompileFn, *,
         components: Mapping[str, str], piece: str | None = None,
@@ -302,28 +218,6 @@ class TwoTierCache:
             healed = CacheResult(key, out_dir, record, "uncached", seconds, "")
         self._loaded[key] = healed
         return healed
-
-    def _admitted(self, key: str, tier: str, verdict: Verdict) -> bool:
-        """Whether the policy lets this process use an entry with `verdict` (one warning
-        per signer); an `untrusted` event when it is not trusted."""
-        where = self.local_dir if tier == "local" else str(self.remote_url)
-        admitted = self.trust.admits(key, where, verdict)
-        if not verdict.trusted and key not in self._untrusted:
-            self._record(Untrusted(key=key, at=time.time(), tier=tier, status=verdict.status,
-                                   reason=verdict.reason, refused=not admitted,
-                                   signer=verdict.key_id))  # fmt: skip
-            self._untrusted[key] = verdict.reason  # one event per entry and process
-        return admitted
-
-    def quarantine(
-        self, store: Store, key: str, reason: str, *, tier: str, version: str | None = None
-    ) -> None:
-        """Withdraw a defective entry (it becomes a miss) and say so once; with `version`,
-        only that publication (one another node published since stays)."""
-        self._record(VerificationFailed(key=key, at=time.time(), tier=tier, reason=reason))
-        if store is self.local:
-            self._loaded.pop(key, None)
-        quarantine_entry(store, key, reason, version=version)
 
     # ------------------------------------------------------------- remote
     @property
@@ -382,69 +276,10 @@ class TwoTierCache:
         compile that failed since then is this caller's failure too."""
         return self._get(key, compile_fn, components or {}, piece, wait=True, started=started)
 
-    def begin(
-        self, key: str, compile_fn: CompileFn, *, components: Mapping[str, str] | None = None,
-        piece: str | None = None, worker: WorkerCompile | None = None,
-    ) -> CacheResult | PendingCompile:
-        """`get_or_compile` for a caller that traces several graphs before it runs any: where
-        that would wait - another process holds the key's lock or the fleet's lease, or no
-        compile slot of the node is free - a `PendingCompile` comes back at once (and a
-        `deferred` event says why), and the wait happens at its `result()`.
-
-        With `worker`, a graph this process wins is compiled in the background too: `worker()`
-        prepares it here, in the tracing thread, and returns the compile to run in a worker
-        process plus what discards the prepared job (None: compile in place, now); a thread of
-        this cache then runs the flow with it (`deferred` event, reason ``worker``). A worker
-        that cannot run (`CompileWorkerLost`) costs an in-place compile at the first call.
-        With VLLM_NEURON_DEFER_COMPILES=0 (`defer_compiles`) this is `get_or_compile`."""
-        components = components or {}
-        if not self.defer_compiles:
-            return self._get(key, compile_fn, components, piece, wait=True, started=None)
-        at = time.time()
-        try:
-            return self._get(key, compile_fn, components, piece, wait=False, started=at,
-                             to_worker=worker is not None)
-        except DeferCompile as deferral:
-            reason = deferral.reason
-        in_place = compile_fn
-        if reason == "worker":
-            assert worker is not None
-            prepared = worker()
-            if prepared is None:  # no worker for this graph: compiled here and now
-                return self._get(key, compile_fn, components, piece, wait=True, started=at)
-            future = self._compile_pool().submit(self._compile_in_worker, key, prepared,
-                                                 components, piece, at)  # fmt: skip
-        self._record(Deferred(key=key, at=at, reason=reason, piece=piece or ""))
-
-        def resolve() -> CacheResult:
-            if reason == "worker":
-                try:
-                    return future.result()
-                except CompileWorkerLost as exc:
-                    logger.warning("compile cache: %s; compiling %s in this process", exc, key)
-            return self._get(key, in_place, components, piece, wait=True, started=at)
-
-        return PendingCompile(key, reason, at, resolve)
-
-    def _compile_pool(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:  # threads that wait: the node's slots bound the compiles
-                self._pool = ThreadPoolExecutor(max_workers=64,
-                                                thread_name_prefix="vllm-neuron-compile")
-            return self._pool
-
-    def _compile_in_worker(self, key: str, prepared: tuple[CompileFn, Callable[[], None]],
-                           components: Mapping[str, str], piece: str | None,
-                           started: float) -> CacheResult:  # fmt: skip
-        compile_fn, discard = prepared
-        try:
-            return self._get(key, compile_fn, components, piece, wait=True, started=started)
-        finally:
-            discard()
-
     def _get(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
         piece: str | None, *, wait: bool, started: float | None, to_worker: bool = False,
+        have_slot: bool = False,
     ) -> CacheResult:
         validate_hex(key, length=32, what="compile cache key")
         cached = self._loaded.get(key)
@@ -464,7 +299,7 @@ class TwoTierCache:
             self._loaded[key] = hit
             return hit
         result = self._locked_miss(key, compile_fn, components, piece, wait=wait,
-                                   started=started, to_worker=to_worker)
+                                   started=started, to_worker=to_worker, have_slot=have_slot)
         self._loaded[key] = result
         if result.source in ("compiled", "remote"):  # published: the tier grew
             self.keep_within_bound()
@@ -472,7 +307,7 @@ class TwoTierCache:
 
     def _locked_miss(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None,
-        *, wait: bool, started: float | None, to_worker: bool = False,
+        *, wait: bool, started: float | None, to_worker: bool = False, have_slot: bool = False,
     ) -> CacheResult:
         wait_start = time.time() if started is None else started
         deadline = time.monotonic() + self.timeout
@@ -495,7 +330,7 @@ class TwoTierCache:
                 key, compile_fn, components, piece, f"cannot take the key's lock: {exc}")
             return CacheResult(key, out_dir, record, "uncached", seconds, "")
         compile_here = self._compile_here(key, compile_fn, components, piece, wait, deadline,
-                                          to_worker)
+                                          to_worker, have_slot)
         waited = time.perf_counter() - t0
         try:
             if waited > 0.05:
@@ -557,7 +392,7 @@ class TwoTierCache:
 
     def _compile_here(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None,
-        wait: bool, deadline: float, to_worker: bool = False,
+        wait: bool, deadline: float, to_worker: bool = False, have_slot: bool = False,
     ) -> Callable[..., CacheResult]:
         """The compile this process does once it has won `key`: in one of the node's compile
         slots (without `wait`, `DeferCompile` when none is free, or - `to_worker` -
@@ -567,7 +402,7 @@ class TwoTierCache:
         def compile_here(*, owed: bool = False) -> CacheResult:
             if to_worker and not wait:
                 raise DeferCompile("worker")
-            if self._slots is None:
+            if self._slots is None or have_slot:  # no bound, or the caller holds a slot
                 if owed:
                     self._upkeep.owe(key)
                 return self._compile_and_publish(key, compile_fn, components, piece)
@@ -597,39 +432,3 @@ class TwoTierCache:
         if published is None:
             raise CompileError(f"compiled {key} but its entry in {self.local_dir} is not readable")
         return self._result(key, published.prefix, published.record, "compiled", seconds)
-
-    # --------------------------------------------------------------- upkeep
-    def keep_within_bound(self) -> None:
-        """Evict the least recently used entries above the bound, never one this process
-        has loaded (its artifact is loaded from the entry); best-effort (eviction.py)."""
-        with self._bound_lock:
-            self._upkeep.keep_within_bound(list(self._loaded))
-
-    def wait_for_upkeep(self, timeout: float | None = None) -> bool:
-        """Wait for the background pass this cache started when it opened (what killed
-        processes left collected, owed promotions paid: upkeep.py); True when it ended."""
-        return self._upkeep.wait_for_background(timeout)
-
-    def entries(self) -> list[str]:
-        """Keys of every published local entry."""
-        return [n for n in self.local.published_children("") if len(n) == 32]
-
-    def read_entry(self, key: str) -> EntryRecord:
-        prefix = self.local.published(key)
-        if prefix is None:
-            raise EntryProblem(f"{self.local_dir}/{key}: no such entry")
-        return read_record(self.local, prefix)
-
-    def verify(self, key: str) -> str | None:
-        """Full check of a local entry; returns the problem (and quarantines) or None.
-
-        Runs under the key's lock, so it never withdraws an entry that a compile or fetch
-        is replacing at that moment.
-        """
-        if self.local.published(key) is None:
-            return f"{self.local_dir}/{key}: no such entry"
-        with self.local.lock(key, lease_duration=self.lease_duration, timeout=self.timeout):
-            problem = verify_entry(self.local, key)
-            if problem is not None and self.local.published(key) is not None:
-                self.quarantine(self.local, key, problem, tier="local")
-        return problem

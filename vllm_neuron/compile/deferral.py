@@ -1,0 +1,123 @@
+"""Deferred compiles: `begin`, the decision flow for a caller that traces several graphs
+before it calls any (docs/compile-cache.md, "Deferred compiles").
+
+Where the flow would start to wait - another process holds the key's lock or the fleet's
+lease, no compile slot of the node is free - `begin` returns a `PendingCompile` whose
+`result()` does that wait later, at the graph's first call. A graph this process wins can go
+to a compile worker (`compile_workers.py`): prepared here, compiled by a thread of the cache
+in a worker process, within one of the node's slots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+from vllm_neuron.backends import Record
+
+from .building import CompileFn
+from .events import Deferred
+from .outcomes import CacheResult, CompileWorkerLost, DeferCompile, PendingCompile
+from .slots import CompileSlots
+
+__all__ = ["DeferringFlow", "WorkerCompile"]
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+WorkerCompile = Callable[[], "tuple[CompileFn, Callable[[], None]] | None"]
+"""Prepares a graph for a compile worker (`DeferringFlow.begin`): the compile to run, and
+what discards the prepared job; None when the graph cannot go to a worker."""
+
+
+class DeferringFlow:
+    """`begin` and its background compiles, over the flow `_get` (`TwoTierCache`'s)."""
+
+    timeout: float
+    defer_compiles: bool
+    _slots: CompileSlots | None
+    _pool: ThreadPoolExecutor | None
+    _pool_lock: threading.Lock
+
+    def _record(self, event: Record) -> None:
+        raise NotImplementedError
+
+    def _get(self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
+             piece: str | None, *, wait: bool, started: float | None, to_worker: bool = False,
+             have_slot: bool = False) -> CacheResult:  # fmt: skip
+        raise NotImplementedError
+
+    def begin(
+        self, key: str, compile_fn: CompileFn, *, components: Mapping[str, str] | None = None,
+        piece: str | None = None, worker: WorkerCompile | None = None,
+    ) -> CacheResult | PendingCompile:
+        """`get_or_compile` for a caller that traces several graphs before it runs any: where
+        that would wait - another process holds the key's lock or the fleet's lease, or no
+        compile slot of the node is free - a `PendingCompile` comes back at once (and a
+        `deferred` event says why), and the wait happens at its `result()`.
+
+        With `worker`, a graph this process wins is compiled in the background too: `worker()`
+        prepares it here, in the tracing thread, and returns the compile to run in a worker
+        process plus what discards the prepared job (None: compile in place, now); a thread of
+        this cache then runs the flow with it (`deferred` event, reason ``worker``). A worker
+        that cannot run (`CompileWorkerLost`) costs an in-place compile at the first call.
+        With VLLM_NEURON_DEFER_COMPILES=0 (`defer_compiles`) this is `get_or_compile`."""
+        components = components or {}
+        if not self.defer_compiles:
+            return self._get(key, compile_fn, components, piece, wait=True, started=None)
+        at = time.time()
+        try:
+            return self._get(key, compile_fn, components, piece, wait=False, started=at,
+                             to_worker=worker is not None)
+        except DeferCompile as deferral:
+            reason = deferral.reason
+        in_place = compile_fn
+        if reason == "worker":
+            assert worker is not None
+            prepared = worker()
+            if prepared is None:  # no worker for this graph: compiled here and now
+                return self._get(key, compile_fn, components, piece, wait=True, started=at)
+            future = self._compile_pool().submit(self._compile_in_worker, key, prepared,
+                                                 components, piece, at)  # fmt: skip
+        self._record(Deferred(key=key, at=at, reason=reason, piece=piece or ""))
+
+        def resolve() -> CacheResult:
+            if reason == "worker":
+                try:
+                    return future.result()
+                except CompileWorkerLost as exc:
+                    logger.warning("compile cache: %s; compiling %s in this process", exc, key)
+            return self._get(key, in_place, components, piece, wait=True, started=at)
+
+        return PendingCompile(key, reason, at, resolve)
+
+    def _compile_pool(self) -> ThreadPoolExecutor:
+        with self._pool_lock:
+            if self._pool is None:  # threads that wait: the node's slots bound the compiles
+                self._pool = ThreadPoolExecutor(max_workers=64,
+                                                thread_name_prefix="vllm-neuron-compile")
+            return self._pool
+
+    def _compile_in_worker(self, key: str, prepared: tuple[CompileFn, Callable[[], None]],
+                           components: Mapping[str, str], piece: str | None,
+                           started: float) -> CacheResult:  # fmt: skip
+        compile_fn, discard = prepared
+        try:
+            # A slot first, then the key: a key (and its fleet lease) is never held while
+            # its compile queues for this node's slots, or the other nodes, idle, would
+            # wait on this node's queue instead of taking the graphs it cannot compile yet.
+            slot = contextlib.nullcontext() if self._slots is None else self._slots.held(
+                wait=True, deadline=time.monotonic() + self.timeout,
+                what=f"{key} ({piece})" if piece else key)
+            with slot:
+                try:
+                    return self._get(key, compile_fn, components, piece, wait=False,
+                                     started=started, have_slot=True)
+                except DeferCompile:
+                    pass  # another process took it meanwhile: waited for without a slot
+            return self._get(key, compile_fn, components, piece, wait=True, started=started)
+        finally:
+            discard()
