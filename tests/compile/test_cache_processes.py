@@ -110,11 +110,10 @@ def test_eight_processes_compile_one_graph_exactly_once(tmp_path):
     procs = [
         subprocess.Popen(
             worker_command("torch", {"model": "mlp_a", "barrier_dir": barrier}),
-            env=worker_env(VLLM_CACHE_ROOT=str(root), VLLM_NEURON_TOOLCHAIN="host",
-                     TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{i}")),
+            env=worker_env(VLLM_CACHE_ROOT=str(root), VLLM_NEURON_TOOLCHAIN="host"),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        for i in range(8)
+        for _ in range(8)
     ]
     release_barrier(barrier, 8, procs)
     results = finish_workers(procs)
@@ -143,11 +142,10 @@ def test_two_graphs_compile_once_each_and_in_parallel(tmp_path):
             # keys contended for one lock, the first would wait forever (and fail).
             worker_command("torch", {"model": model, "barrier_dir": barrier,
                                      "rendezvous_dir": rendezvous, "rendezvous": 2}),
-            env=worker_env(VLLM_CACHE_ROOT=str(root), VLLM_NEURON_TOOLCHAIN="host",
-                     TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{i}")),
+            env=worker_env(VLLM_CACHE_ROOT=str(root), VLLM_NEURON_TOOLCHAIN="host"),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
-        for i, model in enumerate(models)
+        for model in models
     ]
     release_barrier(barrier, len(procs), procs)
     results = finish_workers(procs)

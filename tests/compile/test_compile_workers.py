@@ -33,8 +33,7 @@ def _run(tmp_path: Any, widths: list[int], **env: str) -> tuple[dict[str, Any], 
     root = tmp_path / "root"
     proc = subprocess.Popen(
         worker_command("pieces", {"widths": widths}),
-        env=worker_env(VLLM_CACHE_ROOT=str(root), VLLM_NEURON_TOOLCHAIN="host",
-                       TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"), **env),
+        env=worker_env(VLLM_CACHE_ROOT=str(root), VLLM_NEURON_TOOLCHAIN="host", **env),
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     (result,) = finish_workers([proc], timeout=SAFETY)
     tier = open_store(str(root / "neuron" / "compile_cache"), create=False)

@@ -293,8 +293,7 @@ def test_a_cold_fleet_compiles_a_real_inductor_graph_once(tmp_path, shared_remot
         subprocess.Popen(
             worker_command("torch", {"model": "mlp_a", "barrier_dir": barrier}),
             env=worker_env(VLLM_CACHE_ROOT=str(tmp_path / f"node{node}"),
-                           NEURON_LIBTORCH_REMOTE_CACHE=remote, VLLM_NEURON_TOOLCHAIN="host",
-                           TORCHINDUCTOR_CACHE_DIR=str(tmp_path / f"inductor-{node}-{rank}")),
+                           NEURON_LIBTORCH_REMOTE_CACHE=remote, VLLM_NEURON_TOOLCHAIN="host"),
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )
         for node in range(4)
