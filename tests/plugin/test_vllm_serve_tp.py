@@ -13,7 +13,8 @@ deadlocked before host artifacts called collectives through Python
    snapshots on: every piece compiles through this package's cache once for both ranks,
    the first one included (vLLM's vocab-parallel embedding would bake each rank's
    vocabulary range into it; the host worker gives it its bounds as a buffer); both ranks
-   write their bundles.
+   write their bundles, and each graph of the manifest lists its bundles of both ranks
+   (``snapshot replay --manifest`` replays them bit for bit; the report links them).
 3. ``warm``: node A again with vLLM's own compile cache removed: zero compiles on either
    rank, every piece from the local tier.
 4. ``node_b``: an empty cache and the shared folder node A promoted to: every piece
@@ -346,7 +347,8 @@ def expected_collectives(path: str) -> list[str]:
     return COLLECTIVES.get(path, SHM_COLLECTIVES)
 
 
-def test_replay_of_the_tp_capture_is_per_rank(capture: Capture, vllm_python: Path) -> None:
+def test_replay_of_the_tp_capture_is_per_rank(capture: Capture, vllm_python: Path,
+                                             request: pytest.FixtureRequest) -> None:
     # The whole capture: every bundle of both ranks, each replayed together with the other
     # rank's bundle of the same call, each with its own artifact; the report per rank. The
     # rank workers load vLLM's kernels as vLLM picks them for the path (never vllm._C by
@@ -392,13 +394,86 @@ def test_replay_of_the_tp_capture_is_per_rank(capture: Capture, vllm_python: Pat
     if path != AVX2:
         return  # the report's replay is the same code: checked once, on the sequence's capture
     # The report's replay is the same grouped replay: every bundle of both ranks passes.
-    page = node.root / "report.html"
-    done = cli("report", str(node.cache_root), "--replay", "-o", str(page), python=vllm_python,
-               path=path)  # fmt: skip
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    rows = re.findall(r'<tr[^>]*data-bundle="([^"]+)"[^>]*>(.*?)</tr>', page.read_text(), re.S)
+    page: str = request.getfixturevalue("cold_report")
+    rows = re.findall(r'<tr[^>]*data-bundle="([^"]+)"[^>]*>(.*?)</tr>', page, re.S)
     assert len(rows) == 2 * per_rank, len(rows)
     assert all(">pass<" in row and "FAIL" not in row for _, row in rows), rows
+
+
+@pytest.fixture(scope="module")
+def cold_report(cold: ServerRun, node_a: Node, work: Path, vllm_python: Path) -> str:
+    """The report of node A after the cold start (its cache and bundles, the manifest), every
+    bundle replayed (one run of the report serves the tests that read it)."""
+    page = node_a.root / "report.html"
+    done = cli("report", str(node_a.cache_root), "--manifest-dir", str(work / "manifests"),
+               "--replay", "-o", str(page), python=vllm_python)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return page.read_text()
+
+
+def bundles_by_graph(node: Node) -> dict[str, list[str]]:
+    """graph -> its bundles' paths relative to the snapshot root, by rank then call."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for m in bundle_metas(node):
+        out.setdefault(m["compilation_hash"], []).append((m["global_rank"], m["call_index"]))
+    return {key: [f"{key}/rank{r}/call{c}" for r, c in sorted(calls)]
+            for key, calls in out.items()}
+
+
+def test_each_graph_of_the_manifest_lists_its_bundles_of_both_ranks(
+    cold: ServerRun, work: Path, node_a: Node
+) -> None:
+    engine = work / "manifests" / "nodev"
+    graphs = {g["graph_hash"]: g for g in
+              json.loads((engine / "manifest.json").read_text())["graphs"]}  # fmt: skip
+    captured = bundles_by_graph(node_a)
+    # Every piece ran in the snapped request's forwards: every graph captured, on both ranks.
+    assert set(captured) == set(pieces_by_rank(cold)[0].values()) <= set(graphs)
+    for key, paths in captured.items():
+        assert graphs[key]["input_snapshot_paths"] == paths, key
+        assert graphs[key]["output_snapshot_paths"] == paths, key  # every bundle has outputs
+        assert {p.split("/")[1] for p in paths} == {f"rank{r}" for r in RANKS}
+        assert len(paths) == 2 * MAX_TOKENS
+    for key in set(graphs) - set(captured):
+        assert graphs[key]["input_snapshot_paths"] == [], key
+    done = cli("manifest", "show", str(engine))
+    total = sum(map(len, captured.values()))
+    assert (f"{total} snapshot bundles for {len(captured)} of them, captured by ranks 0,1"
+            in done.stdout), done.stdout + done.stderr
+
+
+def test_snapshot_replay_of_the_manifest_is_bit_exact(
+    cold: ServerRun, work: Path, node_a: Node, vllm_python: Path
+) -> None:
+    # Every bundle the manifest names, each rank's with the other rank's of the same call.
+    done = cli("snapshot", "replay", "--manifest", str(work / "manifests" / "nodev"),
+               "--root", str(node_a.snapshots), "--cache-dir", str(node_a.compile_cache),
+               "--json", python=vllm_python)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    reports = json.loads(done.stdout)
+    named = [str(node_a.snapshots / p) for paths in bundles_by_graph(node_a).values()
+             for p in paths]  # fmt: skip
+    assert sorted(r["bundle"] for r in reports) == sorted(named)
+    for report in reports:
+        assert report["passed"] and report["runner"] == "cache", report
+        assert len(report["peers"]) == 1, report
+        assert report["outputs"] and all(o["max_abs_err"] == 0.0 and o["mismatched"] == 0
+                                         for o in report["outputs"]), report
+    SUMMARY.append(f"replay --manifest: {len(reports)} bundles, bit-exact")
+
+
+def test_the_report_links_each_graph_to_its_bundles_and_replays(
+    cold_report: str, node_a: Node
+) -> None:
+    ids = set(re.findall(r'\bid="([^"]+)"', cold_report))
+    for key, paths in bundles_by_graph(node_a).items():
+        row = re.search(rf'<tr[^>]*data-graph="{key}"[^>]*>(.*?)</tr>', cold_report, re.S)
+        assert row is not None, key
+        cell = row.group(1)
+        assert re.findall(r'data-bundle-link="([^"]+)"', cell) == paths
+        targets = re.findall(r'href="#([^"]+)"', cell)
+        assert len(targets) == 2 * len(paths) and set(targets) <= ids  # bundle and replay
+        assert cell.count(">pass<") == len(paths) and "FAIL" not in cell
 
 
 def test_replay_refuses_a_collective_whose_other_rank_was_not_captured(
