@@ -11,7 +11,9 @@ deadlocked before host artifacts called collectives through Python
 1. ``stock``: vLLM's own CPU platform at TP=2, the reference outputs.
 2. ``cold``: host mode on an empty cache (node A), with the manifest and request-rule
    snapshots on: every piece compiles through this package's cache once for both ranks,
-   the first one included (vLLM's vocab-parallel embedding would bake each rank's
+   the first one included, compiled by both ranks between them (each goes on tracing past
+   a piece the other holds: docs/compile-cache.md, "Deferred compiles") (vLLM's
+   vocab-parallel embedding would bake each rank's
    vocabulary range into it; the host worker gives it its bounds as a buffer); both ranks
    write their bundles, and each graph of the manifest lists its bundles of both ranks
    (``snapshot replay --manifest`` replays them bit for bit; the report links them).
@@ -32,6 +34,7 @@ the compile cache's event log, matched to its rank by vLLM's log prefix
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -91,7 +94,7 @@ class Node:
 
     def env(self, run: str, path: str = AVX2, **extra: str) -> dict[str, str]:
         return {"VLLM_NEURON_HOST_MODE": "1", "VLLM_CACHE_ROOT": str(self.cache_root),
-                "TORCHINDUCTOR_CACHE_DIR": str(self.root / f"inductor-{run}"),
+                "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"],
                 **TP2_ENV, **kernel_env(path), **extra}  # fmt: skip
 
 
@@ -135,7 +138,7 @@ def node_a(work: Path) -> Node:
 @pytest.fixture(scope="module")
 def stock(vllm_python: Path, tiny_model: str, work: Path) -> ServerRun:
     env = {"VLLM_CACHE_ROOT": str(work / "stock" / "cache"),
-           "TORCHINDUCTOR_CACHE_DIR": str(work / "stock" / "inductor"), **TP2_ENV,
+           "TORCHINDUCTOR_CACHE_DIR": os.environ["TORCHINDUCTOR_CACHE_DIR"], **TP2_ENV,
            **kernel_env(AVX2)}  # fmt: skip
     run = start("stock", vllm_python, tiny_model, work, env)
     assert "host mode off" in run.log() and adaptor_calls(run.log()) == []
@@ -226,6 +229,9 @@ def test_cold_start_compiles_every_piece_once_for_both_ranks(cold: ServerRun) ->
     # and loaded it); nothing failed.
     assert sum(e.get("compile", 0) for e in events.values()) == len(keys)
     assert all(e.get("compile_failed", 0) == 0 for e in events.values())
+    # ... and shared out: each rank went on tracing past the pieces the other held and
+    # compiled some itself, instead of one rank compiling all of them while the other waited.
+    assert all(e.get("compile", 0) >= 1 for e in events.values()), events
 
 
 def test_cache_stats_says_tensor_parallelism_cost_no_compile(cold: ServerRun, node_a: Node) -> None:
