@@ -198,3 +198,15 @@ def test_a_killed_holder_is_taken_over_and_its_deferrers_load_the_takers_result(
     events = _events(tmp_path, 2)
     assert sum(1 for _, _, e in events if isinstance(e, Compiled) and e.key == KEYS[0]) == 1
     assert victim.returncode == -signal.SIGKILL
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_defer_compiles_off_waits_in_place(tmp_path):
+    procs = _spawn(tmp_path, nodes=1, ranks=2, delay=0.05, defer=False)
+    results = finish_workers(procs)
+
+    _all_right(results)
+    assert _started(tmp_path) == 8
+    events = _events(tmp_path, 1)
+    assert not [e for _, _, e in events if isinstance(e, Deferred)]
+    assert all(not g["deferred"] for r in results for g in r["graphs"].values())
