@@ -135,6 +135,8 @@ LONG_MODULES = (
     "tests/compile/test_host_collectives.py",
     "tests/compile/test_trust_canary.py",
     "tests/compile/test_cache_stateful.py",
+    "tests/compile/test_compile_workers.py",
+    "tests/compile/test_parallel_cold_start.py",
     "tests/test_benchmarks_smoke.py",
     "tests/compile/test_demo.py",
 )
