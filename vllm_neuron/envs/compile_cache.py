@@ -140,7 +140,7 @@ VARIABLES: tuple[EnvVar, ...] = (
     ),
     EnvVar(
         VLLM_NEURON_COMPILE_WORKERS,
-        "min(CPUs, memory / 4 GiB), at least 1",
+        "min(the node's CPUs, memory / 4 GiB), at least 1",
         "compile-cache",
         "The most compiles that run at once on this node, across all its processes (slots "
         "are lock files in the local tier).",
@@ -290,12 +290,11 @@ def _toolchain(env: Mapping[str, str]) -> ToolchainName:
 
 def default_compile_workers() -> int:
     """How many compiles this node carries at once when VLLM_NEURON_COMPILE_WORKERS is
-    unset: one per CPU this process may run on, but no more than its memory holds at
-    `COMPILE_MEMORY` each, and at least one."""
-    try:
-        cpus = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cpus = os.cpu_count() or 1
+    unset: one per CPU of the node, but no more than its memory holds at `COMPILE_MEMORY`
+    each, and at least one. The node's CPUs, not this process's affinity: the bound is
+    the node's, shared by its processes, and vLLM pins each rank of a CPU engine to its own
+    cores (every rank would otherwise see one CPU, and the node one compile at a time)."""
+    cpus = os.cpu_count() or 1
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (AttributeError, OSError, ValueError):
