@@ -47,6 +47,11 @@ RATIO_LINES: dict[str, list[str]] = {
     "bench_manifest_ledger": [rf"ratio: median of per-round ratios {RATIO}"],
     "bench_snapshot_overhead": [r"capture off .* overhead [+-]\d+ ns/call"],
     "bench_snapshot_write": [rf"snapshot bundle \(npy\) .* paired median {RATIO}"],
+    # Starts no server in a smoke run (a start costs minutes): it checks the setup, or says
+    # it skipped because the vLLM environment is not built.
+    "bench_vllm_cold_start": [
+        r"P8 vLLM cold start: setup (checked, no server started|skipped: vLLM environment "
+        r"not built)"],
     "bench_trust": [rf"signature check / fetch .* \({RATIO}\)",
                     rf"hit require/off {RATIO} median of per-round ratios"],
 }
