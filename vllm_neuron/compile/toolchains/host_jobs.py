@@ -25,7 +25,7 @@ from vllm_neuron.compile.toolchains.host import (
     _outside_tracing,
     _user_output_shapes,
 )
-from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
+from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema, load_namespaces
 
 __all__ = ["JOB_PROGRAM", "JOB_RECORD", "HostJob", "compile_job", "export_job"]
 
@@ -42,6 +42,9 @@ class HostJob(msgspec.Struct, frozen=True):
     output_shapes: tuple[str, ...]
     num_inputs: int
     derived_inputs: tuple[int, ...]
+    # The torch.ops namespaces the program calls beyond torch's own (vLLM's kernels, this
+    # package's collectives): their libraries are loaded before the program is read.
+    namespaces: tuple[str, ...] = ()
 
 
 def export_job(toolchain: HostToolchain, gm: Any, example_inputs: Sequence[Any],
@@ -69,7 +72,7 @@ def export_job(toolchain: HostToolchain, gm: Any, example_inputs: Sequence[Any],
         torch.export.save(ep, os.path.join(job_dir, JOB_PROGRAM))
     job = HostJob(inductor_configs=toolchain.inductor_configs, out_spec=pytree.treespec_dumps(
         out_spec), output_shapes=tuple(shapes), num_inputs=len(inputs),
-        derived_inputs=plan.derived)  # fmt: skip
+        derived_inputs=plan.derived, namespaces=_op_namespaces(ep))  # fmt: skip
     with open(os.path.join(job_dir, JOB_RECORD), "wb") as f:
         f.write(msgspec.json.encode(job))
 
@@ -82,6 +85,7 @@ def compile_job(job_dir: str, out_dir: str) -> CompiledArtifact:
     with open(os.path.join(job_dir, JOB_RECORD), "rb") as f:
         job = msgspec.json.decode(f.read(), type=HostJob)
     path = os.path.join(job_dir, JOB_PROGRAM)
+    load_namespaces(job.namespaces, f"the exported graph {path}")
     try:
         ep = torch.export.load(path)
     except Exception as exc:  # a graph calling a kernel library this process has not loaded
@@ -99,3 +103,14 @@ def compile_job(job_dir: str, out_dir: str) -> CompiledArtifact:
                             files=(ARTIFACT_NAME,), output_shapes=job.output_shapes,
                             out_spec=job.out_spec, num_inputs=job.num_inputs,
                             derived_inputs=job.derived_inputs)  # fmt: skip
+
+
+_TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional",
+                               "_c10d_functional_autograd", "higher_order"})  # fmt: skip
+
+
+def _op_namespaces(ep: Any) -> tuple[str, ...]:
+    """The ``torch.ops`` namespaces of the ops `ep`'s graph calls, beyond torch's own."""
+    found = {str(namespace) for node in ep.graph.nodes if node.op == "call_function"
+             and (namespace := getattr(node.target, "namespace", None)) is not None}
+    return tuple(sorted(found - _TORCH_NAMESPACES))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "OpLibrary",
     "import_vllm_kernels",
     "load_for_missing_schema",
+    "load_namespaces",
     "missing_schema",
 ]
 
@@ -129,6 +130,23 @@ def _registered(namespace: str, op: str) -> bool:
     except (AttributeError, RuntimeError):
         return False
     return True
+
+
+def load_namespaces(namespaces: Iterable[str], what: str) -> None:
+    """Load the library of every known namespace of `namespaces` (the ``torch.ops``
+    namespaces a graph calls) before reading the graph: torch's exported-program reader does
+    not say which op it could not resolve (it logs it, and raises a generic error).
+    `MissingOpLibrary` when one cannot be loaded; unknown namespaces are left to the reader."""
+    for namespace in sorted(set(namespaces)):
+        library = KNOWN_OP_LIBRARIES.get(namespace)
+        if library is None:
+            continue
+        try:
+            library.load()
+        except Exception as exc:  # noqa: BLE001 - any import failure gets the same advice
+            raise MissingOpLibrary(
+                f"{what} calls kernels of {library.module}, which this Python cannot load "
+                f"({type(exc).__name__}: {exc}); install {library.provider} here") from exc
 
 
 def load_for_missing_schema(exc: BaseException, what: str) -> bool:
