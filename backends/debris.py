@@ -15,7 +15,8 @@ disk), plus, on S3, one listing of the unfinished multipart uploads under the pr
   first, then creates the record). A commit record naming a version whose files are gone
   while another version sits beside it is a broken publication (`Store.publication`);
   `cache verify` reports it and the next commit replaces it.
-- each lease's latest generation record is read (its expiry is in the record);
+- each lease's latest generation record is read (whether it was released, and its
+  holder's period and expiry);
 - each old-looking multipart upload's parts are listed (a part uploaded recently keeps
   it alive, whatever its initiation time says).
 
@@ -32,7 +33,7 @@ counted from its newest file, or directory on local disk):
   initiation or, when later, its newest part);
 - ``partial``: ``<key>.<token>.partial``, a killed writer's temp file (local disk);
 - ``lease``: ``.locks/<name>/`` whose latest generation was released, or expired, more
-  than ``lease_grace`` ago (not the bound: a lease has its own clock).
+  than ``lease_grace`` ago (not the bound: a lease has its own clock; see `_leases`).
 
 **Never debris:** a lease that is held (its latest record unexpired), kernel lock files
 (``.locks/<name>.lock``: deleting one while another process opens it would let two
@@ -313,6 +314,19 @@ def _commit_record_names(
 
 def _leases(store: SurveyedStore, leases: dict[str, list[tuple[int, Seen]]], now: float,
             grace: float, out: Survey) -> None:
+    """Judge each lease from one look, on wall clocks with a margin.
+
+    A waiter (``locks.py``) trusts no wall clock: it watches a record for one period on its
+    own monotonic clock. A survey runs once and cannot watch, so it takes the later of two
+    clocks' word for when an unreleased lease ran out: the holder's ``expires`` (its own
+    clock) and the record's last write as the store dated it (its time in the listing: S3's
+    clock, the file server's) plus the holder's period. A holder whose clock is wrong in
+    either direction then cannot make its live lease look dead (the store dated its last
+    renewal); one whose clock runs ahead only keeps its dead lease longer. What is left is
+    this process's own clock against the store's: off by less than the grace (10 minutes by
+    default) it never removes a live lease. And removal re-checks the record's bytes, which
+    every renewal changes.
+    """
     for directory, generations in sorted(leases.items()):
         generations.sort()
         latest, seen = generations[-1]
@@ -326,7 +340,8 @@ def _leases(store: SurveyedStore, leases: dict[str, list[tuple[int, Seen]]], now
         else:
             owner = record.owner
             state = "released" if record.released else "expired"
-            free_since = seen.mtime if record.released else record.expires
+            free_since = (seen.mtime if record.released
+                          else max(record.expires, seen.mtime + max(record.duration, 0.0)))
         age = now - free_since
         if state == "expired" and free_since >= now:
             out.kept.append(Kept("lease", directory, age, f"held by {owner}"))

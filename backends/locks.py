@@ -2,7 +2,7 @@
 
 Correctness never rests on a lock alone (publication is first-writer-wins anyway); the lock
 saves duplicate work, and it must never need a human: a dead holder's kernel lock is
-dropped by the kernel at once, and a dead holder's lease expires after `lease_duration`.
+dropped by the kernel at once, and a dead holder's lease expires after one lease period.
 
 A lease is a sequence of generation records ``<dir>/<generation>``, each created with
 create-if-absent, so taking over an expired or released lease is a race that exactly one
@@ -10,17 +10,37 @@ taker wins on every backend (O_EXCL/link on POSIX, If-None-Match on S3). The gen
 the fencing token: a holder whose lease was taken over sees a newer generation and gets
 `LeaseLost` from `check()`, so it can refuse to commit. A generation record is a
 `LeaseRecord`; one written before records were tagged reads as its version 1.
+
+**No wall clock is trusted.** The holder rewrites its record every third of its lease
+period (`_beat`), and every renewal changes the record's bytes (its `renewal` counter goes
+up, whatever the holder's clock says). A waiter judges expiry on its *own monotonic clock*:
+the lease is expired once this process has seen the same latest generation with the same
+record bytes for one lease period (the holder's `duration`, as its record says; a record
+without one, by a version before it: this lock's `lease_duration`). The record's `expires`
+(the holder's wall clock) is still written, for readers that predate this rule and for
+`cache gc` (`debris.py`), but no waiter reads it: a node whose clock is minutes off neither
+takes over a live lease nor waits on a dead one for longer than a period after the last
+renewal it saw (plus the time between two of its looks).
+
+What a process saw is remembered per store URL and lease name (`_SIGHTINGS`), shared by
+every `LeaseLock` of the process, so a new lock object for a lease already watched (the
+fleet makes one per wait) does not start over. A waiter that has seen nothing yet waits one
+full period from its first look, even for a lease whose holder died long ago (a cold start
+that finds a dead holder's lease pays one period). No lease, or a released one, is free at
+once. While the record stays as seen, a look is one read of it (`_glance`); a listing is
+added only when it changed, went, or ran out.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import threading
 import time
 import uuid
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import filelock
 
@@ -62,9 +82,11 @@ class Lock(ABC):
         return None
 
     def seconds_until_free(self) -> float:
-        """After a failed `acquire`: how long the holder seen then is sure to hold on (its
-        lease's expiry), so a waiter need not ask again sooner. 0 when it cannot tell (a
-        kernel lock: asking again is one local system call)."""
+        """After a failed `acquire`: how long the lease seen then stays held if it does not
+        change, on this process's monotonic clock (a lease: its period, counted from when
+        this process first saw its record as it is). A live holder renews before then, so
+        a waiter that must see a dead holder's lease run out in time looks again meanwhile.
+        0 when it cannot tell (a kernel lock: asking again is one local system call)."""
         return 0.0
 
     def busy(self) -> bool:
@@ -113,8 +135,24 @@ class KernelLock(Lock):
         return bool(self._lock.is_locked)
 
 
+class _Sighting(NamedTuple):
+    """A lease's latest record as this process first saw it."""
+
+    generation: int
+    data: bytes
+    since: float  # time.monotonic() of the first look that found these bytes
+    period: float  # the holder's lease period: unchanged for this long, it expired
+
+
+_SIGHTINGS: dict[tuple[str, str], _Sighting] = {}
+"""(store URL, lease directory) -> what this process saw last. Plain dict operations (atomic
+under the GIL, no lock a fork could inherit held): two threads racing on one entry can only
+leave the later first sight, which makes a waiter wait longer, never shorter."""
+
+
 class LeaseLock(Lock):
-    """A lease with expiry, heartbeat and fencing generation, over any store."""
+    """A lease with heartbeat, fencing generation and expiry judged on the waiter's own
+    monotonic clock (see the module doc), over any store."""
 
     def __init__(
         self,
@@ -125,8 +163,8 @@ class LeaseLock(Lock):
         timeout: float | None = None,
         poll_interval: float = 0.05,
     ) -> None:
-        if lease_duration <= 0:
-            raise ValueError(f"lease_duration must be > 0, got {lease_duration!r}")
+        if not lease_duration > 0 or not math.isfinite(lease_duration):
+            raise ValueError(f"lease_duration must be > 0 and finite, got {lease_duration!r}")
         self.store = store
         self.directory = directory
         self.name = directory.rsplit("/", 1)[-1]
@@ -135,10 +173,11 @@ class LeaseLock(Lock):
         self.poll_interval = poll_interval
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._generation = 0
+        self._renewal = 0  # bumped by every record written: each renewal changes the bytes
         self._held = False
         self._lost = False
         self._took_over_from: str | None = None
-        self._seen_expires = 0.0  # the holder's expiry seen by the last failed try
+        self._free_at = 0.0  # monotonic: when the lease seen by the last failed try runs out
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
 
@@ -147,20 +186,78 @@ class LeaseLock(Lock):
         return join(self.directory, f"{generation:012d}")
 
     def _record(self, generation: int, *, released: bool = False) -> bytes:
+        self._renewal += 1
         expires = 0.0 if released else time.time() + self.lease_duration
         return encode(LeaseRecord(owner=self.owner, generation=generation, expires=expires,
-                                  released=released))  # fmt: skip
+                                  released=released, renewal=self._renewal,
+                                  duration=self.lease_duration))  # fmt: skip
+
+    def _newest(self) -> int:
+        """The latest generation in the store (one listing); 0 when there is none."""
+        return max((int(n) for n in self.store.list_dir(self.directory) if n.isdigit()),
+                   default=0)  # fmt: skip
+
+    def _look(self) -> tuple[int, bytes | None]:
+        """The latest generation and its record's bytes (None: gone since the listing)."""
+        latest = self._newest()
+        return latest, None if latest == 0 else self.store.read(self._key(latest))
+
+    def _decode(self, generation: int, data: bytes) -> LeaseRecord:
+        try:
+            return LEASE_RECORDS.decode(data, source=f"{self.store.url}/{self._key(generation)}")
+        except RecordError:
+            # A torn or foreign record (or a newer version's): never trusted to be held for
+            # longer than this lock's own period, and watched like any other.
+            return LeaseRecord(owner="", generation=generation, expires=0.0)
 
     def _latest(self) -> tuple[int, LeaseRecord | None]:
-        generations = [int(n) for n in self.store.list_dir(self.directory) if n.isdigit()]
-        if not generations:
-            return 0, None
-        latest = max(generations)
-        try:
-            return latest, LEASE_RECORDS.read(self.store, self._key(latest))
-        except RecordError:
-            # A torn or foreign record cannot be trusted to be live; treat as expired.
-            return latest, LeaseRecord(owner="", generation=latest, expires=0.0)
+        latest, data = self._look()
+        return latest, None if data is None else self._decode(latest, data)
+
+    # ----------------------------------------------------------- judgement
+    def _judge(self, generation: int, data: bytes | None) -> tuple[float, LeaseRecord | None]:
+        """How long the lease as read stays held on this process's monotonic clock (0: free
+        now), and its record: no record or a released one is free at once; any other is
+        held for one period from the first look that found these very bytes."""
+        where = (self.store.url, self.directory)
+        if generation == 0:
+            _SIGHTINGS.pop(where, None)
+            return 0.0, None
+        if data is None:  # removed between the listing and the read: look again
+            return self.poll_interval, None
+        record = self._decode(generation, data)
+        if record.released:
+            _SIGHTINGS.pop(where, None)
+            return 0.0, record
+        now = time.monotonic()
+        seen = _SIGHTINGS.get(where)
+        if seen is None or seen.generation != generation or seen.data != data:
+            period = record.duration
+            if not (period > 0 and math.isfinite(period)):
+                period = self.lease_duration  # written by a version before `duration`
+            seen = _SIGHTINGS[where] = _Sighting(generation, data, now, period)
+        return max(0.0, seen.since + seen.period - now), record
+
+    def _glance(self) -> tuple[float, LeaseRecord | None] | None:
+        """The judgement from one read of the record this process watches, while that is
+        enough: it is still there, not released, and unchanged within its period or
+        renewed. None when only a full look (listing, then read) can tell."""
+        seen = _SIGHTINGS.get((self.store.url, self.directory))
+        if seen is None or time.monotonic() >= seen.since + seen.period:
+            return None
+        data = self.store.read(self._key(seen.generation))
+        if data is None:
+            return None
+        remaining, record = self._judge(seen.generation, data)
+        return (remaining, record) if remaining > 0 else None
+
+    def _watch(self) -> tuple[int, float, LeaseRecord | None]:
+        """(the latest generation, or -1 when a glance sufficed; seconds held; record)."""
+        glanced = self._glance()
+        if glanced is not None:
+            return -1, *glanced
+        latest, data = self._look()
+        return latest, *self._judge(latest, data)
 
     # ------------------------------------------------------------ protocol
     def acquire(self, timeout: float | None = None) -> None:
@@ -169,13 +266,15 @@ class LeaseLock(Lock):
         deadline = None if timeout is None else time.monotonic() + timeout
         delay = self.poll_interval
         while True:
-            latest, record = self._latest()
-            free = latest == 0 or (record is not None and record.free(time.time()))
-            self._seen_expires = 0.0 if record is None or record.released else record.expires
-            if free and self.store.create(self._key(latest + 1), self._record(latest + 1)):
+            latest, remaining, record = self._watch()
+            self._free_at = time.monotonic() + remaining
+            if latest >= 0 and remaining <= 0 and self.store.create(
+                self._key(latest + 1), self._record(latest + 1)
+            ):
                 self._took_over_from = None
-                if record is not None and not record.released:  # expired, not let go
+                if record is not None and not record.released:  # ran out, not let go
                     self._took_over_from = record.owner or "an unreadable lease"
+                _SIGHTINGS.pop((self.store.url, self.directory), None)
                 self._on_acquired(latest + 1)
                 fault_point("lease.acquired")
                 return
@@ -183,7 +282,9 @@ class LeaseLock(Lock):
                 raise LockTimeout(
                     f"lease {self.name!r} on {self.store.url} not acquired within {timeout} s"
                 )
-            sleep = delay if deadline is None else min(delay, max(0.0, deadline - time.monotonic()))
+            sleep = delay if remaining <= 0 else min(delay, remaining)  # look when it runs out
+            if deadline is not None:
+                sleep = min(sleep, max(0.0, deadline - time.monotonic()))
             time.sleep(sleep)
             delay = min(delay * 1.5, 0.5, self.lease_duration / 4)
 
@@ -204,14 +305,20 @@ class LeaseLock(Lock):
         interval = self.lease_duration / 3
         while not self._stop.wait(interval):
             try:
-                latest, _ = self._latest()
-                if latest != self._generation:
-                    self._lost = True
+                if not self._renew():
                     return
-                self.store.write(self._key(self._generation), self._record(self._generation))
                 fault_point("lease.renewed")
             except Exception:  # noqa: BLE001 - a missed beat only shortens the lease
                 continue
+
+    def _renew(self) -> bool:
+        """One renewal: the record rewritten (new bytes: its `renewal` goes up); False,
+        with nothing written, when the lease was taken over."""
+        if self._newest() != self._generation:
+            self._lost = True
+            return False
+        self.store.write(self._key(self._generation), self._record(self._generation))
+        return True
 
     def check(self) -> None:
         if not self._held:
@@ -234,8 +341,7 @@ class LeaseLock(Lock):
         if self._heartbeat is not None:
             self._heartbeat.join(timeout=5)
         self._held = False
-        latest, _ = self._latest()
-        if latest == self._generation:
+        if self._newest() == self._generation:
             released = self._record(self._generation, released=True)
             self.store.write(self._key(self._generation), released)
 
@@ -245,9 +351,9 @@ class LeaseLock(Lock):
 
     def busy(self) -> bool:
         """Whether a live lease is held now (by anyone), read without creating a record: a
-        process that must never take the lease can still wait for its holder."""
-        latest, record = self._latest()
-        return latest != 0 and record is not None and not record.free(time.time())
+        process that must never take the lease can still wait for its holder. A record
+        this process has not watched for a period yet counts as live."""
+        return self._watch()[1] > 0
 
     @property
     def generation(self) -> int:
@@ -258,6 +364,4 @@ class LeaseLock(Lock):
         return self._took_over_from
 
     def seconds_until_free(self) -> float:
-        # A holder renews its lease every third of it, so a holder that is alive never
-        # lets the expiry seen here pass; one that died is found free right after it.
-        return max(0.0, min(self._seen_expires - time.time(), self.lease_duration))
+        return max(0.0, self._free_at - time.monotonic())

@@ -366,15 +366,23 @@ COMMIT_RECORDS = RecordCodec(
 
 
 class LeaseRecord(Record, frozen=True, tag="lease"):
-    """One generation of a lease: who holds it, until when, and whether it was let go."""
+    """One generation of a lease: who holds it, how it renews, whether it was let go.
+
+    ``expires`` is the holder's wall clock plus its period: written for readers that
+    predate the monotonic rule (they judge by it) and read only by ``cache gc``, never by a
+    waiter (``locks.py``). ``renewal`` goes up with every record the holder writes, so each
+    renewal changes the bytes a waiter watches even when the holder's clock stands still;
+    ``duration`` is the holder's lease period (it renews every third of it). Both read as 0
+    from records written before them (a waiter then uses its own period), and readers that
+    predate them ignore them: the version stays 1.
+    """
 
     owner: str
     generation: int
-    expires: float  # epoch seconds; 0 once released
+    expires: float  # epoch seconds on the holder's clock; 0 once released
     released: bool = False
-
-    def free(self, now: float) -> bool:
-        return self.released or self.expires < now
+    renewal: int = 0
+    duration: float = 0.0
 
 
 LEASE_RECORDS = RecordCodec(

@@ -3,7 +3,8 @@ takeover, and a stale holder never freeing a new one.
 
 Lease tests run on every store: where `store.lock()` gives a kernel lock they drive a
 `LeaseLock` over the same store, since the lease protocol only needs create-if-absent.
-Waiting is by handshake and by the lease's own record (:mod:`.handshakes`), never by sleep.
+Waiting is by handshake and by the lease's own record (:mod:`.handshakes`), never by sleep;
+a lease's expiry is the waiter's own monotonic clock's (backends/locks.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from .. import locks as locks_module
 from ..errors import LeaseLost, LockTimeout
 from ..keys import join
 from ..locks import KernelLock, LeaseLock
@@ -150,26 +152,40 @@ class LockContractTests:
         assert generations[0] >= 1
         assert generations == sorted(set(generations))
 
-    def test_lease_heartbeat_keeps_it(self, store: Store) -> None:
+    def test_lease_heartbeat_keeps_it(self, store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
         # At least 2 s, so a heartbeat delayed by a loaded machine does not look like a
-        # crash. Taking over is refused until after the lease's first expiry, read from its
-        # own record on the store's clock: only a heartbeat can have kept it.
+        # crash. The waiter's wall clock runs an hour ahead (every record it reads says
+        # "expired an hour ago"), the holder's heartbeat thread keeps the true one: refused
+        # for two periods on the waiter's own monotonic clock, only renewals can have kept
+        # the lease.
         duration = max(self.lease_duration, 2.0)
         holder = self.lease(store, "hb", lease_duration=duration)
         holder.acquire(timeout=5)
+        waiter_thread = threading.get_ident()
+
+        class SkewedClock:
+            monotonic = staticmethod(time.monotonic)
+            sleep = staticmethod(time.sleep)
+
+            @staticmethod
+            def time() -> float:
+                skew = 3600.0 if threading.get_ident() == waiter_thread else 0.0
+                return time.time() + skew
+
+        monkeypatch.setattr(locks_module, "time", SkewedClock)
         try:
             first = lease_record(holder)
             other = self.lease(store, "hb", lease_duration=duration)
+            start = time.monotonic()
             while True:
-                now = time.time()
                 with pytest.raises(LockTimeout):
                     other.acquire(timeout=0)
-                if now > first["expires"]:
+                if time.monotonic() - start > 2 * duration:
                     break
                 time.sleep(duration / 20)
             renewed = lease_record(holder)
             assert renewed["generation"] == first["generation"] == holder.generation
-            assert renewed["expires"] > first["expires"]
+            assert renewed["renewal"] > first["renewal"]
             holder.check()
             assert holder.held
         finally:
@@ -179,13 +195,15 @@ class LockContractTests:
         first = self.lease(store, "exp")
         first.acquire(timeout=5)
         self.freeze(first)  # the holder hangs: no more heartbeats
-        last = lease_record(first)  # its final renewal
         second = self.lease(store, "exp")
+        start = time.monotonic()  # before the waiter's first look
         second.acquire(timeout=HANG)
         try:
-            # Taken over once the frozen lease ran out on the store's clock, not before.
-            assert time.time() >= last["expires"]
+            # Taken over one period after the waiter first saw the frozen record, on its
+            # own monotonic clock, not before.
+            assert time.monotonic() - start >= first.lease_duration
             assert second.generation == first.generation + 1
+            assert second.took_over_from == first.owner
             with pytest.raises(LeaseLost):
                 first.check()
             assert not first.held

@@ -2,7 +2,8 @@
 
 No bound on how long healing takes (a loaded machine only makes it slower): a dead
 holder's kernel lock is free the moment the holder is reaped, and a dead holder's lease is
-free once its last record expires, read from that record on the store's clock.
+free one period after the waiter saw its last renewal, on the waiter's monotonic clock (the
+holder and the waiter share a wall clock here, so its last record's expiry is a bound too).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def _lease_takeover_after_kill(url: str, options: dict[str, str], workers: Worke
     ready = holder.message()
     lock = store.lock("compile/abc", lease_duration=LEASE)
     assert isinstance(lock, LeaseLock)
-    # The holder's heartbeat keeps it alive: refused until after its first expiry.
+    # The holder's heartbeat keeps it alive: refused until after its first expiry (every
+    # look sees a renewal within a period of the one before).
     first = lease_record(lock)
     assert first["generation"] == ready["generation"]
     while True:
@@ -59,8 +61,8 @@ def _lease_takeover_after_kill(url: str, options: dict[str, str], workers: Worke
     assert last["generation"] == ready["generation"] and last["expires"] > first["expires"]
     lock.acquire(timeout=HANG)
     try:
-        # Free once the last renewal expires, which is at most one lease after the kill
-        # (it was written before it), and taken over only then, never before.
+        # Free one period after the waiter saw the last renewal: not before that renewal's
+        # expiry (it was seen after it was written), at most about a lease after the kill.
         assert last["expires"] <= killed + LEASE
         assert time.time() >= last["expires"], "taken over before the lease ran out"
         assert lock.generation == ready["generation"] + 1

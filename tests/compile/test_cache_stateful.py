@@ -284,8 +284,11 @@ class TwoTierModel(RuleBasedStateMachine):
             locks = join(".locks", key)
             gens = [int(g) for g in store.list_dir(locks) if g.isdigit()]
             gen = max(gens, default=0) + 1
+            # A waiter watches a lease for one period (the holder's `duration`) from its
+            # first look, whatever `expires` says: this dead holder's period is short, so
+            # a step that meets its lease waits a moment, not the cache's 5 s lease.
             record = {"owner": "dead-host:1:0", "generation": gen,
-                      "expires": time.time() - 1, "released": False}
+                      "expires": time.time() - 1, "released": False, "duration": 0.01}
             assert store.create(join(locks, f"{gen:012d}"), json.dumps(record).encode())
 
     @rule(node=st.integers(0, NODES - 1), data=st.data())

@@ -143,7 +143,9 @@ class RemoteSingleFlight:
             if now >= deadline:
                 self._waited(key, wait_start, waited, "timeout")
                 raise timeout_error()
-            time.sleep(min(delay, deadline - now))
+            pause = min(delay, deadline - now)
+            free_in = lease.seconds_until_free()  # the lease seen runs out sooner: look then
+            time.sleep(min(pause, free_in) if free_in > 0 else pause)
             delay = min(delay * 1.5, MAX_POLL_INTERVAL)
         self._waited(key, wait_start, waited, "acquired")
         try:
