@@ -40,3 +40,16 @@ def cache_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
         ]
 
     return messages
+
+
+@pytest.fixture(params=["folder", "s3"])
+def shared_remote(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
+    """A fleet's remote tier, for worker processes: where it is, and how a worker opens it.
+
+    The folder remote uses leases, not kernel locks, as on NFS or FSx: nodes share no
+    kernel there, and a lease is what expires when a holder dies.
+    """
+    if request.param == "folder":
+        return {"remote": str(tmp_path / "remote"), "remote_options": {"lock": "lease"}}
+    request.getfixturevalue("s3_env")  # AWS_ENDPOINT_URL for the workers
+    return {"remote": request.getfixturevalue("s3_store_url"), "remote_options": {}}

@@ -42,19 +42,6 @@ KEY = "f1ee7f1ee7f1ee7f1ee7f1ee7f1ee7aa"
 OTHER = "f1ee7f1ee7f1ee7f1ee7f1ee7f1ee7bb"
 
 
-@pytest.fixture(params=["folder", "s3"])
-def shared_remote(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
-    """The fleet's remote tier: where it is, and how a worker opens it.
-
-    The folder remote uses leases, not kernel locks, as on NFS or FSx: nodes share no
-    kernel there, and a lease is what expires when a holder dies.
-    """
-    if request.param == "folder":
-        return {"remote": str(tmp_path / "remote"), "remote_options": {"lock": "lease"}}
-    request.getfixturevalue("s3_env")  # AWS_ENDPOINT_URL for the workers
-    return {"remote": request.getfixturevalue("s3_store_url"), "remote_options": {}}
-
-
 def _spawn(tmp_path: Any, fleet: dict[str, Any], *, nodes: int, ranks: int,
            key: str = KEY, **args: Any) -> list[subprocess.Popen[str]]:
     """`nodes` x `ranks` getters, lined up at one barrier (released by the caller)."""

@@ -37,15 +37,6 @@ KEYS = [f"{i:02x}" * 16 for i in range(0xA0, 0xA8)]  # eight graphs
 _EVENTS = RecordCodec(CACHE_EVENTS)
 
 
-@pytest.fixture(params=["folder", "s3"])
-def shared_remote(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
-    """The fleet's remote tier (leases on the folder, as on NFS: nodes share no kernel)."""
-    if request.param == "folder":
-        return {"remote": str(tmp_path / "remote"), "remote_options": {"lock": "lease"}}
-    request.getfixturevalue("s3_env")  # AWS_ENDPOINT_URL for the workers
-    return {"remote": request.getfixturevalue("s3_store_url"), "remote_options": {}}
-
-
 def _spawn(tmp_path: Any, *, nodes: int, ranks: int, fleet: dict[str, Any] | None = None,
            **args: Any) -> list[subprocess.Popen[str]]:
     procs = []
