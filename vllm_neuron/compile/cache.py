@@ -32,7 +32,6 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgspec
@@ -72,6 +71,7 @@ from .outcomes import (
     CacheResult,
     CompileError,
     DeferCompile,
+    PendingCompile,
     PrecompiledOnlyMiss,
     RemoteWrite,
 )
@@ -150,8 +150,7 @@ class TwoTierCache(LocalTierView, DeferringFlow):
         self._slots = None if compile_workers is None else CompileSlots(
             self.local, compile_workers, lease_duration=lease_duration)
         self._loaded: dict[str, CacheResult] = {}
-        self._pool: ThreadPoolExecutor | None = None  # background compiles (begin's workers)
-        self._pool_lock = threading.Lock()
+        self._in_flight: dict[str, PendingCompile] = {}  # begin's worker compiles, by key
         self._bound_lock = threading.Lock()  # one eviction pass at a time
         # The last record bytes read for each key and their decoding: a hit still reads the
         # record and stats every file, but bytes seen before are not decoded again.

@@ -25,6 +25,8 @@ the Neuron toolchain compiles in place (its HLO could travel the same way; not d
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import logging
 import os
 import shutil
@@ -38,6 +40,7 @@ from typing import Any
 
 from vllm_neuron.backends import fault_point
 from vllm_neuron.backends.records import encode
+from vllm_neuron.backends.writable import unwritable_cause
 
 from .outcomes import CompileWorkerLost
 from .toolchains.base import ARTIFACTS, CompiledArtifact, Toolchain, ToolchainError
@@ -48,6 +51,9 @@ logger = logging.getLogger("vllm_neuron.compile")
 
 GRAPH_FAILED = 3
 """The worker's exit status when the compiler rejected the graph (its message in ERROR)."""
+NO_ROOM = 4
+"""The worker's exit status when a write failed for want of room or permission (a full or
+read-only disk: the place's fault, not the graph's); the errno and message in ERROR."""
 ARTIFACT = "artifact.json"
 ERROR = "error.txt"
 PARENT_POLL = 0.5  # seconds between a worker's looks at whether its parent is alive
@@ -72,6 +78,9 @@ class CompileJob:
             raise CompileWorkerLost(f"cannot start a compile worker: {exc}") from exc
         if done.returncode == GRAPH_FAILED:
             raise ToolchainError(_read(os.path.join(self.job_dir, ERROR)) or done.stderr[-2000:])
+        if done.returncode == NO_ROOM:  # the cache's disk handling sees the OSError itself
+            code, _, message = _read(os.path.join(self.job_dir, ERROR)).partition(" ")
+            raise OSError(int(code) if code.isdigit() else errno.ENOSPC, message)
         artifact = os.path.join(self.job_dir, ARTIFACT)
         if done.returncode != 0 or not os.path.exists(artifact):
             raise CompileWorkerLost(
@@ -98,7 +107,7 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any]
     try:
         job_dir = tempfile.mkdtemp(prefix="vllm_neuron_compile_job_")
         export_job(toolchain, gm, example_inputs, job_dir)
-    except (OSError, ToolchainError) as exc:
+    except (OSError, RuntimeError) as exc:  # RuntimeError: torch's writer (ToolchainError too)
         # No room for the job, or a graph export refuses: the in-place compile says the
         # graph's own problem in its own words, with the cache's failure handling.
         if job_dir is not None:
@@ -146,6 +155,10 @@ def main(argv: list[str]) -> int:
     """``python -m vllm_neuron.compile.compile_workers JOB_DIR OUT_DIR``."""
     job_dir, out_dir = argv
     _exit_with_parent()
+    # The node's cores: vLLM pins a CPU rank to its own, and the worker inherits them (not
+    # Linux, or a cpuset that forbids it: it keeps its parent's).
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
     from vllm_neuron.envs import fault_settings
 
     from .toolchains.host_collectives import register_collective_ops
@@ -156,10 +169,15 @@ def main(argv: list[str]) -> int:
     register_collective_ops()  # what a graph with collectives calls
     try:
         artifact = compile_job(job_dir, out_dir)
-    except ToolchainError as exc:
+    except Exception as exc:
+        fault = unwritable_cause(exc)
         with open(os.path.join(job_dir, ERROR), "w") as f:
-            f.write(str(exc))
-        return GRAPH_FAILED
+            f.write(f"{fault.errno} {fault}" if fault is not None else str(exc))
+        if fault is not None:
+            return NO_ROOM
+        if isinstance(exc, ToolchainError):
+            return GRAPH_FAILED
+        raise  # anything else is the worker's trouble: CompileWorkerLost in the parent
     temporary = os.path.join(job_dir, ARTIFACT + ".tmp")
     with open(temporary, "wb") as f:
         f.write(encode(artifact))

@@ -15,7 +15,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future
+from typing import Any, TypeVar
 
 from vllm_neuron.backends import Record
 
@@ -39,8 +40,7 @@ class DeferringFlow:
     timeout: float
     defer_compiles: bool
     _slots: CompileSlots | None
-    _pool: ThreadPoolExecutor | None
-    _pool_lock: threading.Lock
+    _in_flight: dict[str, PendingCompile]
 
     def _record(self, event: Record) -> None:
         raise NotImplementedError
@@ -68,6 +68,9 @@ class DeferringFlow:
         components = components or {}
         if not self.defer_compiles:
             return self._get(key, compile_fn, components, piece, wait=True, started=None)
+        queued = self._in_flight.get(key)
+        if queued is not None and not queued.done:
+            return queued  # one job per key: a model's repeated layers are one graph
         at = time.time()
         try:
             return self._get(key, compile_fn, components, piece, wait=False, started=at,
@@ -80,26 +83,24 @@ class DeferringFlow:
             prepared = worker()
             if prepared is None:  # no worker for this graph: compiled here and now
                 return self._get(key, compile_fn, components, piece, wait=True, started=at)
-            future = self._compile_pool().submit(self._compile_in_worker, key, prepared,
-                                                 components, piece, at)  # fmt: skip
+            future = _in_background(self._compile_in_worker, key, prepared, components, piece,
+                                    at)  # fmt: skip
         self._record(Deferred(key=key, at=at, reason=reason, piece=piece or ""))
 
         def resolve() -> CacheResult:
             if reason == "worker":
                 try:
                     return future.result()
-                except CompileWorkerLost as exc:
+                except (CompileWorkerLost, TimeoutError) as exc:
+                    # No worker, or its slot never came: not the graph's failure. Compiled
+                    # here, now, under a fresh NEURON_LIBTORCH_COMPILATION_TIMEOUT.
                     logger.warning("compile cache: %s; compiling %s in this process", exc, key)
             return self._get(key, in_place, components, piece, wait=True, started=at)
 
-        return PendingCompile(key, reason, at, resolve)
-
-    def _compile_pool(self) -> ThreadPoolExecutor:
-        with self._pool_lock:
-            if self._pool is None:  # threads that wait: the node's slots bound the compiles
-                self._pool = ThreadPoolExecutor(max_workers=64,
-                                                thread_name_prefix="vllm-neuron-compile")
-            return self._pool
+        pending = PendingCompile(key, reason, at, resolve)
+        if reason == "worker":
+            self._in_flight[key] = pending
+        return pending
 
     def _compile_in_worker(self, key: str, prepared: tuple[CompileFn, Callable[[], None]],
                            components: Mapping[str, str], piece: str | None,
@@ -121,3 +122,25 @@ class DeferringFlow:
             return self._get(key, compile_fn, components, piece, wait=True, started=started)
         finally:
             discard()
+
+
+T = TypeVar("T")
+
+
+def _in_background(fn: Callable[..., T], *args: Any) -> Future[T]:
+    """Run `fn(*args)` in a daemon thread; its outcome in the future. Daemon: a process that
+    exits (a server stopped during its cold start) does not wait for its queued compiles,
+    whose workers exit with it (they watch their parent) and whose staging `cache gc`
+    collects."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            future.set_result(fn(*args))
+        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
+            future.set_exception(exc)
+
+    threading.Thread(target=run, daemon=True, name="vllm-neuron-compile").start()
+    return future

@@ -43,7 +43,7 @@ from .failures import (
     recent_failure,
     write_failure_note,
 )
-from .outcomes import CompileError, CompileWorkerLost, DeferCompile
+from .outcomes import CompileError, CompileSlotTimeout, CompileWorkerLost, DeferCompile
 from .remote_tier import RemoteTier
 
 logger = logging.getLogger("vllm_neuron.compile")
@@ -160,7 +160,7 @@ class RemoteSingleFlight:
                 return fetched
             try:
                 result = compile_here()
-            except (DeferCompile, CompileWorkerLost):
+            except (DeferCompile, CompileWorkerLost, CompileSlotTimeout):
                 raise  # no slot, or no worker: not the graph's failure; the lease comes free
             except Exception as exc:
                 self._note_failure(remote, lease, key, exc)

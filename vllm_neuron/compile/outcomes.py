@@ -17,7 +17,8 @@ from vllm_neuron.envs.compile_cache import RemoteWrite  # the setting's own type
 from .entry import EntryRecord
 
 __all__ = [
-    "CacheResult", "CompileError", "CompileWorkerLost", "DeferCompile", "PendingCompile",
+    "CacheResult", "CompileError", "CompileSlotTimeout", "CompileWorkerLost", "DeferCompile",
+    "PendingCompile",
     "PrecompiledOnlyMiss", "RemoteWrite",
 ]
 
@@ -29,6 +30,11 @@ class CompileWorkerLost(RuntimeError):
     """A compile worker could not run (no room for its job, a failed start, a signal, an
     exit without a result): not the graph's fault, so no failure note is written and no
     waiter is told the graph failed; the graph is compiled in place instead."""
+
+
+class CompileSlotTimeout(TimeoutError):
+    """No compile slot of the node came free within NEURON_LIBTORCH_COMPILATION_TIMEOUT: the
+    node was busy, not the graph at fault (no failure note is written for it)."""
 
 
 class PrecompiledOnlyMiss(RuntimeError):
@@ -79,6 +85,10 @@ class PendingCompile:
         self._resolve = resolve
         self._result: CacheResult | None = None
         self._lock = threading.Lock()
+
+    @property
+    def done(self) -> bool:
+        return self._result is not None
 
     def result(self) -> CacheResult:
         done = self._result

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 
 from vllm_neuron.backends import Lock, LockTimeout, Store
 
-from .outcomes import DeferCompile
+from .outcomes import CompileSlotTimeout, DeferCompile
 
 __all__ = ["SLOT_PREFIX", "CompileSlots"]
 
@@ -87,7 +87,7 @@ class CompileSlots:
                 raise DeferCompile("no-slot")
             now = time.monotonic()
             if now >= deadline:
-                raise TimeoutError(
+                raise CompileSlotTimeout(
                     f"waited for a free compile slot to compile {what}: all "
                     f"{self.count} (VLLM_NEURON_COMPILE_WORKERS={self.count}) stayed taken "
                     "until NEURON_LIBTORCH_COMPILATION_TIMEOUT ran out")

@@ -11,6 +11,7 @@ An exported program is also what a remote builder would need.
 
 from __future__ import annotations
 
+import io
 import os
 from collections.abc import Sequence
 from typing import Any
@@ -68,8 +69,13 @@ def export_job(toolchain: HostToolchain, gm: Any, example_inputs: Sequence[Any],
     if len(shapes) != out_spec.num_leaves:
         raise ToolchainError(f"exported program has {len(shapes)} user outputs but its output "
                              f"spec has {out_spec.num_leaves} leaves")  # fmt: skip
+    # Into memory, then written by Python: torch's own file writer aborts the whole process
+    # when a write fails (a full temporary directory), where Python raises an OSError.
+    buffer = io.BytesIO()
     with _outside_tracing():
-        torch.export.save(ep, os.path.join(job_dir, JOB_PROGRAM))
+        torch.export.save(ep, buffer)
+    with open(os.path.join(job_dir, JOB_PROGRAM), "wb") as f:
+        f.write(buffer.getbuffer())
     job = HostJob(inductor_configs=toolchain.inductor_configs, out_spec=pytree.treespec_dumps(
         out_spec), output_shapes=tuple(shapes), num_inputs=len(inputs),
         derived_inputs=plan.derived, namespaces=_op_namespaces(ep))  # fmt: skip

@@ -1,0 +1,80 @@
+"""Deferred compiles in one process (deferral.py, slots.py): what a busy node, a queued
+worker job and a repeated graph cost. The fake compile stands in for the toolchain; the
+"worker" here is a compile run by the cache's background thread (the real worker process is
+tests/compile/test_compile_workers.py's)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from cache_workers import entry_is_right, fake_compile
+
+from vllm_neuron.backends import open_store
+from vllm_neuron.compile.cache import TwoTierCache
+from vllm_neuron.compile.failures import FAILURES_DIR
+from vllm_neuron.compile.outcomes import CompileSlotTimeout, PendingCompile
+from vllm_neuron.compile.slots import SLOT_PREFIX
+
+KEY = "defe44ed" * 4
+
+
+def _cache(tmp_path: Any, **kwargs: Any) -> TwoTierCache:
+    return TwoTierCache(str(tmp_path / "local"), **kwargs)
+
+
+def test_a_node_whose_slots_stay_taken_is_no_failure_of_the_graph(tmp_path, compile_fn):
+    remote = str(tmp_path / "remote")
+    cache = _cache(tmp_path, remote=remote, remote_options={"lock": "lease"}, timeout=0.5,
+                   compile_workers=1)
+    held = open_store(str(tmp_path / "local")).lock(f"{SLOT_PREFIX}0")
+    held.acquire(timeout=0)  # another process of the node compiles something else
+    try:
+        with pytest.raises(CompileSlotTimeout, match="VLLM_NEURON_COMPILE_WORKERS=1"):
+            cache.get_or_compile(KEY, compile_fn(KEY))
+    finally:
+        held.release()
+    # No note for the fleet (nor the node) that the graph failed: the next try compiles it.
+    assert not open_store(remote).list(FAILURES_DIR)
+    assert not cache.local.list(FAILURES_DIR)
+    result = cache.get_or_compile(KEY, compile_fn(KEY))
+    assert result.source == "compiled" and entry_is_right(str(result.path), KEY) is None
+
+
+def test_a_repeated_graph_is_prepared_and_queued_once(tmp_path, compile_fn):
+    cache = _cache(tmp_path)
+    prepared: list[str] = []
+
+    def worker() -> Any:
+        prepared.append(KEY)
+        return (lambda out: fake_compile(out, key=KEY, delay=0.2)), (lambda: None)
+
+    first = cache.begin(KEY, compile_fn(KEY), piece="layer 0", worker=worker)
+    again = cache.begin(KEY, compile_fn(KEY), piece="layer 1", worker=worker)
+    assert isinstance(first, PendingCompile) and again is first
+    assert prepared == [KEY]
+    result = first.result()
+    assert result.source == "compiled" and entry_is_right(str(result.path), KEY) is None
+
+
+def test_a_worker_job_whose_slot_never_came_is_compiled_at_the_first_call(tmp_path, compile_fn):
+    cache = _cache(tmp_path, timeout=0.5, compile_workers=1)
+    held = open_store(str(tmp_path / "local")).lock(f"{SLOT_PREFIX}0")
+    held.acquire(timeout=0)
+    pending = cache.begin(KEY, compile_fn(KEY), piece="p", worker=lambda: (
+        (lambda out: fake_compile(out, key=KEY)), (lambda: None)))
+    assert isinstance(pending, PendingCompile)
+    try:
+        # The queued job gives up waiting for the slot while nothing calls the graph (its
+        # thread ends: a handshake on the thread, not a pause) ...
+        deadline = time.monotonic() + 60
+        while any(t.name == "vllm-neuron-compile" for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "the queued job never gave up"
+            time.sleep(0.01)
+    finally:
+        held.release()
+    # ... and the first call compiles it here, under a fresh timeout, instead of raising.
+    result = pending.result()
+    assert result.source == "compiled" and entry_is_right(str(result.path), KEY) is None
