@@ -76,6 +76,13 @@ POINTS: dict[str, FaultPoint] = _points(
     FaultPoint(
         "fetch.copied", "vllm_neuron/compile/remote_tier.py:fetch_entry",
         "a fetch staged every file and the entry record locally; not yet published"),
+    # Unpacking a host entry's package beside it in the local tier (compile/unpacked.py)
+    FaultPoint(
+        "unpack.mid-copy", "vllm_neuron/compile/unpacked.py:_unpack",
+        "the first member of a package is unpacked into local staging, the rest not all"),
+    FaultPoint(
+        "unpack.staged", "vllm_neuron/compile/unpacked.py:_unpack",
+        "every member of a package and the copy's record are staged; not yet published"),
     # Leases (stores without kernel locks: NFS, Lustre without flock, S3)
     FaultPoint(
         "lease.acquired", "backends/locks.py:LeaseLock.acquire",
@@ -111,7 +118,7 @@ POINTS: dict[str, FaultPoint] = _points(
 
 # The points inside a write to a node's local tier: where a disk fault can be armed.
 DISK_FAULT_POINTS = ("compile.staging-written", "compile.record-written", "fetch.mid-copy",
-                     "fetch.copied")  # fmt: skip
+                     "fetch.copied", "unpack.mid-copy", "unpack.staged")  # fmt: skip
 
 _armed: str | None = None
 _kind: int | None = None  # the errno a disk fault raises; None: kill

@@ -39,7 +39,8 @@ from .transfer import Progress, ProgressCounter
 if TYPE_CHECKING:
     from .base import StoreBase
 
-__all__ = ["COPY_CHUNK", "KERNEL_COPY_MIN", "KERNEL_COPY_STEP", "PIPELINE_MIN", "copy_verified"]
+__all__ = ["COPY_CHUNK", "KERNEL_COPY_MIN", "KERNEL_COPY_STEP", "PIPELINE_MIN", "check_verified",
+           "copy_verified"]
 
 COPY_CHUNK = 4 << 20
 """Bytes per read on the streaming path."""
@@ -96,16 +97,19 @@ def _open_source(store: StoreBase, key: str) -> IO[bytes]:
     return open(path, "rb", buffering=0) if path is not None else store.open_read(key)
 
 
+def _hasher_for(expected: Expected, where: str, rel: str) -> tuple[_Hasher, str, str]:
+    """(hasher, the digest it must give, its name): BLAKE3 when expected, else SHA-256."""
+    if expected.blake3 is not None:
+        return Blake3(), expected.blake3, "BLAKE3"
+    if expected.sha256 is not None:
+        return hashlib.sha256(), expected.sha256, "SHA-256"
+    raise ValueError(f"{where}: {rel} has no checksum to verify")
+
+
 def _stream(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expected,
             where: str, on_bytes: OnBytes = None) -> None:
     """Copy one file through memory in one pass: each chunk read, hashed and written."""
-    hasher: _Hasher
-    if expected.blake3 is not None:
-        hasher, digest, name = Blake3(), expected.blake3, "BLAKE3"
-    elif expected.sha256 is not None:
-        hasher, digest, name = hashlib.sha256(), expected.sha256, "SHA-256"
-    else:
-        raise ValueError(f"{where}: {rel} has no checksum to verify")
+    hasher, digest, name = _hasher_for(expected, where, rel)
     size = 0
     try:
         reader = _open_source(src, src_key)
@@ -188,3 +192,28 @@ def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[
                                on_bytes) for key, rel, expected, pipelined in jobs]
         for future in futures:
             future.result()
+
+
+def check_verified(store: StoreBase, prefix: str, files: Mapping[str, Expected]) -> None:
+    """Check `files` (keys relative to `prefix`) as `copy_verified` checks what it copies -
+    the size, then BLAKE3 when expected, else SHA-256 - without copying: one read of each.
+    `IntegrityError` names the first that is missing, of the wrong size or corrupt. What a
+    load from a copy derived from an entry checks before each use (compile/unpacked.py)."""
+    where = where_of(store, prefix)
+    for rel, expected in files.items():
+        hasher, digest, name = _hasher_for(expected, where, rel)
+        try:
+            reader = _open_source(store, join(prefix, rel))
+        except FileNotFoundError:
+            raise IntegrityError(where, rel, "is missing") from None
+        size = 0
+        with reader:
+            while chunk := reader.read(COPY_CHUNK):
+                hasher.update(chunk)  # releases the GIL
+                size += len(chunk)
+                if size > expected.size:
+                    break  # longer than expected: already wrong
+        if size != expected.size:
+            raise IntegrityError(where, rel, f"has {size} bytes, expected {expected.size}")
+        if hasher.hexdigest() != digest:
+            raise IntegrityError(where, rel, f"fails its {name} check")

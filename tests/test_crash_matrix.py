@@ -20,10 +20,12 @@ there by SIGKILL. Then:
 The fake toolchain (tests/compile/cache_workers.py: deterministic bytes, four files, a
 compile that can stop half-way by handshake) stands in for the compiler; the points of the
 compile cache are also hit once each with a real Inductor compile through
-``torch.compile(backend="vllm_neuron")`` (marked slow). A point that does not apply to a
-backend (a lease point where the store has kernel locks) is not generated for it. One
-worker script does every kind of work (tests/crash_matrix_worker.py); every wait is a
-handshake, never a pause on the clock.
+``torch.compile(backend="vllm_neuron")`` (marked slow), and the points of unpacking a host
+entry's package (compile/unpacked.py) with a real entry loaded by a real process, whose
+private ``TMPDIR`` must hold no ``aotinductor_*`` directory once it loaded the copy (slow).
+A point that does not apply to a backend (a lease point where the store has kernel locks)
+is not generated for it. One worker script does every kind of work
+(tests/crash_matrix_worker.py); every wait is a handshake, never a pause on the clock.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ from vllm_neuron.compile.eviction import PINS_DIR, pin  # noqa: E402
 from vllm_neuron.compile.gc import GcPlan, plan_gc  # noqa: E402
 from vllm_neuron.compile.inventory import verify_entries  # noqa: E402
 from vllm_neuron.compile.promote import promote_entry  # noqa: E402
+from vllm_neuron.compile.unpacked import UNPACKED_DIR, copy_key  # noqa: E402
 
 LEASE = 1.5  # seconds: how long a dead holder's lease keeps the healer waiting
 KEY = "c0ffee00c0ffee00c0ffee00c0ffee01"
@@ -77,6 +80,8 @@ WORK: dict[str, tuple[str, tuple[str, ...]]] = {
     "snapshot.before-meta": ("snapshot", ALL),
     "gc.mid-delete": ("gc", ALL),
     "evict.mid-delete": ("evict", ALL),
+    "unpack.mid-copy": ("load", ("local", "nfs")),  # copies live in a node's own tier
+    "unpack.staged": ("load", ("local", "nfs")),
 }
 # Points where the crashed step had staged something: the store's survey must find it
 # (on the tier named).
@@ -84,6 +89,7 @@ STAGED_ON = {
     "compile.staging-written": "local", "compile.record-written": "local",
     "promote.mid-upload": "remote", "promote.uploaded": "remote",
     "fetch.mid-copy": "local", "fetch.copied": "local",
+    "unpack.mid-copy": "local", "unpack.staged": "local",
 }  # fmt: skip
 # The points a compiling process reaches: the compile, the fleet's lease it compiles
 # under, the promotion right after it. Slow: a real Inductor compile in the process killed
@@ -91,7 +97,15 @@ STAGED_ON = {
 # A fetch runs no compiler: its points are the fake matrix's, whatever made the files.
 TORCH_POINTS = [p for p in WORK if p.split(".")[0] in ("compile", "promote", "lease")]
 
-MATRIX = [pytest.param(point, backend, id=f"{point}-{backend}")
+# A load is a real host entry loaded by a real process (torch): slow, as the real compiles.
+SLOW_WORK = {"load"}
+
+
+def _marks(point: str) -> list[pytest.MarkDecorator]:
+    return [pytest.mark.slow] if WORK[point][0] in SLOW_WORK else []
+
+
+MATRIX = [pytest.param(point, backend, id=f"{point}-{backend}", marks=_marks(point))
           for point, (_, backends) in WORK.items() for backend in backends]  # fmt: skip
 
 
@@ -174,6 +188,14 @@ def unaccounted_in_cache(place: Place, *, collectable: bool = True) -> list[str]
         top = name.split("/", 1)[0]
         if top in (EVENTS_STREAM, PINS_DIR) or (top == ".locks" and name.endswith(".lock")):
             return True
+        if top == UNPACKED_DIR and "/" in name[len(top) + 1:]:
+            # An unpacked copy of a published entry's package (a copy without its entry is
+            # for ``cache gc``, below).
+            copy = name.split("/")[1]
+            key = copy_key(copy)
+            if (key is not None and store.published(key) is not None
+                    and store.published(f"{UNPACKED_DIR}/{copy}") is not None):  # fmt: skip
+                return True
         if any(name == where or name.startswith(where + "/") for where in listed):
             return True
         prefix = store.published(top)
@@ -351,6 +373,50 @@ class GetScenario(CacheScenario):
         # what it compiles, and a process killed after its local publication owed the
         # promotion, which the healing process paid (compile/owed.py).
         assert self.remote.store().published(self.key) is not None
+
+
+class LoadScenario(CacheScenario):
+    """A rank of node 1 serves a model whose real host entry its local tier holds (a local
+    hit through ``torch.compile(backend="vllm_neuron")``): its package is unpacked beside
+    the entry first, then loaded from there. Every worker has a private ``TMPDIR``."""
+
+    def __init__(self, point: str, backend: Backend, *, torch: dict[str, Any]) -> None:
+        super().__init__(point, backend)
+        self.torch, self.key = torch, torch["key"]
+        self.cache_root = os.path.join(backend.base, "node1-root")
+        path = os.path.join(self.cache_root, "neuron", "compile_cache")
+        self.node1 = Place(path, path)
+        self.tmpdir = Path(backend.base) / "tmp"
+
+    def setup(self) -> None:
+        super().setup()
+        built = open_store(self.torch["tier"], create=False)
+        assert promote_entry(built, open_store(self.node1.url), self.key)  # the entry alone
+        assert self.copies() == []
+        self.tmpdir.mkdir(parents=True, exist_ok=True)
+
+    def copies(self) -> list[str]:
+        return [n for n in self.node1.store().list_dir(UNPACKED_DIR) if copy_key(n) == self.key]
+
+    def run(self, fault: str | None) -> dict[str, Any]:
+        env = _env(VLLM_CACHE_ROOT=self.cache_root, VLLM_NEURON_TOOLCHAIN="host",
+                   TORCHINDUCTOR_CACHE_DIR=self.torch["inductor_cache"],
+                   TMPDIR=str(self.tmpdir))  # fmt: skip
+        result = run_worker("torch", dict(self.backend.worker_args), fault=fault, env=env)
+        if result:  # what the disk-fault cases ask of every scenario
+            result["source"] = result["sources"][0]
+            result["wrong"] = None if result["matches"] else "outputs differ from eager"
+        return result
+
+    def heal(self) -> None:
+        result = self.run(None)
+        assert result["matches"] and result["sources"] == ["local"], result
+        # Loaded from the copy: torch unpacked nothing into the temp dir.
+        assert [p.name for p in self.tmpdir.iterdir() if p.name.startswith("aotinductor_")] == []
+
+    def check_done(self) -> None:
+        (copy,) = self.copies()
+        assert self.node1.store().published(f"{UNPACKED_DIR}/{copy}") is not None
 
 
 class FetchScenario(CacheScenario):
@@ -561,12 +627,13 @@ class SnapshotScenario:
         pass  # the capture of the same call replaced the incomplete bundle
 
 
-DISK_FAULTS = [pytest.param(point, kind, backend, id=f"{point}@{kind}-{backend}")
+DISK_FAULTS = [pytest.param(point, kind, backend, id=f"{point}@{kind}-{backend}",
+                            marks=_marks(point))
                for point in DISK_FAULT_POINTS for kind in ("full", "read-only")
                for backend in ("local", "nfs")]  # fmt: skip
 
 SCENARIOS: dict[str, Any] = {
-    "get": GetScenario, "fetch": FetchScenario, "promote": PromoteScenario,
+    "get": GetScenario, "fetch": FetchScenario, "promote": PromoteScenario, "load": LoadScenario,
     "gc": GcScenario, "evict": EvictScenario, "manifest": ManifestScenario,
     "snapshot": SnapshotScenario,
 }  # fmt: skip
@@ -586,22 +653,30 @@ def crash_and_heal(scenario: Any, point: str) -> None:
 # The matrix ---------------------------------------------------------------------------------
 
 
+def scenario_for(point: str, backend: Backend, request: pytest.FixtureRequest) -> Any:
+    work = WORK[point][0]
+    if work == "load":  # a real entry, built once per module
+        return LoadScenario(point, backend, torch=request.getfixturevalue("real_compile"))
+    return SCENARIOS[work](point, backend)
+
+
 @pytest.mark.timeout(4 * worker.SAFETY)
 @pytest.mark.parametrize(("point", "backend"), MATRIX, indirect=["backend"])
-def test_a_crash_heals(point: str, backend: Backend) -> None:
-    crash_and_heal(SCENARIOS[WORK[point][0]](point, backend), point)
+def test_a_crash_heals(point: str, backend: Backend, request: pytest.FixtureRequest) -> None:
+    crash_and_heal(scenario_for(point, backend, request), point)
 
 
 @pytest.mark.timeout(4 * worker.SAFETY)
 @pytest.mark.parametrize(("point", "kind", "backend"), DISK_FAULTS, indirect=["backend"])
-def test_a_disk_fault_degrades(point: str, kind: str, backend: Backend) -> None:
+def test_a_disk_fault_degrades(point: str, kind: str, backend: Backend,
+                               request: pytest.FixtureRequest) -> None:
     """The local disk fills up (or turns read-only) at the point: the process still gets a
     right artifact, says nothing failed (no failure note for waiters, no remote outage),
     leaves nothing partial, and the next process finishes the work."""
     from vllm_neuron.compile.events import RemoteUnavailable, read_stats
     from vllm_neuron.compile.failures import recent_failure
 
-    scenario = SCENARIOS[WORK[point][0]](point, backend)
+    scenario = scenario_for(point, backend, request)
     scenario.setup()
     result = scenario.run(f"{point}@{kind}")
     assert result["wrong"] is None, result
@@ -628,7 +703,8 @@ def real_compile(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                TORCHINDUCTOR_CACHE_DIR=inductor)  # fmt: skip
     result = run_worker("torch", {}, fault=None, env=env)
     assert result["matches"] and result["sources"] == ["compiled"], result
-    return {"key": result["keys"][0], "inductor_cache": inductor}
+    return {"key": result["keys"][0], "inductor_cache": inductor,
+            "tier": str(base / "root" / "neuron" / "compile_cache")}
 
 
 @pytest.mark.slow

@@ -859,3 +859,30 @@ def test_a_source_shorter_than_its_copy_range_is_reported(tmp_path):
         os.close(src_fd)
         os.close(dst_fd)
     assert dst.read_bytes() == b"x" * 1000
+
+
+@pytest.mark.parametrize("size", [0, 1, 5 << 20])  # empty, tiny, more than one read
+def test_check_verified_checks_in_place_as_a_copy_does(tmp_path, size):
+    """`check_verified`: what a load from an unpacked copy checks (compile/unpacked.py)."""
+    from vllm_neuron.backends import IntegrityError, digests
+    from vllm_neuron.backends.verified_copy import check_verified
+
+    store = open_store(str(tmp_path))
+    data = os.urandom(size)
+    store.write("copy/member.bin", data)
+    recorded = digests.digest_bytes(data)
+    check_verified(store, "copy", {"member.bin": recorded})
+    sha_only = msgspec.structs.replace(recorded, blake3=None)  # a record without BLAKE3
+    check_verified(store, "copy", {"member.bin": sha_only})
+
+    def fails(files, match):
+        with pytest.raises(IntegrityError, match=match):
+            check_verified(store, "copy", files)
+
+    fails({"absent.bin": recorded}, "absent.bin is missing")
+    store.write("copy/member.bin", data + b"x")
+    fails({"member.bin": recorded}, f"member.bin has {size + 1} bytes, expected {size}")
+    if size:
+        store.write("copy/member.bin", bytes([data[0] ^ 1]) + data[1:])  # same size
+        fails({"member.bin": recorded}, "member.bin fails its BLAKE3 check")
+        fails({"member.bin": sha_only}, "member.bin fails its SHA-256 check")

@@ -160,6 +160,25 @@ def test_host_artifact_loads_in_a_fresh_process(
         torch.testing.assert_close(got, want)
 
 
+def test_host_loads_its_package_unpacked_with_the_same_results(
+    host_compile: HostCompile, tmp_path: Path
+) -> None:
+    """`load_unpacked`: what a hit loads (compile/unpacked.py keeps the verified copy)."""
+    import zipfile
+
+    toolchain = HostToolchain()
+    assert toolchain.package_of(host_compile.meta) == "graph.pt2"
+    with zipfile.ZipFile(host_compile.entry_dir / "graph.pt2") as archive:
+        archive.extractall(tmp_path / "unpacked")
+    out = toolchain.load_unpacked(str(tmp_path / "unpacked"), host_compile.meta)(
+        *host_compile.inputs)
+    assert isinstance(out, tuple) and len(out) == 2
+    for got, want in zip(out, host_compile.eager, strict=True):
+        torch.testing.assert_close(got, want)
+    with pytest.raises(ToolchainError, match="cannot load the unpacked AOTInductor package"):
+        toolchain.load_unpacked(str(tmp_path / "empty"), host_compile.meta)
+
+
 def test_host_load_refuses_another_toolchains_artifact(host_compile: HostCompile) -> None:
     foreign = msgspec.structs.replace(host_compile.meta, toolchain="neuron", target="trn2")
     with pytest.raises(ToolchainError, match="neuron/trn2"):

@@ -60,6 +60,7 @@ from vllm_neuron.backends import (
 
 from .events import CACHE_EVENTS, EVENTS_STREAM, CacheHit, Compiled, Evicted, Fetched
 from .inventory import KEY_RE, EntryInfo, list_entries
+from .unpacked import drop_unpacked
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -243,7 +244,10 @@ def withdraw(store: Store, info: EntryInfo) -> str | None:
     try:
         if is_pinned(store, info.key):
             return PINNED
-        return None if store.unpublish(info.key, version=info.version) else CHANGED
+        if not store.unpublish(info.key, version=info.version):
+            return CHANGED
+        drop_unpacked(store, info.key)  # its package's unpacked copy goes with it
+        return None
     finally:
         lock.release()
 

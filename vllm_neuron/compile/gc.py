@@ -19,6 +19,9 @@ What is collected (`GcItem.what`):
 - promotion notes (``.promote/<key>.json``, `owed.py`) of a key the tier has no entry
   for, untouched for `older_than` (a compile killed before it published): a note whose
   entry is there is kept (the next cache start promotes it);
+- unpacked copies of packages (``.unpacked/<key>-<tag>/``, `unpacked.py`) whose entry is not
+  published, untouched for `older_than` (its entry's withdrawal drops a copy at once; this
+  catches a process killed in between, and a load that raced a withdrawal);
 - with `keep` (the graph hashes a live deployment's manifests name): every published
   entry no one of them names, published longer than `older_than` ago (which the caller
   must give: `--older-than` is required with `--keep-manifest`).
@@ -50,6 +53,7 @@ from .eviction import PINS_DIR
 from .failures import FAILURE_NOTES, FAILURES_DIR
 from .owed import OWED_DIR, OWED_NOTES
 from .quarantine import QUARANTINE_DIR, QUARANTINE_NOTES
+from .unpacked import UNPACKED_DIR, copy_key, drop_unpacked
 
 STAGING_MAX_AGE = 6 * 3600.0
 """The default age bound: what killed writers left, untouched this long, is collected (by
@@ -74,6 +78,7 @@ WHAT = {
     "failure-note": "expired failure note",
     "quarantine-note": "old quarantine note",
     "owed-note": "promotion note without an entry",
+    "unpacked": "unpacked package without its entry",
     "entry": "unreferenced entry",
 }
 """How each kind is named in the plan (`GcItem.what`)."""
@@ -182,6 +187,7 @@ def plan_gc(
     ]
     kept = [GcItem(k.kind, k.prefix, k.age_seconds, 0, k.reason) for k in found.kept]
     note_bound = max(bound, QUARANTINE_NOTE_MIN_AGE)
+    _plan_copies(store, found, now, bound, items, kept)
     for seen in found.files:
         kind, limit = _note_kind(seen.key, failure_max_age, note_bound, bound)
         if kind is None:
@@ -221,6 +227,27 @@ def plan_gc(
     bounds = {"older_than": bound, "lease_grace": lease_grace,
               "failure_notes": failure_max_age, "quarantine_notes": note_bound}  # fmt: skip
     return GcPlan(store, tuple(items), tuple(kept), missing, bounds)
+
+
+def _plan_copies(store: Store, found: Survey, now: float, bound: float, items: list[GcItem],
+                 kept: list[GcItem]) -> None:  # fmt: skip
+    """Unpacked copies whose entry is not published: collected past the bound."""
+    copies: dict[str, tuple[int, float]] = {}  # name -> (bytes, newest file time)
+    for seen in found.files:
+        top, _, rest = seen.key.partition("/")
+        if top == UNPACKED_DIR and "/" in rest:
+            size, newest = copies.get(rest.split("/", 1)[0], (0, 0.0))
+            copies[rest.split("/", 1)[0]] = (size + seen.size, max(newest, seen.mtime))
+    for name, (size, newest) in sorted(copies.items()):
+        key = copy_key(name)
+        if key is None or key in found.published:
+            continue  # not a copy, or its entry's: loads verify it, a withdrawal drops it
+        where, age = f"{UNPACKED_DIR}/{name}", now - newest
+        if age <= bound:
+            kept.append(GcItem("unpacked", where, age, size, f"younger than {_span(bound)}"))
+            continue
+        items.append(GcItem("unpacked", where, age, size, f"entry {key} is not published",
+                            version=store.publication(where).version))  # fmt: skip
 
 
 def _debris_reason(d: Debris, bound: float, grace: float) -> str:
@@ -275,6 +302,10 @@ def _remove(store: Store, item: GcItem) -> str | None:
         return _remove_note(store, item)
     if item.kind == "entry":
         return _withdraw(store, item)
+    if item.kind == "unpacked":
+        if store.unpublish(item.where, version=item.version) or not store.published(item.where):
+            return None
+        return "republished since the plan"
     raise ValueError(f"cannot remove a {item.kind!r}")
 
 
@@ -309,6 +340,7 @@ def _remove_note_as_planned(store: Store, item: GcItem) -> str | None:
 def _withdraw(store: Store, item: GcItem) -> str | None:
     if not store.capabilities.kernel_locks:
         if store.unpublish(item.where, version=item.version):
+            drop_unpacked(store, item.where)
             return None
         return "withdrawn or republished since the plan"
     # A tier whose processes share a kernel: a key whose lock is held is in use (being
@@ -320,6 +352,7 @@ def _withdraw(store: Store, item: GcItem) -> str | None:
         return "in use (its lock is held)"
     try:
         if store.unpublish(item.where, version=item.version):
+            drop_unpacked(store, item.where)  # its package's unpacked copy goes with it
             return None
         return "withdrawn or republished since the plan"
     finally:

@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from vllm_neuron.backends import Store, open_store
 
 from .entry import read_record
+from .outcomes import CacheResult
 from .remote_tier import fetch_entry
 from .toolchains.base import ARTIFACTS, ToolchainUnavailable
 from .toolchains.op_libraries import MissingOpLibrary
 from .toolchains.select import select_toolchain
 from .trust import TrustPolicy, UntrustedEntry, refusal, trust_policy
+from .unpacked import load_entry
 
 __all__ = ["LoadCheck", "check_loads"]
 
@@ -35,7 +37,10 @@ def _load(store: Store, key: str) -> None:
     if directory is None:
         raise RuntimeError(f"{store.url} is not on local disk")
     toolchain = select_toolchain(artifact.toolchain)  # type: ignore[arg-type]
-    toolchain.load(directory, artifact)
+    # As a serving process loads it: from the verified unpacked copy of its package, when
+    # its toolchain loads one (made in `store`, the tier checked or the temporary one).
+    load_entry(toolchain, store, CacheResult(key, directory, record, "local", 0.0, prefix),
+               artifact)  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ from vllm_neuron.backends import Store, join
 from vllm_neuron.backends.records import Record, RecordCodec, Untagged, encode
 
 from .entry import EntryProblem
+from .unpacked import drop_unpacked
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -77,10 +78,13 @@ def quarantine_entry(
         note = QuarantineNote(key=key, at=time.time(), reason=reason)
         store.write(join(QUARANTINE_DIR, f"{key}.json"), encode(note))
     try:
-        return store.unpublish(key, version=version)
+        withdrawn = store.unpublish(key, version=version)
     except Exception as exc:  # noqa: BLE001 - a failed withdrawal is reported, not fatal
         logger.warning("compile cache: could not withdraw %s/%s: %s", store.url, key, exc)
         return False
+    if withdrawn:
+        drop_unpacked(store, key)  # its package's unpacked copy goes with it
+    return withdrawn
 
 
 def read_quarantine_note(store: Store, key: str) -> QuarantineNote | None:

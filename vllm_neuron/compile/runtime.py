@@ -29,6 +29,7 @@ from .toolchains.base import (
     ToolchainUnavailable,
 )
 from .toolchains.op_libraries import MissingOpLibrary
+from .unpacked import load_entry
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -182,7 +183,9 @@ class CompileRuntime:
                 f"the local compile cache {self.cache.local_dir} is not on local disk; "
                 "compiled artifacts can only be loaded from a local directory"
             )
-        return artifact, self.toolchain.load(result.path, artifact)
+        # From the verified unpacked copy of its package, where the toolchain loads one
+        # (a hit then writes nothing to $TMPDIR): compile/unpacked.py.
+        return artifact, load_entry(self.toolchain, self.cache.local, result, artifact)
 
 
 class DeferredGraph:

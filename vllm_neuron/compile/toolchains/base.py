@@ -128,6 +128,18 @@ class Toolchain(ABC):
         """A callable taking the same flat inputs as the graph and returning what the
         graph returns."""
 
+    def package_of(self, meta: CompiledArtifact) -> str | None:
+        """The artifact file that `load` unpacks on every load (an archive), when this
+        toolchain can load an unpacked copy of it instead (`load_unpacked`); None: it loads
+        its files as they are. The cache keeps one verified copy per entry
+        (compile/unpacked.py)."""
+        return None
+
+    def load_unpacked(self, directory: str, meta: CompiledArtifact) -> Callable[..., Any]:
+        """`load`, from ``directory``, which holds the members of `package_of(meta)` named as
+        in the archive."""
+        raise ToolchainError(f"the {self.name} toolchain loads no unpacked package")
+
     def check_meta(self, meta: CompiledArtifact) -> None:
         """Refuse an artifact made by another toolchain or for another target."""
         if meta.toolchain != self.name or meta.target != self.target:

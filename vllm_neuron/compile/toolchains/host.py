@@ -144,18 +144,39 @@ class HostToolchain(Toolchain):
             runner = _load_package(path)
         except Exception as exc:  # MissingOpLibrary says which kernel library and how to get it
             raise ToolchainError(f"cannot load AOTInductor package {path}: {exc}") from exc
-        num_outputs = len(meta.output_shapes)
-        derived = frozenset(meta.derived_inputs)
-        keep = [i for i in range(meta.num_inputs) if i not in derived]
+        return _graph_callable(runner, meta)
 
-        def run(*args: Any) -> Any:
-            if len(args) != meta.num_inputs:
-                raise TypeError(f"compiled graph takes {meta.num_inputs} inputs, got {len(args)}")
-            if derived:
-                args = tuple(args[i] for i in keep)
-            return restore_output_structure(runner(*args), meta.out_spec, num_outputs)
+    def package_of(self, meta: CompiledArtifact) -> str | None:
+        return meta.files[0] if meta.files and meta.files[0].endswith(".pt2") else None
 
-        return run
+    def load_unpacked(self, directory: str, meta: CompiledArtifact) -> Callable[..., Any]:
+        """`load` from the package's members unpacked in ``directory`` (compile/unpacked.py):
+        the shared object is opened where it is, nothing is written to ``$TMPDIR``."""
+        self.check_meta(meta)
+        register_collective_ops()
+        try:
+            runner = _load_unpacked(directory)
+        except Exception as exc:
+            raise ToolchainError(
+                f"cannot load the unpacked AOTInductor package in {directory}: {exc}") from exc
+        return _graph_callable(runner, meta)
+
+
+def _graph_callable(runner: Callable[..., Any], meta: CompiledArtifact) -> Callable[..., Any]:
+    """The graph's callable around a loaded program: all ``num_inputs`` in (the derived ones
+    dropped), the graph's own output structure out."""
+    num_outputs = len(meta.output_shapes)
+    derived = frozenset(meta.derived_inputs)
+    keep = [i for i in range(meta.num_inputs) if i not in derived]
+
+    def run(*args: Any) -> Any:
+        if len(args) != meta.num_inputs:
+            raise TypeError(f"compiled graph takes {meta.num_inputs} inputs, got {len(args)}")
+        if derived:
+            args = tuple(args[i] for i in keep)
+        return restore_output_structure(runner(*args), meta.out_spec, num_outputs)
+
+    return run
 
 
 def _load_package(path: str) -> Any:
@@ -170,6 +191,32 @@ def _load_package(path: str) -> Any:
         if not load_for_missing_schema(exc, f"the compiled graph {path}"):
             raise
     return torch._inductor.aoti_load_package(path)
+
+
+def _load_unpacked(directory: str) -> Callable[..., Any]:
+    """torch's package loader (``AOTIModelPackageLoader``, with ``aoti_load_package``'s
+    defaults) given the package's members, as a callable of the program's inputs. Without
+    ``aoti_load_package``'s Python layer: it imports torch's export-archive stack and runs
+    Inductor's ISA probe (seconds, once per process) and parses the call spec on every call."""
+    # Lazy: torch is heavy and optional; only this path needs it.
+    import torch
+
+    def open_loader() -> Any:
+        return torch._C._aoti.AOTIModelPackageLoader(directory, "model", False, 1, -1)
+
+    try:
+        loader = open_loader()
+    except Exception as exc:
+        if not load_for_missing_schema(exc, f"the compiled graph in {directory}"):
+            raise
+        loader = open_loader()
+    tensor = torch.Tensor
+
+    def run(*args: Any) -> Any:
+        # As the package loader's own wrapper does: only tensors reach the program.
+        return loader.boxed_run([a for a in args if isinstance(a, tensor)])
+
+    return run
 
 
 # Symbolic inputs -----------------------------------------------------------------------------
