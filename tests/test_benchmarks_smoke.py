@@ -35,6 +35,11 @@ RATIO_LINES: dict[str, list[str]] = {
         r"compute_cache_key, \d+-node dynamo graph",
     ],
     "bench_eventlog": [rf"ratio \(best/best\) {RATIO}"],
+    "bench_hit_load": [
+        rf"hit / aoti_load_package, fresh processes: {RATIO} median of per-round ratios",
+        rf"one-time costs warmed \(not judged\): hit / aoti_load_package {RATIO}",
+        r"aotinductor_\* left by the hits: 0",
+    ],
     "bench_gc": [rf"folder: gc plan / listing {RATIO} wall",
                  rf"S3: gc plan / listing {RATIO} wall .* requests \d+ vs \d+"],
     "bench_fleet_cold_start": [
@@ -55,7 +60,7 @@ RATIO_LINES: dict[str, list[str]] = {
     "bench_trust": [rf"signature check / fetch .* \({RATIO}\)",
                     rf"hit require/off {RATIO} median of per-round ratios"],
 }
-SLOW = {"bench_cache_compile"}  # real Inductor compiles in three processes
+SLOW = {"bench_cache_compile", "bench_hit_load"}  # real Inductor compiles, fresh processes
 
 
 def _params() -> list[object]:
