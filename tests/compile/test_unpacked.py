@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -43,7 +42,8 @@ from vllm_neuron.compile.unpacked import (
     load_entry,
 )
 
-INDUCTOR = Path(tempfile.mkdtemp(prefix="vllm-neuron-unpacked-inductor-"))
+# Inductor's own cache: the session's (tests/conftest.py), shared by every real compile.
+INDUCTOR = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
 
 def temp_dirs_of_torch(tmpdir: Path) -> list[str]:
