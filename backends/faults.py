@@ -83,6 +83,10 @@ POINTS: dict[str, FaultPoint] = _points(
     FaultPoint(
         "unpack.staged", "vllm_neuron/compile/unpacked.py:_unpack",
         "every member of a package and the copy's record are staged; not yet published"),
+    # A compile worker process (vllm_neuron/compile/compile_workers.py)
+    FaultPoint(
+        "worker.started", "vllm_neuron/compile/compile_workers.py:main",
+        "a compile worker started, read its job, has not compiled yet"),
     # Leases (stores without kernel locks: NFS, Lustre without flock, S3)
     FaultPoint(
         "lease.acquired", "backends/locks.py:LeaseLock.acquire",

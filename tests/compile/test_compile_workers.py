@@ -61,7 +61,7 @@ def test_a_process_compiles_its_own_pieces_in_workers_at_once(tmp_path):
 
 @pytest.mark.timeout(2 * SAFETY)
 def test_a_worker_that_dies_is_not_the_graphs_failure(tmp_path):
-    result, events, tier = _run(tmp_path, [16], VLLM_NEURON_FAULT="compile.worker-started")
+    result, events, tier = _run(tmp_path, [16], VLLM_NEURON_FAULT="worker.started")
 
     assert result["matches"] == [True], result
     assert result["sources"] == ["compiled"]  # in the process, at the first call

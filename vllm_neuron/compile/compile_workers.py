@@ -165,7 +165,7 @@ def main(argv: list[str]) -> int:
     from .toolchains.host_jobs import compile_job
 
     fault_settings()  # VLLM_NEURON_FAULT, inherited from the serving process (crash tests)
-    fault_point("compile.worker-started")
+    fault_point("worker.started")
     register_collective_ops()  # what a graph with collectives calls
     try:
         artifact = compile_job(job_dir, out_dir)

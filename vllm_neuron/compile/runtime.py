@@ -19,7 +19,8 @@ import msgspec
 
 from .building import CompileFn
 from .cache import CacheResult, TwoTierCache
-from .outcomes import PendingCompile
+from .compile_workers import prepare_job
+from .outcomes import CompileError, PendingCompile
 from .tier_health import unwritable_cause
 from .toolchains.base import (
     ARTIFACTS,
@@ -134,12 +135,27 @@ class CompileRuntime:
         traced = TracedGraph(key=key.key, components=dict(key.components), gm=gm,
                              example_inputs=example_inputs, compiler_flags=flags,
                              toolchain=toolchain, piece=piece)  # fmt: skip
+        def to_worker() -> tuple[CompileFn, Callable[[], None]] | None:
+            job = prepare_job(toolchain, gm, example_inputs)  # exported here, while tracing
+            if job is None:
+                return None
+
+            def compile_in_worker(out_dir: str) -> dict[str, Any]:
+                meta: dict[str, Any] = msgspec.to_builtins(job.compile(out_dir))
+                meta["key_inputs"] = msgspec.to_builtins(key.inputs)
+                return meta
+
+            return compile_in_worker, job.discard
+
+        # A named piece comes from vLLM's piecewise backend, which compiles every piece
+        # before it calls any: its own compiles go to workers too. A plain torch.compile
+        # calls each graph at once, and a worker would only add its start-up.
         outcome = self.cache.begin(key.key, compile_into, components=key.components,
-                                   piece=piece)
+                                   piece=piece, worker=to_worker if piece is not None else None)
         if isinstance(outcome, PendingCompile):
             self._tell_listeners(traced)
-            return DeferredGraph(lambda: self._loaded(traced, outcome.result(), compile_into)[0]
-                                 ), traced  # fmt: skip
+            return DeferredGraph(lambda: self._loaded(traced, _result_of(outcome, traced),
+                                                      compile_into)[0]), traced  # fmt: skip
         compiled, graph = self._loaded(traced, outcome, compile_into)
         self._tell_listeners(traced)
         return compiled, graph
@@ -212,6 +228,17 @@ class DeferredGraph:
                     self._fn = self._load()
                 fn = self._fn
         return fn(*args)
+
+
+def _result_of(pending: PendingCompile, traced: TracedGraph) -> CacheResult:
+    """A deferred graph's result; a failed compile - another process's or a worker's - is a
+    `CompileError` naming the graph's key and piece, raised where the graph is first called."""
+    try:
+        return pending.result()
+    except (CompileError, ToolchainError) as exc:
+        if traced.piece is None or traced.piece in str(exc):
+            raise
+        raise CompileError(f"graph {traced.key} ({traced.piece}): {exc}") from exc
 
 
 def _entry_at_fault(result: CacheResult, exc: ToolchainError) -> bool:

@@ -92,6 +92,11 @@ class HostToolchain(Toolchain):
     def compiler_args(self) -> list[str]:
         return sorted(f"--{k}={v}" for k, v in self._inductor_configs.items())
 
+    @property
+    def inductor_configs(self) -> dict[str, Any]:
+        """The Inductor configuration every compile gets (a copy)."""
+        return dict(self._inductor_configs)
+
     def compile(self, gm: Any, example_inputs: Sequence[Any], out_dir: str) -> CompiledArtifact:
         # Lazy: torch is heavy and optional; only this path needs it.
         import torch
