@@ -405,16 +405,16 @@ def run_torch(args: Mapping[str, Any]) -> dict[str, Any]:
 
     if args.get("rendezvous_dir"):
         cache = get_runtime().cache
-        real_get_or_compile = cache.get_or_compile
+        real_begin = cache.begin  # what the runtime calls
 
-        def get_or_compile(key: str, compile_fn: Any, **kwargs: Any) -> Any:
+        def begin(key: str, compile_fn: Any, **kwargs: Any) -> Any:
             def compile_after_rendezvous(out_dir: str) -> Any:
                 _rendezvous(args["rendezvous_dir"], key, int(args["rendezvous"]))
                 return compile_fn(out_dir)
 
-            return real_get_or_compile(key, compile_after_rendezvous, **kwargs)
+            return real_begin(key, compile_after_rendezvous, **kwargs)
 
-        cache.get_or_compile = get_or_compile
+        cache.begin = begin
 
     model, x = build_model(args["model"])
     with torch.no_grad():

@@ -149,7 +149,7 @@ def tp_cache(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, l
     scale = torch.fx.symbolic_trace(Scale())
     keys: dict[str, list[str]] = {FIRST: [], SECOND: []}
     for rank, start in ((0, 0), (1, 224)):
-        runtime = CompileRuntime(TwoTierCache(d), HostToolchain())
+        runtime = CompileRuntime(TwoTierCache(d, defer_compiles=False), HostToolchain())
         _, first = runtime.compile(torch.fx.symbolic_trace(Embed(start)), x, piece=FIRST)
         _, second = runtime.compile(scale, x, piece=SECOND)
         assert (first.piece, second.piece) == (FIRST, SECOND)  # listeners see it too
