@@ -103,23 +103,7 @@ class HostToolchain(Toolchain):
         import torch.utils._pytree as pytree
 
         inputs = tuple(example_inputs)
-        plan = _export_plan(gm, inputs)
-        try:
-            with _outside_tracing():
-                ep = torch.export.export(
-                    plan.gm, plan.args, dynamic_shapes=plan.dynamic_shapes
-                )
-        except Exception as exc:
-            raise ToolchainError(f"torch.export could not export the graph: {exc}") from exc
-        out_spec = ep.call_spec.out_spec
-        if out_spec is None:
-            raise ToolchainError("the exported program has no output spec")
-        shapes = _user_output_shapes(ep)
-        if len(shapes) != out_spec.num_leaves:
-            raise ToolchainError(
-                f"exported program has {len(shapes)} user outputs but its output spec "
-                f"has {out_spec.num_leaves} leaves"
-            )
+        plan, ep, out_spec, shapes = export_program(gm, inputs)
         os.makedirs(out_dir, exist_ok=True)
         package_path = os.path.join(out_dir, ARTIFACT_NAME)
         try:
@@ -182,6 +166,29 @@ def _graph_callable(runner: Callable[..., Any], meta: CompiledArtifact) -> Calla
         return restore_output_structure(runner(*args), meta.out_spec, num_outputs)
 
     return run
+
+
+def export_program(gm: Any, inputs: tuple[Any, ...]) -> tuple[_ExportPlan, Any, Any, list[str]]:
+    """``torch.export`` of `gm` for `inputs` as this toolchain compiles it (in this process,
+    or in a compile worker: `host_jobs`): the plan, the program, its output spec and the
+    user outputs' shapes, checked against each other."""
+    # Lazy: torch is heavy and optional; only this path needs it.
+    import torch
+
+    plan = _export_plan(gm, inputs)
+    try:
+        with _outside_tracing():
+            ep = torch.export.export(plan.gm, plan.args, dynamic_shapes=plan.dynamic_shapes)
+    except Exception as exc:
+        raise ToolchainError(f"torch.export could not export the graph: {exc}") from exc
+    out_spec = ep.call_spec.out_spec
+    if out_spec is None:
+        raise ToolchainError("the exported program has no output spec")
+    shapes = _user_output_shapes(ep)
+    if len(shapes) != out_spec.num_leaves:
+        raise ToolchainError(f"exported program has {len(shapes)} user outputs but its output "
+                             f"spec has {out_spec.num_leaves} leaves")  # fmt: skip
+    return plan, ep, out_spec, shapes
 
 
 def _load_package(path: str) -> Any:

@@ -22,9 +22,8 @@ from vllm_neuron.compile.toolchains.base import CompiledArtifact, ToolchainError
 from vllm_neuron.compile.toolchains.host import (
     ARTIFACT_NAME,
     HostToolchain,
-    _export_plan,
     _outside_tracing,
-    _user_output_shapes,
+    export_program,
 )
 from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema, load_namespaces
 
@@ -56,19 +55,7 @@ def export_job(toolchain: HostToolchain, gm: Any, example_inputs: Sequence[Any],
     import torch.utils._pytree as pytree
 
     inputs = tuple(example_inputs)
-    plan = _export_plan(gm, inputs)
-    try:
-        with _outside_tracing():
-            ep = torch.export.export(plan.gm, plan.args, dynamic_shapes=plan.dynamic_shapes)
-    except Exception as exc:
-        raise ToolchainError(f"torch.export could not export the graph: {exc}") from exc
-    out_spec = ep.call_spec.out_spec
-    if out_spec is None:
-        raise ToolchainError("the exported program has no output spec")
-    shapes = _user_output_shapes(ep)
-    if len(shapes) != out_spec.num_leaves:
-        raise ToolchainError(f"exported program has {len(shapes)} user outputs but its output "
-                             f"spec has {out_spec.num_leaves} leaves")  # fmt: skip
+    plan, ep, out_spec, shapes = export_program(gm, inputs)
     # Into memory, then written by Python: torch's own file writer aborts the whole process
     # when a write fails (a full temporary directory), where Python raises an OSError.
     buffer = io.BytesIO()
