@@ -361,9 +361,11 @@ def run_pieces(args: Mapping[str, Any]) -> dict[str, Any]:
             out = fn(x)
             out = out[0] if isinstance(out, (tuple, list)) else out
             matches.append(bool(torch.allclose(out, model(x), rtol=1e-4, atol=1e-5)))
+    from vllm_neuron.compile.compile_workers import POOL
+
     return {"ok": True, "matches": matches, "keys": [g[3] for g in graphs],
             "sources": [g.result.source for g in runtime.history],
-            "writer": f"{socket.gethostname()}-{os.getpid()}"}
+            "writer": f"{socket.gethostname()}-{os.getpid()}", "worker_pids": POOL.started}
 
 
 def run_promote(args: Mapping[str, Any]) -> dict[str, Any]:

@@ -1,16 +1,19 @@
 """A process's own compiles run in compile workers while it traces on (compile_workers.py).
 
-Real processes, real TorchInductor: each hands two graphs to the runtime under a piece name,
-as vLLM's piecewise backend does, before calling either. Asserted from the events: both were
-handed to a worker (`deferred`, reason ``worker``) before either compile was done, and the
-compiles ran at once; a worker that dies (SIGKILL at a fault point) is no failure of the
-graph: it is compiled in the process at its first call, and no failure note is left.
+Real processes, real TorchInductor: each hands several graphs to the runtime under a piece
+name, as vLLM's piecewise backend does, before calling any. Asserted from the events: each
+was handed to a worker (`deferred`, reason ``worker``) before the first compile was done,
+and the compiles ran at once; workers persist (a third job takes a worker already started)
+and exit with their process, or when idle; a worker that dies (SIGKILL at a fault point) is
+no failure of the graph: it is compiled in the process at its first call, and no failure
+note is left.
 """
 
 from __future__ import annotations
 
 import posixpath
 import subprocess
+import time
 from typing import Any
 
 import pytest
@@ -46,17 +49,21 @@ def _run(tmp_path: Any, widths: list[int], **env: str) -> tuple[dict[str, Any], 
 
 @pytest.mark.timeout(2 * SAFETY)
 def test_a_process_compiles_its_own_pieces_in_workers_at_once(tmp_path):
-    result, events, _ = _run(tmp_path, [16, 24], VLLM_NEURON_COMPILE_WORKERS="2")
+    result, events, _ = _run(tmp_path, [16, 24, 32], VLLM_NEURON_COMPILE_WORKERS="2")
 
-    assert result["matches"] == [True, True], result
-    assert result["sources"] == ["compiled", "compiled"]
+    assert result["matches"] == [True, True, True], result
+    assert result["sources"] == ["compiled", "compiled", "compiled"]
     handed = {e.key: e.at for e in events if isinstance(e, Deferred) and e.reason == "worker"}
     compiled = {e.key: (e.at - e.seconds, e.at) for e in events if isinstance(e, Compiled)}
     assert set(handed) == set(compiled) == set(result["keys"]), events
-    first, second = result["keys"]
+    first, second, _ = result["keys"]
     assert handed[second] < compiled[first][1]  # traced on while the first one compiled
     (a0, a1), (b0, b1) = compiled[first], compiled[second]
     assert a0 < b1 and b0 < a1, compiled  # the two compiles ran at once
+    # Two slots, three jobs: the third took a worker the others had used (its imports
+    # paid), not a new interpreter; and once the process exited, its workers did too.
+    assert len(result["worker_pids"]) == 2, result
+    _wait_until_gone(result["worker_pids"], "a compile worker outlived its process")
 
 
 @pytest.mark.timeout(2 * SAFETY)
@@ -69,3 +76,36 @@ def test_a_worker_that_dies_is_not_the_graphs_failure(tmp_path):
     assert not [e for e in events if isinstance(e, CompileFailed)]
     assert not tier.list(FAILURES_DIR)  # nobody is told the graph failed
     assert sum(isinstance(e, Compiled) for e in events) == 1
+
+
+def _gone(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie counts: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def _wait_until_gone(pids: list[int], what: str) -> None:
+    deadline = time.monotonic() + SAFETY
+    while not all(_gone(p) for p in pids):
+        assert time.monotonic() < deadline, f"{what}: {[p for p in pids if not _gone(p)]}"
+        time.sleep(0.05)
+
+
+def test_one_worker_waits_ahead_of_need_and_retires_when_idle():
+    from vllm_neuron.compile.compile_workers import WorkerPool
+
+    pool = WorkerPool(idle_seconds=3600.0)
+    pool.reserve(at_most=0)  # the node has no slot to give it: none started
+    assert pool.started == []
+    for at_most in (1, 1, 2):
+        pool.reserve(at_most=at_most)  # started ahead of a job; one idle is enough
+    assert len(pool.started) == 1
+    pool.retire_idle()
+    assert _gone(pool.started[0])
+
+    quick = WorkerPool(idle_seconds=0.0)
+    quick.reserve(at_most=1)  # a job that never came: the worker must not stay
+    _wait_until_gone(quick.started, "an idle worker did not retire")

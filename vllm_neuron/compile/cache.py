@@ -147,6 +147,7 @@ class TwoTierCache(LocalTierView, DeferringFlow):
         # VLLM_NEURON_DEFER_COMPILES: whether `begin` may hand back a PendingCompile.
         self.defer_compiles = defer_compiles
         # VLLM_NEURON_COMPILE_WORKERS: the node's compile slots (None: compiles unbounded).
+        self.compile_workers = compile_workers
         self._slots = None if compile_workers is None else CompileSlots(
             self.local, compile_workers, lease_duration=lease_duration)
         self._loaded: dict[str, CacheResult] = {}

@@ -3,21 +3,31 @@
 vLLM's piecewise backend hands over every piece of a model before it calls any. A process
 that compiled each piece in place would compile them one after another; instead the piece is
 exported here (the tracer's part, `CompileJob.prepare`), and its compile - the toolchain's
-long part - runs in a worker process (``python -m vllm_neuron.compile.compile_workers JOB
-OUT``), started by a background thread of the cache (`TwoTierCache.begin`) inside one of the
-node's compile slots. Processes, not threads: Inductor's and ``neuronx-cc``'s compiles are not
-thread-safe.
+long part - runs in a worker process, from a background thread of the cache
+(`TwoTierCache.begin`) inside one of the node's compile slots. Processes, not threads:
+Inductor's and ``neuronx-cc``'s compiles are not thread-safe.
+
+Workers persist (`WorkerPool`): ``python -m vllm_neuron.compile.compile_workers --serve PID``
+imports torch and the kernel libraries once, then compiles one job after another, each
+named on its standard input and answered with a status line. A worker is started when a
+job is being prepared and none is idle, so its imports overlap the export; an idle worker
+exits after `IDLE_SECONDS` (a server keeps no compiler in memory once its graphs are done).
+On a host where a graph compiles in seconds, a fresh interpreter per graph cost as much as
+the compile; on Trainium (minutes per graph) it is noise either way.
 
 What can go wrong, and what it costs:
 
-* the graph does not compile (the worker exits `GRAPH_FAILED`, the compiler's message in
+* the graph does not compile (status `GRAPH_FAILED`, the compiler's message in
   ``error.txt``): a `ToolchainError`, a failure like an in-place compile's (failure note,
   every waiter raises it);
-* the worker cannot run (no room for the job, an import that fails, a signal, an exit
-  without a result): `CompileWorkerLost`, which is not the graph's fault - no failure note -
-  and the graph is compiled in place at its first call instead;
-* the serving process dies: the worker notices its parent is gone and exits (a watchdog
-  thread), leaving a staging directory that `cache gc` collects like any killed compile's.
+* a write fails for want of room or permission (status `NO_ROOM`): the `OSError` itself, which
+  the cache's disk handling serves from scratch;
+* the worker cannot run (an import that fails, a signal, an exit without a status):
+  `CompileWorkerLost`, which is not the graph's fault - no failure note - and the graph is
+  compiled in place at its first call instead;
+* the serving process dies: the worker's standard input closes, or its watchdog sees the
+  parent gone mid-compile, and it exits, leaving a staging directory that `cache gc`
+  collects like any killed compile's.
 
 Only the host toolchain (AOTInductor: the exported program travels as a file) has workers;
 the Neuron toolchain compiles in place (its HLO could travel the same way; not done).
@@ -35,7 +45,8 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from vllm_neuron.backends import fault_point
@@ -45,7 +56,7 @@ from vllm_neuron.backends.writable import unwritable_cause
 from .outcomes import CompileWorkerLost
 from .toolchains.base import ARTIFACTS, CompiledArtifact, Toolchain, ToolchainError
 
-__all__ = ["GRAPH_FAILED", "CompileJob", "prepare_job"]
+__all__ = ["GRAPH_FAILED", "POOL", "CompileJob", "WorkerPool", "prepare_job"]
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -56,6 +67,8 @@ NO_ROOM = 4
 read-only disk: the place's fault, not the graph's); the errno and message in ERROR."""
 ARTIFACT = "artifact.json"
 ERROR = "error.txt"
+OUTPUT = "output.txt"  # what the worker printed during the job
+RETIRE_WAIT = 30.0  # seconds an idle worker is given to exit before it is killed
 PARENT_POLL = 0.5  # seconds between a worker's looks at whether its parent is alive
 
 
@@ -63,29 +76,23 @@ class CompileJob:
     """One exported graph waiting for a worker: its job directory (a private temporary
     directory, removed by `discard`)."""
 
-    def __init__(self, job_dir: str) -> None:
+    def __init__(self, job_dir: str, pool: WorkerPool) -> None:
         self.job_dir = job_dir
+        self.pool = pool
 
     def compile(self, out_dir: str) -> CompiledArtifact:
-        """Run a worker on the job, writing the artifact's files into `out_dir`."""
-        command = [sys.executable, "-m", "vllm_neuron.compile.compile_workers",
-                   self.job_dir, out_dir]  # fmt: skip
-        try:
-            done = subprocess.run(command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.PIPE, text=True, errors="replace",
-                                  check=False)  # fmt: skip
-        except OSError as exc:
-            raise CompileWorkerLost(f"cannot start a compile worker: {exc}") from exc
-        if done.returncode == GRAPH_FAILED:
-            raise ToolchainError(_read(os.path.join(self.job_dir, ERROR)) or done.stderr[-2000:])
-        if done.returncode == NO_ROOM:  # the cache's disk handling sees the OSError itself
+        """Have a worker compile the job, writing the artifact's files into `out_dir`."""
+        status = self.pool.run(self.job_dir, out_dir)
+        if status == GRAPH_FAILED:
+            raise ToolchainError(_read(os.path.join(self.job_dir, ERROR))
+                                 or _tail(os.path.join(self.job_dir, OUTPUT)))  # fmt: skip
+        if status == NO_ROOM:  # the cache's disk handling sees the OSError itself
             code, _, message = _read(os.path.join(self.job_dir, ERROR)).partition(" ")
             raise OSError(int(code) if code.isdigit() else errno.ENOSPC, message)
         artifact = os.path.join(self.job_dir, ARTIFACT)
-        if done.returncode != 0 or not os.path.exists(artifact):
-            raise CompileWorkerLost(
-                f"the compile worker exited with status {done.returncode} without a result: "
-                f"{done.stderr.strip()[-2000:] or '(no output)'}")
+        if status != 0 or not os.path.exists(artifact):
+            raise CompileWorkerLost(f"the compile worker answered {status} without a result: "
+                                    f"{_tail(os.path.join(self.job_dir, OUTPUT))}")
         with open(artifact, "rb") as f:
             return ARTIFACTS.decode(f.read(), source=artifact)
 
@@ -93,10 +100,132 @@ class CompileJob:
         shutil.rmtree(self.job_dir, ignore_errors=True)
 
 
-def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any]
-                ) -> CompileJob | None:  # fmt: skip
+class _Worker:
+    """One worker process: jobs go in on its standard input, a status line comes back on its
+    standard output; what it prints goes to its start-up log, then to each job's own."""
+
+    def __init__(self) -> None:
+        self.log = tempfile.NamedTemporaryFile(prefix="vllm_neuron_compile_worker_",  # noqa: SIM115
+                                               suffix=".log")  # fmt: skip
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "vllm_neuron.compile.compile_workers", "--serve",
+             str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+        self.idle_since = 0.0
+
+    def run(self, job_dir: str, out_dir: str) -> int:
+        assert self.process.stdin is not None and self.process.stdout is not None
+        try:
+            self.process.stdin.write(f"{job_dir}\0{out_dir}\n")
+            self.process.stdin.flush()
+            answer = self.process.stdout.readline()
+        except (OSError, ValueError):  # its end of the pipe is gone: it died
+            answer = ""
+        if answer.strip().lstrip("-").isdigit():
+            return int(answer)
+        code = self.process.wait()
+        self.log.seek(0)
+        said = self.log.read()[-2000:].decode(errors="replace").strip()
+        job_said = _tail(os.path.join(job_dir, OUTPUT))
+        self.close()
+        raise CompileWorkerLost(f"the compile worker exited with status {code} without a "
+                                f"result: {job_said or said or '(no output)'}")  # fmt: skip
+
+    def close(self, wait: float = 0.0) -> None:
+        """Its standard input closed: the worker exits (at once when idle); waited for up
+        to `wait` seconds (then killed), so no exited worker lingers as a zombie."""
+        with contextlib.suppress(OSError, ValueError):
+            assert self.process.stdin is not None
+            self.process.stdin.close()
+        self.log.close()
+        if wait:
+            try:
+                self.process.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+class WorkerPool:
+    """This process's compile workers. How many compile at once is the node's slots' say
+    (a job reaches `run` only inside a slot); the pool keeps idle ones warm, starts no more
+    than that many ahead of need, and retires one idle for `idle_seconds`."""
+
+    def __init__(self, idle_seconds: float = 30.0) -> None:
+        self.idle_seconds = idle_seconds
+        self._idle: list[_Worker] = []
+        self._live = 0  # idle or compiling
+        self._lock = threading.Lock()
+        self.started: list[int] = []  # the process ids of the workers it started
+
+    def reserve(self, at_most: int) -> None:
+        """Start a worker now if none is idle and fewer than `at_most` live (the node's
+        slots), so its imports run while a job is prepared."""
+        with self._lock:
+            if self._idle or self._live >= at_most:
+                return
+            worker = self._started()
+        self._give_back(worker)
+
+    def run(self, job_dir: str, out_dir: str) -> int:
+        """The job's status from an idle worker, or a new one; `CompileWorkerLost` when the
+        worker dies or cannot start."""
+        with self._lock:
+            worker = self._idle.pop() if self._idle else self._started()
+        try:
+            status = worker.run(job_dir, out_dir)
+        except CompileWorkerLost:
+            with self._lock:
+                self._live -= 1  # it died: not given back
+            raise
+        self._give_back(worker)
+        return status
+
+    def retire_idle(self) -> None:
+        """Retire every idle worker now (and wait for each to exit)."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+            self._live -= len(idle)
+        for worker in idle:
+            worker.close(wait=RETIRE_WAIT)
+
+    def _started(self) -> _Worker:
+        """A new worker (the caller holds the lock)."""
+        try:
+            worker = _Worker()
+        except OSError as exc:  # no room for its log, no process left
+            raise CompileWorkerLost(f"cannot start a compile worker: {exc}") from exc
+        self._live += 1
+        self.started.append(worker.process.pid)
+        return worker
+
+    def _give_back(self, worker: _Worker) -> None:
+        stamp = worker.idle_since = time.monotonic()
+        with self._lock:
+            self._idle.append(worker)
+
+        def retire() -> None:
+            with self._lock:
+                if worker not in self._idle or worker.idle_since != stamp:
+                    return  # working again, or already retired
+                self._idle.remove(worker)
+                self._live -= 1
+            worker.close(wait=RETIRE_WAIT)
+
+        timer = threading.Timer(self.idle_seconds, retire)
+        timer.daemon = True
+        timer.start()
+
+
+POOL = WorkerPool()
+"""The process's workers (one pool: the slots, not the pool, bound the node's compiles)."""
+
+
+def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
+                workers: int, pool: WorkerPool = POOL) -> CompileJob | None:  # fmt: skip
     """Export `gm` for a worker, in the calling (tracing) thread; None when `toolchain` has
-    no workers or the job cannot be written (said once; the graph compiles in place)."""
+    no workers or the job cannot be written (said once; the graph compiles in place).
+    `workers`: how many compiles the node runs at once (its slots)."""
     from .toolchains.host import HostToolchain  # lazy: imports torch only when compiling
 
     if not isinstance(toolchain, HostToolchain):
@@ -105,9 +234,10 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any]
 
     job_dir = None
     try:
+        pool.reserve(workers)  # its imports overlap the export
         job_dir = tempfile.mkdtemp(prefix="vllm_neuron_compile_job_")
         export_job(toolchain, gm, example_inputs, job_dir)
-    except (OSError, RuntimeError) as exc:  # RuntimeError: torch's writer (ToolchainError too)
+    except (OSError, RuntimeError, CompileWorkerLost) as exc:  # RuntimeError: torch's writer
         # No room for the job, or a graph export refuses: the in-place compile says the
         # graph's own problem in its own words, with the cache's failure handling.
         if job_dir is not None:
@@ -115,7 +245,7 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any]
         _warn_once(f"vllm_neuron: a compile worker cannot take this graph ({exc}); it is "
                    "compiled in the tracing process")
         return None
-    return CompileJob(job_dir)
+    return CompileJob(job_dir, pool)
 
 
 def _read(path: str) -> str:
@@ -124,6 +254,10 @@ def _read(path: str) -> str:
             return f.read()
     except OSError:
         return ""
+
+
+def _tail(path: str, size: int = 2000) -> str:
+    return _read(path)[-size:].strip()
 
 
 _WARNED: set[str] = set()
@@ -138,10 +272,9 @@ def _warn_once(message: str) -> None:
 # ------------------------------------------------------------------------------- the worker
 
 
-def _exit_with_parent() -> None:
-    """Exit when the process that started this worker is gone: nobody would publish what
-    it compiles, and a killed server must not leave compilers behind."""
-    parent = os.getppid()
+def _exit_with_parent(parent: int) -> None:
+    """Exit when the process that started this worker is gone, even mid-compile: nobody
+    would publish what it compiles, and a killed server must not leave compilers behind."""
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -151,22 +284,12 @@ def _exit_with_parent() -> None:
     threading.Thread(target=watch, daemon=True, name="vllm-neuron-parent-watch").start()
 
 
-def main(argv: list[str]) -> int:
-    """``python -m vllm_neuron.compile.compile_workers JOB_DIR OUT_DIR``."""
-    job_dir, out_dir = argv
-    _exit_with_parent()
-    # The node's cores: vLLM pins a CPU rank to its own, and the worker inherits them (not
-    # Linux, or a cpuset that forbids it: it keeps its parent's).
-    with contextlib.suppress(AttributeError, OSError, ValueError):
-        os.sched_setaffinity(0, range(os.cpu_count() or 1))
-    from vllm_neuron.envs import fault_settings
-
-    from .toolchains.host_collectives import register_collective_ops
+def _compile_one(job_dir: str, out_dir: str) -> int:
+    """One job: its status (`GRAPH_FAILED`, `NO_ROOM` or 0, its artifact record in
+    ``ARTIFACT``); anything else raises (the worker is lost to its parent)."""
     from .toolchains.host_jobs import compile_job
 
-    fault_settings()  # VLLM_NEURON_FAULT, inherited from the serving process (crash tests)
     fault_point("worker.started")
-    register_collective_ops()  # what a graph with collectives calls
     try:
         artifact = compile_job(job_dir, out_dir)
     except Exception as exc:
@@ -177,12 +300,68 @@ def main(argv: list[str]) -> int:
             return NO_ROOM
         if isinstance(exc, ToolchainError):
             return GRAPH_FAILED
-        raise  # anything else is the worker's trouble: CompileWorkerLost in the parent
+        raise
     temporary = os.path.join(job_dir, ARTIFACT + ".tmp")
     with open(temporary, "wb") as f:
         f.write(encode(artifact))
     os.replace(temporary, os.path.join(job_dir, ARTIFACT))
     return 0
+
+
+@contextlib.contextmanager
+def _output_to(path: str) -> Iterator[None]:
+    """The worker's standard output and error into `path` for the block (the compiler's
+    messages belong to the job they are about), back to the start-up log after."""
+    saved = os.dup(2)
+    try:
+        with open(path, "ab") as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+        yield
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved, 1)
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def serve(parent: int) -> int:
+    """``python -m vllm_neuron.compile.compile_workers --serve PARENT_PID``: compile the jobs
+    named on standard input (``JOB_DIR NUL OUT_DIR`` lines), answer each with its status
+    line on what was standard output; exit when the input closes or the parent is gone."""
+    _exit_with_parent(parent)
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever torch or the compiler prints must not corrupt the answers
+    # The node's cores: vLLM pins a CPU rank to its own, and the worker inherits them (not
+    # Linux, or a cpuset that forbids it: it keeps its parent's).
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    from vllm_neuron.envs import fault_settings
+
+    from .toolchains import host_jobs  # noqa: F401 - torch's import, paid before the first job
+    from .toolchains.host_collectives import register_collective_ops
+
+    fault_settings()  # VLLM_NEURON_FAULT, inherited from the serving process (crash tests)
+    register_collective_ops()  # what a graph with collectives calls
+    for line in sys.stdin:
+        job_dir, _, out_dir = line.rstrip("\n").partition("\0")
+        with _output_to(os.path.join(job_dir, OUTPUT)):
+            try:
+                status = _compile_one(job_dir, out_dir)
+            except BaseException:  # the worker's own trouble: said in the job's output
+                traceback.print_exc()
+                raise
+        answers.write(f"{status}\n")
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2 or argv[0] != "--serve" or not argv[1].isdigit():
+        print("usage: python -m vllm_neuron.compile.compile_workers --serve PARENT_PID",
+              file=sys.stderr)
+        return 2
+    return serve(int(argv[1]))
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ listens what was compiled. Who listens is not this package's business: the assem
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -136,7 +137,8 @@ class CompileRuntime:
                              example_inputs=example_inputs, compiler_flags=flags,
                              toolchain=toolchain, piece=piece)  # fmt: skip
         def to_worker() -> tuple[CompileFn, Callable[[], None]] | None:
-            job = prepare_job(toolchain, gm, example_inputs)  # exported here, while tracing
+            job = prepare_job(toolchain, gm, example_inputs,  # exported here, while tracing
+                              workers=self.cache.compile_workers or os.cpu_count() or 1)
             if job is None:
                 return None
 
