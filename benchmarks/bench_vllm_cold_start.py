@@ -298,6 +298,8 @@ def main(argv: list[str] | None = None) -> int:
     tps = [int(t) for t in args.tp.split(",") if t]
     print(f"vLLM python {python}; model {model}; TP {tps}; one start per run, "
           f"in the order {', '.join(DESIGNS)}", flush=True)
+    if args.dir:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     workdir = Path(tempfile.mkdtemp(prefix="bench-vllm-cold-", dir=args.dir))
     try:
         runs = [r for tp in tps for r in run_tp(tp, python, model, workdir, args.ready_timeout)]

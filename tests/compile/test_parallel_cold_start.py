@@ -16,6 +16,8 @@ import os
 import posixpath
 import signal
 import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +34,12 @@ from cache_workers import (
 
 from vllm_neuron.backends import RecordCodec, open_store
 from vllm_neuron.compile.events import CACHE_EVENTS, EVENTS_STREAM, Compiled, Deferred
+
+REPORT_TESTS = Path(__file__).resolve().parent.parent / "report"
+if str(REPORT_TESTS) not in sys.path:
+    sys.path.insert(0, str(REPORT_TESTS))
+
+from report_browser import parse, select  # noqa: E402
 
 KEYS = [f"{i:02x}" * 16 for i in range(0xA0, 0xA8)]  # eight graphs
 _EVENTS = RecordCodec(CACHE_EVENTS)
@@ -107,6 +115,19 @@ def test_four_ranks_of_one_node_share_out_eight_graphs(tmp_path):
     # A graph deferred by a rank was loaded from what its holder published.
     sources = {g["source"] for r in results for g in r["graphs"].values() if g["deferred"]}
     assert sources <= {"local", "local-after-wait"}, sources  # never compiled twice
+    # The report's timeline shows it: compile bars of different graphs, in the rows of
+    # different processes, over the same stretch of time.
+    page = tmp_path / "report.html"
+    done = subprocess.run([sys.executable, "-m", "vllm_neuron.cli", "report", "--cache-dir",
+                           str(tmp_path / "node0"), "-o", str(page)],
+                          capture_output=True, text=True, timeout=SAFETY)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    bars = [(b.attrs["data-row"], b.attrs["data-key"], float(b.attrs["data-start"]),
+             float(b.attrs["data-end"])) for b in select(parse(page.read_text()), "rect",
+                                                         data_kind="compile")]  # fmt: skip
+    assert sorted(b[1] for b in bars) == sorted(KEYS)
+    assert [(a, b) for i, a in enumerate(bars) for b in bars[i + 1:]
+            if a[0] != b[0] and a[1] != b[1] and a[2] < b[3] and b[2] < a[3]], bars
 
 
 @pytest.mark.timeout(2 * SAFETY)
