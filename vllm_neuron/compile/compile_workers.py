@@ -55,6 +55,7 @@ from vllm_neuron.backends.writable import unwritable_cause
 
 from .outcomes import CompileWorkerLost
 from .toolchains.base import ARTIFACTS, CompiledArtifact, Toolchain, ToolchainError
+from .toolchains.op_libraries import loaded_vllm_kernel_library
 
 __all__ = ["GRAPH_FAILED", "POOL", "CompileJob", "WorkerPool", "prepare_job"]
 
@@ -104,12 +105,12 @@ class _Worker:
     """One worker process: jobs go in on its standard input, a status line comes back on its
     standard output; what it prints goes to its start-up log, then to each job's own."""
 
-    def __init__(self) -> None:
+    def __init__(self, preload: Sequence[str]) -> None:
         self.log = tempfile.NamedTemporaryFile(prefix="vllm_neuron_compile_worker_",  # noqa: SIM115
                                                suffix=".log")  # fmt: skip
         self.process = subprocess.Popen(
             [sys.executable, "-m", "vllm_neuron.compile.compile_workers", "--serve",
-             str(os.getpid())],
+             str(os.getpid()), *preload],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.idle_since = 0.0
 
@@ -157,6 +158,9 @@ class WorkerPool:
         self._live = 0  # idle or compiling
         self._lock = threading.Lock()
         self.started: list[int] = []  # the process ids of the workers it started
+        # The op namespaces a new worker loads before its first job: those of the jobs so
+        # far, and vLLM's kernels when this process has them (its graphs call them).
+        self.namespaces: set[str] = set()
 
     def reserve(self, at_most: int) -> None:
         """Start a worker now if none is idle and fewer than `at_most` live (the node's
@@ -192,7 +196,7 @@ class WorkerPool:
     def _started(self) -> _Worker:
         """A new worker (the caller holds the lock)."""
         try:
-            worker = _Worker()
+            worker = _Worker(sorted(self.namespaces))
         except OSError as exc:  # no room for its log, no process left
             raise CompileWorkerLost(f"cannot start a compile worker: {exc}") from exc
         self._live += 1
@@ -233,10 +237,12 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
     from .toolchains.host_jobs import export_job
 
     job_dir = None
+    if loaded_vllm_kernel_library() is not None:
+        pool.namespaces.add("_C")  # a graph traced inside vLLM calls its kernels
     try:
         pool.reserve(workers)  # its imports overlap the export
         job_dir = tempfile.mkdtemp(prefix="vllm_neuron_compile_job_")
-        export_job(toolchain, gm, example_inputs, job_dir)
+        pool.namespaces.update(export_job(toolchain, gm, example_inputs, job_dir).namespaces)
     except (OSError, RuntimeError, CompileWorkerLost) as exc:  # RuntimeError: torch's writer
         # No room for the job, or a graph export refuses: the in-place compile says the
         # graph's own problem in its own words, with the cache's failure handling.
@@ -326,10 +332,11 @@ def _output_to(path: str) -> Iterator[None]:
         os.close(saved)
 
 
-def serve(parent: int) -> int:
-    """``python -m vllm_neuron.compile.compile_workers --serve PARENT_PID``: compile the jobs
-    named on standard input (``JOB_DIR NUL OUT_DIR`` lines), answer each with its status
-    line on what was standard output; exit when the input closes or the parent is gone."""
+def serve(parent: int, preload: Sequence[str]) -> int:
+    """``python -m vllm_neuron.compile.compile_workers --serve PARENT_PID [NAMESPACE...]``:
+    load the op libraries of the namespaces, compile the jobs named on standard input
+    (``JOB_DIR NUL OUT_DIR`` lines), answer each with its status line on what was standard
+    output; exit when the input closes or the parent is gone."""
     _exit_with_parent(parent)
     answers = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # whatever torch or the compiler prints must not corrupt the answers
@@ -341,9 +348,12 @@ def serve(parent: int) -> int:
 
     from .toolchains import host_jobs  # noqa: F401 - torch's import, paid before the first job
     from .toolchains.host_collectives import register_collective_ops
+    from .toolchains.op_libraries import MissingOpLibrary, load_namespaces
 
     fault_settings()  # VLLM_NEURON_FAULT, inherited from the serving process (crash tests)
     register_collective_ops()  # what a graph with collectives calls
+    with contextlib.suppress(MissingOpLibrary):  # a job that needs it says so itself
+        load_namespaces(preload, "a compile worker")  # paid before the first job comes
     for line in sys.stdin:
         job_dir, _, out_dir = line.rstrip("\n").partition("\0")
         with _output_to(os.path.join(job_dir, OUTPUT)):
@@ -357,11 +367,11 @@ def serve(parent: int) -> int:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2 or argv[0] != "--serve" or not argv[1].isdigit():
-        print("usage: python -m vllm_neuron.compile.compile_workers --serve PARENT_PID",
-              file=sys.stderr)
+    if len(argv) < 2 or argv[0] != "--serve" or not argv[1].isdigit():
+        print("usage: python -m vllm_neuron.compile.compile_workers --serve PARENT_PID "
+              "[NAMESPACE...]", file=sys.stderr)
         return 2
-    return serve(int(argv[1]))
+    return serve(int(argv[1]), argv[2:])
 
 
 if __name__ == "__main__":

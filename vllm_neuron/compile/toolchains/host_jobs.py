@@ -48,8 +48,9 @@ class HostJob(msgspec.Struct, frozen=True):
 
 
 def export_job(toolchain: HostToolchain, gm: Any, example_inputs: Sequence[Any],
-               job_dir: str) -> None:  # fmt: skip
-    """Export `gm` for `example_inputs` into `job_dir` (program and job record)."""
+               job_dir: str) -> HostJob:  # fmt: skip
+    """Export `gm` for `example_inputs` into `job_dir` (program and job record); the
+    record."""
     # Lazy: torch is heavy and optional; only this path needs it.
     import torch
     import torch.utils._pytree as pytree
@@ -68,6 +69,7 @@ def export_job(toolchain: HostToolchain, gm: Any, example_inputs: Sequence[Any],
         derived_inputs=plan.derived, namespaces=_op_namespaces(ep))  # fmt: skip
     with open(os.path.join(job_dir, JOB_RECORD), "wb") as f:
         f.write(msgspec.json.encode(job))
+    return job
 
 
 def compile_job(job_dir: str, out_dir: str) -> CompiledArtifact:
