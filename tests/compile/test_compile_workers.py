@@ -11,6 +11,7 @@ note is left.
 
 from __future__ import annotations
 
+import os
 import posixpath
 import subprocess
 import time
@@ -109,3 +110,20 @@ def test_one_worker_waits_ahead_of_need_and_retires_when_idle():
     quick = WorkerPool(idle_seconds=0.0)
     quick.reserve(at_most=1)  # a job that never came: the worker must not stay
     _wait_until_gone(quick.started, "an idle worker did not retire")
+
+
+def test_job_directories_of_dead_processes_are_swept(tmp_path, monkeypatch):
+    from vllm_neuron.compile import compile_workers
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a process of this host that has exited
+    monkeypatch.setattr(compile_workers.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(compile_workers, "_swept", False)
+    dead = tmp_path / f"{compile_workers.JOB_PREFIX}{gone.pid}_abc"
+    live = tmp_path / f"{compile_workers.JOB_PREFIX}{os.getpid()}_def"
+    other = tmp_path / "unrelated_123_x"
+    for directory in (dead, live, other):
+        (directory / "program.pt2").parent.mkdir()
+        (directory / "program.pt2").write_bytes(b"x")
+    compile_workers._sweep_dead_jobs()
+    assert not dead.exists() and live.exists() and other.exists()

@@ -106,8 +106,8 @@ class _Worker:
     standard output; what it prints goes to its start-up log, then to each job's own."""
 
     def __init__(self, preload: Sequence[str]) -> None:
-        self.log = tempfile.NamedTemporaryFile(prefix="vllm_neuron_compile_worker_",  # noqa: SIM115
-                                               suffix=".log")  # fmt: skip
+        # Nameless: nothing is left in the temporary directory by a server that is killed.
+        self.log = tempfile.TemporaryFile(prefix="vllm_neuron_compile_worker_")  # noqa: SIM115
         self.process = subprocess.Popen(
             [sys.executable, "-m", "vllm_neuron.compile.compile_workers", "--serve",
              str(os.getpid()), *preload],
@@ -241,7 +241,8 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
         pool.namespaces.add("_C")  # a graph traced inside vLLM calls its kernels
     try:
         pool.reserve(workers)  # its imports overlap the export
-        job_dir = tempfile.mkdtemp(prefix="vllm_neuron_compile_job_")
+        _sweep_dead_jobs()
+        job_dir = tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}_")
         pool.namespaces.update(export_job(toolchain, gm, example_inputs, job_dir).namespaces)
     except (OSError, RuntimeError, CompileWorkerLost) as exc:  # RuntimeError: torch's writer
         # No room for the job, or a graph export refuses: the in-place compile says the
@@ -252,6 +253,36 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
                    "compiled in the tracing process")
         return None
     return CompileJob(job_dir, pool)
+
+
+JOB_PREFIX = "vllm_neuron_compile_job_"
+_swept = False
+
+
+def _sweep_dead_jobs() -> None:
+    """Remove the job directories that processes of this host which are gone (a server that
+    was killed) left in the temporary directory; once per process, when its first job is
+    prepared. A directory names its process: ``vllm_neuron_compile_job_<pid>_<random>``."""
+    global _swept
+    if _swept:
+        return
+    _swept = True
+    root = tempfile.gettempdir()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(root):
+            owner = name.removeprefix(JOB_PREFIX).partition("_")[0]
+            if name.startswith(JOB_PREFIX) and owner.isdigit() and not _alive(int(owner)):
+                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # someone else's process: alive
+        return True
+    return True
 
 
 def _read(path: str) -> str:
