@@ -385,6 +385,10 @@ def serve(parent: int, preload: Sequence[str]) -> int:
     register_collective_ops()  # what a graph with collectives calls
     with contextlib.suppress(MissingOpLibrary):  # a job that needs it says so itself
         load_namespaces(preload, "a compile worker")  # paid before the first job comes
+    with contextlib.suppress(Exception):  # the first job would pay it (and say what failed)
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        pick_vec_isa()  # Inductor's CPU probe (test compiles: seconds, once per process)
     for line in sys.stdin:
         job_dir, _, out_dir = line.rstrip("\n").partition("\0")
         with _output_to(os.path.join(job_dir, OUTPUT)):
