@@ -124,7 +124,11 @@ class _Worker:
             answer = ""
         if answer.strip().lstrip("-").isdigit():
             return int(answer)
-        code = self.process.wait()
+        try:  # it closed its answers: it is exiting, or it is in a state to be stopped
+            code = self.process.wait(timeout=RETIRE_WAIT)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            code = self.process.wait()
         self.log.seek(0)
         said = self.log.read()[-2000:].decode(errors="replace").strip()
         job_said = _tail(os.path.join(job_dir, OUTPUT))
