@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import posixpath
 import subprocess
+import sys
 import time
 from typing import Any
 
@@ -104,7 +105,7 @@ def test_one_worker_waits_ahead_of_need_and_retires_when_idle():
     for at_most in (1, 1, 2):
         pool.reserve(at_most=at_most)  # started ahead of a job; one idle is enough
     assert len(pool.started) == 1
-    pool.retire_idle()
+    assert pool.retire_idle() == [0]  # its input closed: it exited by itself, not killed
     assert _gone(pool.started[0])
 
     quick = WorkerPool(idle_seconds=0.0)
@@ -115,15 +116,53 @@ def test_one_worker_waits_ahead_of_need_and_retires_when_idle():
 def test_job_directories_of_dead_processes_are_swept(tmp_path, monkeypatch):
     from vllm_neuron.compile import compile_workers
 
-    gone = subprocess.Popen(["true"])
-    gone.wait()  # a process of this host that has exited
     monkeypatch.setattr(compile_workers.tempfile, "tempdir", str(tmp_path))
     monkeypatch.setattr(compile_workers, "_swept", False)
-    dead = tmp_path / f"{compile_workers.JOB_PREFIX}{gone.pid}_abc"
-    live = tmp_path / f"{compile_workers.JOB_PREFIX}{os.getpid()}_def"
-    other = tmp_path / "unrelated_123_x"
-    for directory in (dead, live, other):
-        (directory / "program.pt2").parent.mkdir()
-        (directory / "program.pt2").write_bytes(b"x")
+    live, owner = compile_workers._owned_job_dir()  # this process's, its owner file locked
+    # An exited process's: its owner file is there, its lock went with it.
+    killed = subprocess.run(
+        [sys.executable, "-c", "import sys, tempfile; tempfile.tempdir = sys.argv[1]; "
+         "from vllm_neuron.compile.compile_workers import _owned_job_dir; "
+         "print(_owned_job_dir()[0])", str(tmp_path)],
+        check=True, capture_output=True, text=True).stdout.strip()
+    assert os.path.isdir(killed)
+    recent = tmp_path / f"{compile_workers.JOB_PREFIX}1_recent"  # no owner file yet: young
+    old = tmp_path / f"{compile_workers.JOB_PREFIX}2_old"  # no owner file, an hour old
+    other = tmp_path / "unrelated_dir"
+    for directory in (recent, old, other):
+        directory.mkdir()
+    os.utime(old, (time.time() - 2 * compile_workers.ORPHAN_AGE,) * 2)
     compile_workers._sweep_dead_jobs()
-    assert not dead.exists() and live.exists() and other.exists()
+    try:
+        assert not os.path.exists(killed) and not old.exists()
+        assert os.path.isdir(live) and recent.exists() and other.exists()
+    finally:
+        owner.close()
+
+
+@pytest.mark.parametrize(("error", "status", "errno_"), [
+    (OSError(28, "No space left on device", "{tmp}/elsewhere/x"), 4, 28),  # anywhere
+    (OSError(13, "Permission denied", "{tmp}/staging/out/graph.pt2"), 4, 13),  # in the tier
+    (OSError(13, "Permission denied", "/compiler/work/x.o"), 3, None),  # the compiler's own
+])  # fmt: skip
+def test_a_workers_disk_fault_comes_back_as_the_oserror_it_was(tmp_path, monkeypatch, error,
+                                                                status, errno_):
+    from vllm_neuron.compile import compile_workers
+    from vllm_neuron.compile.toolchains import host_jobs
+    from vllm_neuron.compile.toolchains.base import ToolchainError
+
+    error.filename = error.filename.format(tmp=tmp_path)
+
+    def failing_compile(job_dir, out_dir):  # as AOTInductor's failure reaches the worker
+        raise ToolchainError("AOTInductor failed to compile the graph") from error
+
+    monkeypatch.setattr(host_jobs, "compile_job", failing_compile)
+    job_dir, out_dir = tmp_path / "job", tmp_path / "staging" / "out"
+    job_dir.mkdir()
+    assert compile_workers._compile_one(str(job_dir), str(out_dir)) == status
+    recorded = (job_dir / compile_workers.ERROR).read_text()
+    if errno_ is None:  # the graph's failure: the compiler's message for the note
+        assert "AOTInductor failed" in recorded
+        return
+    fault = compile_workers._disk_fault(recorded)
+    assert (fault.errno, fault.filename) == (errno_, error.filename)

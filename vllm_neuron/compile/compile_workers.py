@@ -11,7 +11,8 @@ Workers persist (`WorkerPool`): ``python -m vllm_neuron.compile.compile_workers 
 imports torch and the kernel libraries once, then compiles one job after another, each
 named on its standard input and answered with a status line. A worker is started when a
 job is being prepared and none is idle, so its imports overlap the export; an idle worker
-exits after `IDLE_SECONDS` (a server keeps no compiler in memory once its graphs are done).
+exits when idle for `WorkerPool.idle_seconds` (a server keeps no compiler in memory once its
+graphs are done).
 On a host where a graph compiles in seconds, a fresh interpreter per graph cost as much as
 the compile; on Trainium (minutes per graph) it is noise either way.
 
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import logging
 import os
 import shutil
@@ -47,7 +49,9 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import IO, Any
+
+import msgspec
 
 from vllm_neuron.backends import fault_point
 from vllm_neuron.backends.records import encode
@@ -65,7 +69,7 @@ GRAPH_FAILED = 3
 """The worker's exit status when the compiler rejected the graph (its message in ERROR)."""
 NO_ROOM = 4
 """The worker's exit status when a write failed for want of room or permission (a full or
-read-only disk: the place's fault, not the graph's); the errno and message in ERROR."""
+read-only disk: the place's fault, not the graph's); the error's record in ERROR."""
 ARTIFACT = "artifact.json"
 ERROR = "error.txt"
 OUTPUT = "output.txt"  # what the worker printed during the job
@@ -77,9 +81,10 @@ class CompileJob:
     """One exported graph waiting for a worker: its job directory (a private temporary
     directory, removed by `discard`)."""
 
-    def __init__(self, job_dir: str, pool: WorkerPool) -> None:
+    def __init__(self, job_dir: str, pool: WorkerPool, owner: IO[bytes] | None = None) -> None:
         self.job_dir = job_dir
         self.pool = pool
+        self._owner = owner  # its lock says the job is alive (`_sweep_dead_jobs`)
 
     def compile(self, out_dir: str) -> CompiledArtifact:
         """Have a worker compile the job, writing the artifact's files into `out_dir`."""
@@ -88,8 +93,7 @@ class CompileJob:
             raise ToolchainError(_read(os.path.join(self.job_dir, ERROR))
                                  or _tail(os.path.join(self.job_dir, OUTPUT)))  # fmt: skip
         if status == NO_ROOM:  # the cache's disk handling sees the OSError itself
-            code, _, message = _read(os.path.join(self.job_dir, ERROR)).partition(" ")
-            raise OSError(int(code) if code.isdigit() else errno.ENOSPC, message)
+            raise _disk_fault(_read(os.path.join(self.job_dir, ERROR)))
         artifact = os.path.join(self.job_dir, ARTIFACT)
         if status != 0 or not os.path.exists(artifact):
             raise CompileWorkerLost(f"the compile worker answered {status} without a result: "
@@ -99,6 +103,8 @@ class CompileJob:
 
     def discard(self) -> None:
         shutil.rmtree(self.job_dir, ignore_errors=True)
+        if self._owner is not None:
+            self._owner.close()
 
 
 class _Worker:
@@ -136,19 +142,21 @@ class _Worker:
         raise CompileWorkerLost(f"the compile worker exited with status {code} without a "
                                 f"result: {job_said or said or '(no output)'}")  # fmt: skip
 
-    def close(self, wait: float = 0.0) -> None:
+    def close(self, wait: float = 0.0) -> int | None:
         """Its standard input closed: the worker exits (at once when idle); waited for up
-        to `wait` seconds (then killed), so no exited worker lingers as a zombie."""
+        to `wait` seconds (then killed), so no exited worker lingers as a zombie. Its exit
+        status when waited for."""
         with contextlib.suppress(OSError, ValueError):
             assert self.process.stdin is not None
             self.process.stdin.close()
         self.log.close()
-        if wait:
-            try:
-                self.process.wait(timeout=wait)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        if not wait:
+            return None
+        try:
+            return self.process.wait(timeout=wait)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
 
 
 class WorkerPool:
@@ -189,13 +197,12 @@ class WorkerPool:
         self._give_back(worker)
         return status
 
-    def retire_idle(self) -> None:
-        """Retire every idle worker now (and wait for each to exit)."""
+    def retire_idle(self) -> list[int | None]:
+        """Retire every idle worker now; their exit statuses (each waited for)."""
         with self._lock:
             idle, self._idle = self._idle, []
             self._live -= len(idle)
-        for worker in idle:
-            worker.close(wait=RETIRE_WAIT)
+        return [worker.close(wait=RETIRE_WAIT) for worker in idle]
 
     def _started(self) -> _Worker:
         """A new worker (the caller holds the lock)."""
@@ -244,29 +251,47 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
     if loaded_vllm_kernel_library() is not None:
         pool.namespaces.add("_C")  # a graph traced inside vLLM calls its kernels
     try:
-        pool.reserve(workers)  # its imports overlap the export
+        with contextlib.suppress(CompileWorkerLost):  # no start now: `run` tries again
+            pool.reserve(workers)  # its imports overlap the export
         _sweep_dead_jobs()
-        job_dir = tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}_")
+        job_dir, owner = _owned_job_dir()
         pool.namespaces.update(export_job(toolchain, gm, example_inputs, job_dir).namespaces)
     except (OSError, RuntimeError, CompileWorkerLost) as exc:  # RuntimeError: torch's writer
         # No room for the job, or a graph export refuses: the in-place compile says the
         # graph's own problem in its own words, with the cache's failure handling.
         if job_dir is not None:
             shutil.rmtree(job_dir, ignore_errors=True)
+            owner.close()
         _warn_once(f"vllm_neuron: a compile worker cannot take this graph ({exc}); it is "
                    "compiled in the tracing process")
         return None
-    return CompileJob(job_dir, pool)
+    return CompileJob(job_dir, pool, owner)
 
 
 JOB_PREFIX = "vllm_neuron_compile_job_"
+OWNER = ".owner"  # locked (flock) by the process that prepared the job, while it lives
+ORPHAN_AGE = 3600.0  # seconds after which a job directory without its owner file is debris
 _swept = False
 
 
+def _owned_job_dir() -> tuple[str, IO[bytes]]:
+    """A new job directory and its owner file, locked for as long as this process keeps it
+    open: the kernel drops the lock when the process dies, which is how `_sweep_dead_jobs`
+    tells a dead job from a live one (in any process, container or PID namespace that
+    shares the temporary directory)."""
+    job_dir = tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}_")
+    try:
+        owner = open(os.path.join(job_dir, OWNER), "wb")  # noqa: SIM115 - held by the job
+        fcntl.flock(owner, fcntl.LOCK_EX)
+    except OSError:
+        shutil.rmtree(job_dir, ignore_errors=True)
+        raise
+    return job_dir, owner
+
+
 def _sweep_dead_jobs() -> None:
-    """Remove the job directories that processes of this host which are gone (a server that
-    was killed) left in the temporary directory; once per process, when its first job is
-    prepared. A directory names its process: ``vllm_neuron_compile_job_<pid>_<random>``."""
+    """Remove the job directories that processes which are gone (a server that was killed)
+    left in the temporary directory; once per process, when its first job is prepared."""
     global _swept
     if _swept:
         return
@@ -274,19 +299,37 @@ def _sweep_dead_jobs() -> None:
     root = tempfile.gettempdir()
     with contextlib.suppress(OSError):
         for name in os.listdir(root):
-            owner = name.removeprefix(JOB_PREFIX).partition("_")[0]
-            if name.startswith(JOB_PREFIX) and owner.isdigit() and not _alive(int(owner)):
-                shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            path = os.path.join(root, name)
+            if name.startswith(JOB_PREFIX) and _abandoned(path):
+                shutil.rmtree(path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def _abandoned(job_dir: str) -> bool:
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        owner = open(os.path.join(job_dir, OWNER), "rb")  # noqa: SIM115 - closed below
+    except FileNotFoundError:  # its process died before it locked it, or it is not ours
+        try:
+            return time.time() - os.stat(job_dir).st_mtime > ORPHAN_AGE
+        except OSError:
+            return False
+    except OSError:
         return False
-    except OSError:  # someone else's process: alive
+    with owner:
+        try:
+            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its process lives
+            return False
         return True
-    return True
+
+
+def _disk_fault(recorded: str) -> OSError:
+    """The worker's disk fault (its ERROR record) as the OSError it was, path included: the
+    cache judges a refused permission by where it happened."""
+    try:
+        fault = msgspec.json.decode(recorded, type=dict[str, Any])
+        return OSError(int(fault["errno"]), str(fault["strerror"]), fault.get("filename"))
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError):
+        return OSError(errno.ENOSPC, recorded or "a compile worker's write failed")
 
 
 def _read(path: str) -> str:
@@ -334,9 +377,13 @@ def _compile_one(job_dir: str, out_dir: str) -> int:
     try:
         artifact = compile_job(job_dir, out_dir)
     except Exception as exc:
-        fault = unwritable_cause(exc)
-        with open(os.path.join(job_dir, ERROR), "w") as f:
-            f.write(f"{fault.errno} {fault}" if fault is not None else str(exc))
+        # A refused permission is the place's only in the tier (out_dir's directory, as the
+        # in-place compile judges it), never in the compiler's own work directories.
+        fault = unwritable_cause(exc, os.path.dirname(out_dir.rstrip("/")))
+        with open(os.path.join(job_dir, ERROR), "wb") as f:
+            f.write(msgspec.json.encode({"errno": fault.errno, "strerror": fault.strerror,
+                                         "filename": fault.filename})  # fmt: skip
+                    if fault is not None else str(exc).encode())
         if fault is not None:
             return NO_ROOM
         if isinstance(exc, ToolchainError):
@@ -353,6 +400,7 @@ def _compile_one(job_dir: str, out_dir: str) -> int:
 def _output_to(path: str) -> Iterator[None]:
     """The worker's standard output and error into `path` for the block (the compiler's
     messages belong to the job they are about), back to the start-up log after."""
+    _flush()  # what was printed before the job stays in the start-up log
     saved = os.dup(2)
     try:
         with open(path, "ab") as f:
@@ -360,11 +408,18 @@ def _output_to(path: str) -> Iterator[None]:
             os.dup2(f.fileno(), 2)
         yield
     finally:
+        try:
+            _flush()
+        finally:
+            os.dup2(saved, 1)
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _flush() -> None:
+    with contextlib.suppress(OSError, ValueError):  # a full disk: what was said is lost
         sys.stdout.flush()
         sys.stderr.flush()
-        os.dup2(saved, 1)
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 def serve(parent: int, preload: Sequence[str]) -> int:
