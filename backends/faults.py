@@ -85,7 +85,7 @@ POINTS: dict[str, FaultPoint] = _points(
         "every member of a package and the copy's record are staged; not yet published"),
     # A compile worker process (vllm_neuron/compile/compile_workers.py)
     FaultPoint(
-        "worker.started", "vllm_neuron/compile/compile_workers.py:_compile_one",
+        "worker.started", "vllm_neuron/compile/worker_process.py:_compile_one",
         "a compile worker started, read its job, has not compiled yet"),
     # Leases (stores without kernel locks: NFS, Lustre without flock, S3)
     FaultPoint(

@@ -147,7 +147,7 @@ def test_job_directories_of_dead_processes_are_swept(tmp_path, monkeypatch):
 ])  # fmt: skip
 def test_a_workers_disk_fault_comes_back_as_the_oserror_it_was(tmp_path, monkeypatch, error,
                                                                 status, errno_):
-    from vllm_neuron.compile import compile_workers
+    from vllm_neuron.compile import compile_workers, worker_process
     from vllm_neuron.compile.toolchains import host_jobs
     from vllm_neuron.compile.toolchains.base import ToolchainError
 
@@ -159,7 +159,7 @@ def test_a_workers_disk_fault_comes_back_as_the_oserror_it_was(tmp_path, monkeyp
     monkeypatch.setattr(host_jobs, "compile_job", failing_compile)
     job_dir, out_dir = tmp_path / "job", tmp_path / "staging" / "out"
     job_dir.mkdir()
-    assert compile_workers._compile_one(str(job_dir), str(out_dir)) == status
+    assert worker_process._compile_one(str(job_dir), str(out_dir)) == status
     recorded = (job_dir / compile_workers.ERROR).read_text()
     if errno_ is None:  # the graph's failure: the compiler's message for the note
         assert "AOTInductor failed" in recorded
