@@ -114,6 +114,16 @@ class _FdAppender(Appender):
                 os.close(self._fd)
             self._fd = -1
 
+    def __del__(self) -> None:
+        # A log nobody closed (a dropped cache, a CLI's store) gives its descriptor back
+        # when collected: a long-lived process that makes many never runs out of them.
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+            self._fd = -1
+
 
 class LocalStore(Store):
     """A store rooted at a local (or NFS / Lustre mounted) directory."""

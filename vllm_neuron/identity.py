@@ -90,23 +90,27 @@ def _prefix_of(raw: str) -> str:
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Where this worker sits: global rank (unique per process), and its tp/dp ranks."""
+    """Where this worker sits: global rank (unique per process), its tp/dp ranks, and how
+    many ranks its tensor-parallel group has (they trace the same graphs at once)."""
 
     global_rank: int = 0
     tp_rank: int = 0
     dp_rank: int = 0
+    tp_size: int = 1
 
 
 def detect_ranks() -> RankInfo:
     """The ranks of this process: torch.distributed and vLLM's groups when initialised,
     else the launcher's ``RANK``/``VLLM_DP_RANK`` variables, else 0."""
     global_rank: int | None = None
+    tp_size = 1
     try:
         # Lazy: torch is heavy and optional; only this path needs it.
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             global_rank = int(dist.get_rank())
+            tp_size = int(dist.get_world_size())
     except Exception:  # noqa: BLE001 - torch may be absent or half-initialised
         global_rank = None
     launcher = load_identity_settings()
@@ -117,7 +121,8 @@ def detect_ranks() -> RankInfo:
         # Lazy: vLLM is heavy and optional; only this path needs it.
         from vllm.distributed.parallel_state import get_tp_group
 
-        tp_rank = int(get_tp_group().rank_in_group)
+        group = get_tp_group()
+        tp_rank, tp_size = int(group.rank_in_group), int(group.world_size)
     except Exception:  # noqa: BLE001 - not inside vLLM, or its groups are not set up
         pass
     try:
@@ -127,4 +132,12 @@ def detect_ranks() -> RankInfo:
         dp_rank = int(get_dp_group().rank_in_group)
     except Exception:  # noqa: BLE001
         pass
-    return RankInfo(global_rank=global_rank, tp_rank=tp_rank, dp_rank=dp_rank)
+    return RankInfo(global_rank=global_rank, tp_rank=tp_rank, dp_rank=dp_rank,
+                    tp_size=max(1, tp_size))
+
+
+def tracing_peers() -> int:
+    """How many processes trace this process's graphs at the same time: its tensor-parallel
+    group (1 outside one). The node's compile slots are shared out among them
+    (`compile/slots.py`), so one rank that traced first does not take every slot."""
+    return detect_ranks().tp_size

@@ -166,3 +166,24 @@ def test_debris_is_judged_by_its_age(tmp_path: Path) -> None:
     assert _debris(memory, 3600.0) == []
     memory.set_mtime(abandoned.key("a"), time.time() - 7200)  # type: ignore[attr-defined]
     assert _debris(memory, 3600.0) == [abandoned.prefix]
+
+
+def test_a_dropped_event_log_gives_its_descriptor_back(tmp_path: Path) -> None:
+    import gc
+
+    from vllm_neuron.backends import Record
+
+    class Tick(Record, frozen=True, tag="tick"):
+        n: int
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    before = open_fds()
+    for n in range(50):  # a process that opens many caches (tests, a CLI, `cache warm`)
+        log = open_store(str(tmp_path / f"s{n}")).log("events")
+        log.append(Tick(n=n))
+        assert log.descriptor() >= 0  # each record one os.write on an open descriptor
+        del log
+    gc.collect()
+    assert open_fds() - before < 5  # not one descriptor left per log

@@ -98,7 +98,9 @@ def _wait_until_gone(pids: list[int], what: str) -> None:
         except ProcessLookupError:
             continue  # gone (and reaped) already
         try:
-            ready, _, _ = select.select([fd], [], [], SAFETY)
+            poller = select.poll()  # not select(): a busy process's fd numbers pass 1024
+            poller.register(fd, select.POLLIN)
+            ready = poller.poll(SAFETY * 1000)
         finally:
             os.close(fd)
         assert ready or _gone(pid), f"{what}: {pid}"

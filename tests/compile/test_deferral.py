@@ -78,3 +78,31 @@ def test_a_worker_job_whose_slot_never_came_is_compiled_at_the_first_call(tmp_pa
     # ... and the first call compiles it here, under a fresh timeout, instead of raising.
     result = pending.result()
     assert result.source == "compiled" and entry_is_right(str(result.path), KEY) is None
+
+
+def test_a_rank_holds_its_share_of_the_slots_and_leaves_the_rest_to_its_peers(tmp_path):
+    from vllm_neuron.compile.outcomes import DeferCompile
+    from vllm_neuron.compile.slots import CompileSlots
+
+    store = open_store(str(tmp_path / "local"))
+    peers = [2]
+    # Three slots, two ranks tracing alongside: each may hold two, never all three.
+    slots = CompileSlots(store, 3, peers=lambda: peers[0])
+    assert slots.share == 2
+    far = time.monotonic() + 60
+    with slots.held(wait=False, deadline=far, what="a"), \
+            slots.held(wait=False, deadline=far, what="b"):  # fmt: skip
+        with pytest.raises(DeferCompile, match="no-slot"):
+            slots.held(wait=False, deadline=far, what="c").__enter__()
+        # ... while the node's last slot is still free for the other rank.
+        other = store.lock(f"{SLOT_PREFIX}2")
+        other.acquire(timeout=0)
+        other.release()
+        peers[0] = 1  # alone (vLLM's groups not up yet, or TP=1): the whole node's
+        with slots.held(wait=False, deadline=far, what="c"):
+            pass
+    # Given back: the share counts the slots held, not the ones ever taken.
+    peers[0] = 8  # more ranks than slots: one each, never none
+    assert slots.share == 1
+    with slots.held(wait=False, deadline=far, what="d"), pytest.raises(DeferCompile):
+        slots.held(wait=False, deadline=far, what="e").__enter__()

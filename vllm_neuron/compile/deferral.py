@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -49,6 +50,12 @@ class DeferringFlow:
              piece: str | None, *, wait: bool, started: float | None, to_worker: bool = False,
              have_slot: bool = False) -> CacheResult:  # fmt: skip
         raise NotImplementedError
+
+    @property
+    def compile_share(self) -> int:
+        """How many compiles this process may run at once - its share of the node's slots
+        (`slots.py`), or the CPUs when nothing bounds them: the compile workers it needs."""
+        return self._slots.share if self._slots is not None else (os.cpu_count() or 1)
 
     def begin(
         self, key: str, compile_fn: CompileFn, *, components: Mapping[str, str] | None = None,

@@ -10,7 +10,6 @@ listens what was compiled. Who listens is not this package's business: the assem
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -138,7 +137,7 @@ class CompileRuntime:
                              toolchain=toolchain, piece=piece)  # fmt: skip
         def to_worker() -> tuple[CompileFn, Callable[[], None]] | None:
             job = prepare_job(toolchain, gm, example_inputs,  # exported here, while tracing
-                              workers=self.cache.compile_workers or os.cpu_count() or 1)
+                              workers=self.cache.compile_share)
             if job is None:
                 return None
 

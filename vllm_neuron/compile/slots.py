@@ -11,14 +11,21 @@ traces and may come back at the graph's first call) or waits for one, bounded by
 NEURON_LIBTORCH_COMPILATION_TIMEOUT. A tier that cannot hold the lock files (full,
 read-only) has no slots: the compile runs, as it would without a cache - the bound is
 there to keep a node from running out of memory, never to stop it serving.
+
+The ranks of a tensor-parallel engine trace the same graphs at the same time, and the
+first to trace would otherwise take every free slot and compile every graph while the
+others wait: each process holds at most its share of the slots - ``ceil(count / peers)``,
+`peers` being the ranks that trace alongside it (`identity.tracing_peers`) - so the
+engine's graphs are shared out among its ranks, and the node stays as busy.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from vllm_neuron.backends import Lock, LockTimeout, Store
 
@@ -37,23 +44,43 @@ the next one's start, against a few lock attempts per second."""
 class CompileSlots:
     """`count` slots in `store`'s locks; `held()` is a context that holds one of them."""
 
-    def __init__(self, store: Store, count: int, *, lease_duration: float = 30.0) -> None:
+    def __init__(self, store: Store, count: int, *, lease_duration: float = 30.0,
+                 peers: Callable[[], int] = lambda: 1) -> None:  # fmt: skip
         if count < 1:
             raise ValueError(f"a node needs at least one compile slot, not {count}")
         self.store = store
         self.count = count
         self.lease_duration = lease_duration
+        self.peers = peers  # asked at each take: vLLM's groups appear after start-up
         self._broken = False  # the tier could not hold a slot's lock file: no bound
+        self._mine = 0  # slots this process holds (its compile threads share them)
+        self._mine_lock = threading.Lock()
+
+    @property
+    def share(self) -> int:
+        """The most slots this process may hold at once: its part of the node's."""
+        return max(1, -(-self.count // max(1, self.peers())))
 
     def _try_take(self) -> Lock | None:
-        for index in range(self.count):
-            lock = self.store.lock(f"{SLOT_PREFIX}{index}", lease_duration=self.lease_duration)
-            try:
-                lock.acquire(timeout=0)
-            except LockTimeout:
-                continue
-            return lock
+        with self._mine_lock:
+            if self._mine >= self.share:
+                return None  # the rest of the node's slots are its peers' turn
+            for index in range(self.count):
+                lock = self.store.lock(f"{SLOT_PREFIX}{index}",
+                                       lease_duration=self.lease_duration)  # fmt: skip
+                try:
+                    lock.acquire(timeout=0)
+                except LockTimeout:
+                    continue
+                self._mine += 1
+                return lock
         return None
+
+    def _give_back(self, slot: Lock) -> None:
+        with self._mine_lock:
+            self._mine -= 1
+        with contextlib.suppress(Exception):  # an unreleased kernel lock dies with us
+            slot.release()
 
     @contextlib.contextmanager
     def held(self, *, wait: bool, deadline: float, what: str) -> Iterator[None]:
@@ -65,8 +92,7 @@ class CompileSlots:
             yield
         finally:
             if slot is not None:
-                with contextlib.suppress(Exception):  # an unreleased kernel lock dies with us
-                    slot.release()
+                self._give_back(slot)
 
     def _take(self, *, wait: bool, deadline: float, what: str) -> Lock | None:
         if self._broken:
