@@ -118,10 +118,8 @@ class _FdAppender(Appender):
         # A log nobody closed (a dropped cache, a CLI's store) gives its descriptor back
         # when collected: a long-lived process that makes many never runs out of them.
         if self._fd >= 0:
-            try:
+            with contextlib.suppress(OSError):
                 os.close(self._fd)
-            except OSError:
-                pass
             self._fd = -1
 
 

@@ -3,9 +3,9 @@
 Joins a two-rank gloo group (file rendezvous in DIR), compiles a piece shaped like a
 tensor-parallel row-parallel layer (a matmul, then torch's functional all-reduce and its
 wait, as vLLM's graph calls it where the CPU has no shared-memory all-reduce) with the host
-toolchain, loads the artifact, and calls it CALLS times back to back, keeping the last
-outputs alive in Python as vLLM keeps a piece's output for the next piece. Writes
-``done<RANK>.json`` (calls made, whether every output matched eager) and exits 0.
+toolchain on rank 0, loads that artifact on both ranks, and calls it CALLS times back to
+back, keeping the last outputs alive in Python as vLLM keeps a piece's output for the next
+piece. Writes ``done<RANK>.json`` (calls made, whether every output matched eager) and exits 0.
 
 The loop is the warm TP=2 server's decode in miniature: before the host toolchain routed
 collectives through Python, gloo's worker and the calling thread deadlocked on the GIL and
@@ -49,9 +49,12 @@ def main(work: Path, rank: int) -> int:
     gm = torch.fx.symbolic_trace(RowParallel())
     x = torch.randn(4, 64)
     toolchain = HostToolchain()
-    out_dir = work / f"rank{rank}"
-    meta = toolchain.compile(gm, [x], str(out_dir))
-    run = toolchain.load(str(out_dir), meta)
+    out_dir = work / "rank0"
+    # Rank 0 compiles; rank 1 loads its artifact, as a cache hit would (one compile's CPU,
+    # not two at once on a small machine).
+    meta = [toolchain.compile(gm, [x], str(out_dir)) if rank == 0 else None]
+    dist.broadcast_object_list(meta, src=0)
+    run = toolchain.load(str(out_dir), meta[0])
     expected = (x @ weight) * 2
     kept: list[torch.Tensor] = []
     matched = True
