@@ -18,7 +18,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from profiling_support import FAKE_VLLM, ROOT  # noqa: E402
+from profiling_support import FAKE_VLLM, ROOT, CpuBurners  # noqa: E402
 
 from vllm_neuron.backends.testing import free_port  # noqa: E402
 
@@ -53,21 +53,12 @@ def project_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 @pytest.fixture
-def cpu_burners() -> Iterator[list[int]]:
-    """Two processes spinning on the CPU for the duration of the test, killed afterwards.
-
-    A capture on a shared host competes for the cores; on 2 cores two spinners starve the
-    processes that wait (the server's stats logger and HTTP handler, the capture's log
-    follower) while the engine keeps stepping, which is what makes a profiling window miss.
-    """
-    procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+def cpu_burners() -> Iterator[CpuBurners]:
+    burners = CpuBurners()
     try:
-        yield [p.pid for p in procs]
+        yield burners
     finally:
-        for p in procs:
-            p.kill()
-        for p in procs:
-            p.wait()
+        burners.stop()
 
 
 # -- the real vLLM ----------------------------------------------------------------------------

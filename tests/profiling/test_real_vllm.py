@@ -4,9 +4,10 @@ Marked ``vllm``; they run in CI too. The first one builds the vLLM environment w
 missing (see .ci/vllm_env.py), so they carry a long timeout. Each server start costs
 25-60 s on 2 cores, so there are few of them: both recipes, a launch failure and SIGINT.
 
-The two recipes run beside two CPU-spinning processes (`cpu_burners`): a capture on a busy
-host must still end with a validated, phase-isolated trace. Whether that took one profiling
-window or a retried one depends on the host, so the tests accept either and check that
+The two recipes run beside two CPU-spinning processes (`cpu_burners`, from the moment the
+server is up): a capture on a busy host must still end with a validated, phase-isolated
+trace. Whether that took one profiling window or a retried one depends on the host, so the
+tests accept either and check that
 every set-aside window's trace stayed out of ``output/``; the retry itself is forced
 deterministically against the fake server in test_capture.py.
 """
@@ -22,7 +23,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from profiling_support import group_alive
+from profiling_support import CpuBurners, group_alive
 
 from vllm_neuron.backends import open_store
 from vllm_neuron.profiling.logfollow import LogFollower
@@ -79,10 +80,16 @@ def assert_nothing_left(manifest: ProfileManifest) -> None:
     assert group_alive(manifest.teardown.pgid or -1) == []
 
 
-def test_prefill_isolation(vllm_capture: Capture, cpu_burners: list[int]) -> None:
+def serve_log(root: Path, run_name: str) -> Path:
+    return root / "agent_artifacts" / "profiles" / run_name / "logs" / "serve.log"
+
+
+def test_prefill_isolation(vllm_capture: Capture, cpu_burners: CpuBurners) -> None:
     proc, root = vllm_capture("--recipe", "prefill", "--input-len", "96", run_name="prefill")
+    cpu_burners.once_ready(serve_log(root, "prefill"))
     out, err = finish(proc)
     assert proc.returncode == 0, err[-4000:]
+    assert len(cpu_burners.pids) == 2  # the capture ran on a busy host
     run_dir, spec, m = load(root, "prefill")
     assert spec.recipe == "prefill_isolation" and spec.workload.output_len == 1
     assert spec.serve_config.profiler_config["max_iterations"] == 2
@@ -102,14 +109,16 @@ def test_prefill_isolation(vllm_capture: Capture, cpu_burners: list[int]) -> Non
     assert_nothing_left(m)
 
 
-def test_decode_isolation(vllm_capture: Capture, cpu_burners: list[int]) -> None:
+def test_decode_isolation(vllm_capture: Capture, cpu_burners: CpuBurners) -> None:
     proc, root = vllm_capture(
         "--recipe", "decode", "--concurrency", "4", "--num-requests", "4",
         "--output-len", "256", "--input-len", "64", "--stats-interval", "0.25",
         run_name="decode",
     )
+    cpu_burners.once_ready(serve_log(root, "decode"))
     out, err = finish(proc)
     assert proc.returncode == 0, err[-4000:]
+    assert len(cpu_burners.pids) == 2  # the capture ran on a busy host
     run_dir, spec, m = load(root, "decode")
     assert spec.serve_config.env == {"VLLM_LOG_STATS_INTERVAL": "0.25"}
     assert m.status == "ok" and m.trigger is not None and m.trigger["kind"] == "stats"
