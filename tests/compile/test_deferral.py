@@ -106,3 +106,24 @@ def test_a_rank_holds_its_share_of_the_slots_and_leaves_the_rest_to_its_peers(tm
     assert slots.share == 1
     with slots.held(wait=False, deadline=far, what="d"), pytest.raises(DeferCompile):
         slots.held(wait=False, deadline=far, what="e").__enter__()
+
+
+def test_a_graph_that_failed_on_another_node_is_not_compiled_again_at_trace(tmp_path, compile_fn):
+    from vllm_neuron.compile.outcomes import CompileError
+
+    remote = str(tmp_path / "remote")
+    options = {"lock": "lease"}
+    node_a = TwoTierCache(str(tmp_path / "a"), remote=remote, remote_options=options)
+
+    def broken(out_dir: str) -> Any:
+        raise RuntimeError("the compiler rejected the graph")
+
+    with pytest.raises(RuntimeError, match="rejected"):
+        node_a.get_or_compile(KEY, broken)
+    # Node B traces it: the lease is free (A let it go), so B wins it - and, having won it,
+    # reads the fleet's failure note before compiling: A's error, named, and no compile.
+    node_b = TwoTierCache(str(tmp_path / "b"), remote=remote, remote_options=options)
+    called: list[str] = []
+    with pytest.raises(CompileError, match=f"{KEY}.*rejected"):
+        node_b.begin(KEY, lambda out: called.append(out) or compile_fn(KEY)(out))
+    assert called == []

@@ -99,9 +99,11 @@ class RemoteSingleFlight:
 
         `started` (epoch seconds) is when this process began waiting for `key`: a failure
         recorded after it is this wait's failure. `deadline` (monotonic) bounds the wait.
-        Without `wait`, a lease held elsewhere raises `DeferCompile("remote-lease")` (after
-        one look for the holder's result) instead of waiting; so does a compile that finds
-        no free slot (`compile_here` raises it), and the lease is let go for another node.
+        Without `wait`, a lease held elsewhere raises `DeferCompile("remote-lease")` at once
+        (the caller has just looked for the holder's result; the first call looks again, and
+        for a failure note) instead of waiting; so does a compile that finds no free slot
+        (`compile_here` raises it), and the lease is let go for another node. A failure note
+        is looked for before waiting, or - without `wait` - once the lease is won.
         """
         remote = self.tier.store()
         if remote is None or self.tier.read_only:
@@ -112,7 +114,9 @@ class RemoteSingleFlight:
         delay = 0.05
         while True:
             try:
-                self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
+                if wait:  # a deferral looks for a failure only if it wins (below) or at the
+                    # first call: one request less per graph traced past
+                    self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
                 # Every poll: a waiter sees a dead holder's lease run out only by watching
                 # it stop changing (one read while it does not; docs/compile-cache.md).
                 lease.acquire(timeout=0)
@@ -129,6 +133,9 @@ class RemoteSingleFlight:
                 self.tier.failed(exc)
                 self._waited(key, wait_start, waited, "remote-down")
                 return compile_here()
+            if not wait:  # another node compiles it: trace on, wait at the first call
+                # (the caller looked for its result just before: no second look)
+                raise DeferCompile("remote-lease")
             waited = True
             fetched = fetch()
             if fetched is not None:
@@ -137,8 +144,6 @@ class RemoteSingleFlight:
             if self.tier.store() is None:  # the fetch found the remote down: go on alone
                 self._waited(key, wait_start, waited, "remote-down")
                 return compile_here()
-            if not wait:  # another node compiles it: trace on, wait at the first call
-                raise DeferCompile("remote-lease")
             now = time.monotonic()
             if now >= deadline:
                 self._waited(key, wait_start, waited, "timeout")
@@ -149,6 +154,8 @@ class RemoteSingleFlight:
             delay = min(delay * 1.5, MAX_POLL_INTERVAL)
         self._waited(key, wait_start, waited, "acquired")
         try:
+            if not wait:  # not looked for before the lease: a failed graph is not retried
+                self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
             previous = lease.took_over_from
             if previous is not None:
                 self._record(LeaseTakenOver(key=key, at=time.time(), previous_owner=previous,
