@@ -142,8 +142,9 @@ class Evicted(Record, frozen=True, tag="evict"):
 class Deferred(Record, frozen=True, tag="deferred", omit_defaults=True):
     """A graph this process did not wait for when it was traced: another process held its
     compile (``reason`` "local-lock": a rank of this node; "remote-lease": another node), or
-    every compile slot of the node was taken ("no-slot"). It is waited for, loaded or taken
-    over at its first call; tracing went on to the next graph meanwhile."""
+    every compile slot of the node was taken, or this process held its share of them
+    ("no-slot"). It is waited for, loaded or taken over at its first call; tracing went on
+    to the next graph meanwhile."""
 
     key: str
     at: float
