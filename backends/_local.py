@@ -117,10 +117,13 @@ class _FdAppender(Appender):
     def __del__(self) -> None:
         # A log nobody closed (a dropped cache, a CLI's store) gives its descriptor back
         # when collected: a long-lived process that makes many never runs out of them.
-        if self._fd >= 0:
+        # Only in the process that opened it (a forked child may have reused the number),
+        # and not for an appender whose open failed (it has no descriptor).
+        fd = getattr(self, "_fd", -1)
+        if fd >= 0 and getattr(self, "_pid", -1) == os.getpid():
             with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = -1
+                os.close(fd)
+        self._fd = -1
 
 
 class LocalStore(Store):

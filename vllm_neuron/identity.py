@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -90,27 +91,23 @@ def _prefix_of(raw: str) -> str:
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Where this worker sits: global rank (unique per process), its tp/dp ranks, and how
-    many ranks its tensor-parallel group has (they trace the same graphs at once)."""
+    """Where this worker sits: global rank (unique per process), and its tp/dp ranks."""
 
     global_rank: int = 0
     tp_rank: int = 0
     dp_rank: int = 0
-    tp_size: int = 1
 
 
 def detect_ranks() -> RankInfo:
     """The ranks of this process: torch.distributed and vLLM's groups when initialised,
     else the launcher's ``RANK``/``VLLM_DP_RANK`` variables, else 0."""
     global_rank: int | None = None
-    tp_size = 1
     try:
         # Lazy: torch is heavy and optional; only this path needs it.
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized():
             global_rank = int(dist.get_rank())
-            tp_size = int(dist.get_world_size())
     except Exception:  # noqa: BLE001 - torch may be absent or half-initialised
         global_rank = None
     launcher = load_identity_settings()
@@ -121,8 +118,7 @@ def detect_ranks() -> RankInfo:
         # Lazy: vLLM is heavy and optional; only this path needs it.
         from vllm.distributed.parallel_state import get_tp_group
 
-        group = get_tp_group()
-        tp_rank, tp_size = int(group.rank_in_group), int(group.world_size)
+        tp_rank = int(get_tp_group().rank_in_group)
     except Exception:  # noqa: BLE001 - not inside vLLM, or its groups are not set up
         pass
     try:
@@ -132,12 +128,26 @@ def detect_ranks() -> RankInfo:
         dp_rank = int(get_dp_group().rank_in_group)
     except Exception:  # noqa: BLE001
         pass
-    return RankInfo(global_rank=global_rank, tp_rank=tp_rank, dp_rank=dp_rank,
-                    tp_size=max(1, tp_size))
+    return RankInfo(global_rank=global_rank, tp_rank=tp_rank, dp_rank=dp_rank)
 
 
-def tracing_peers() -> int:
-    """How many processes trace this process's graphs at the same time: its tensor-parallel
-    group (1 outside one). The node's compile slots are shared out among them
-    (`compile/slots.py`), so one rank that traced first does not take every slot."""
-    return detect_ranks().tp_size
+def tensor_parallel_size() -> int:
+    """The size of this process's tensor-parallel group: vLLM's when it is set up, else
+    torch.distributed's world size, else 1 (one process, no collective partner).
+
+    Looked up in the modules already loaded, never imported: a process that has not
+    imported vLLM is no vLLM rank, and the compile slots ask on every take (`peers`)."""
+    state = sys.modules.get("vllm.distributed.parallel_state")
+    if state is not None:
+        try:
+            return max(1, int(state.get_tp_group().world_size))
+        except Exception:  # noqa: BLE001 - its groups are not set up (yet)
+            pass
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None:
+        try:
+            if dist.is_available() and dist.is_initialized():
+                return max(1, int(dist.get_world_size()))
+        except Exception:  # noqa: BLE001 - half-initialised
+            pass
+    return 1

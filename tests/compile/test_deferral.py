@@ -127,3 +127,26 @@ def test_a_graph_that_failed_on_another_node_is_not_compiled_again_at_trace(tmp_
     with pytest.raises(CompileError, match=f"{KEY}.*rejected"):
         node_b.begin(KEY, lambda out: called.append(out) or compile_fn(KEY)(out))
     assert called == []
+
+
+def test_a_remote_that_fails_to_answer_after_the_lease_is_won_is_an_outage_not_a_failure(
+    tmp_path, compile_fn, monkeypatch
+):
+    from vllm_neuron.compile import fleet
+    from vllm_neuron.compile.events import read_stats
+
+    looks: list[str] = []
+
+    def unanswered(store: Any, key: str, *, since: float) -> None:
+        looks.append(key)  # the failure-note read, on a remote that stopped answering
+        raise ConnectionError("the remote did not answer")
+
+    monkeypatch.setattr(fleet, "recent_failure", unanswered)
+    cache = _cache(tmp_path, remote=str(tmp_path / "remote"), remote_options={"lock": "lease"})
+    # Traced (no wait): the lease is won, and only then is the note looked for; that look
+    # failing is a remote outage - the graph compiles here - never the trace's error.
+    result = cache.begin(KEY, compile_fn(KEY))
+    assert looks == [KEY]
+    assert not isinstance(result, PendingCompile)
+    assert result.source == "compiled" and entry_is_right(str(result.path), KEY) is None
+    assert read_stats(cache.local_dir).remote_outages == 1

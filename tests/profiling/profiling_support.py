@@ -48,6 +48,7 @@ class CpuBurners:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen[bytes]] = []
         self._stop = threading.Event()
+        self.started = threading.Event()  # set once both spin
         self._thread: threading.Thread | None = None
 
     @property
@@ -67,6 +68,7 @@ class CpuBurners:
                 if up:
                     self.procs.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"])
                                       for _ in range(2))  # fmt: skip
+                    self.started.set()
                     return
                 self._stop.wait(0.1)  # a log file has no handshake: looked at, bounded
 

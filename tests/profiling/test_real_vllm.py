@@ -89,7 +89,7 @@ def test_prefill_isolation(vllm_capture: Capture, cpu_burners: CpuBurners) -> No
     cpu_burners.once_ready(serve_log(root, "prefill"))
     out, err = finish(proc)
     assert proc.returncode == 0, err[-4000:]
-    assert len(cpu_burners.pids) == 2  # the capture ran on a busy host
+    assert cpu_burners.started.wait(60) and len(cpu_burners.pids) == 2  # on a busy host
     run_dir, spec, m = load(root, "prefill")
     assert spec.recipe == "prefill_isolation" and spec.workload.output_len == 1
     assert spec.serve_config.profiler_config["max_iterations"] == 2
@@ -118,7 +118,7 @@ def test_decode_isolation(vllm_capture: Capture, cpu_burners: CpuBurners) -> Non
     cpu_burners.once_ready(serve_log(root, "decode"))
     out, err = finish(proc)
     assert proc.returncode == 0, err[-4000:]
-    assert len(cpu_burners.pids) == 2  # the capture ran on a busy host
+    assert cpu_burners.started.wait(60) and len(cpu_burners.pids) == 2  # on a busy host
     run_dir, spec, m = load(root, "decode")
     assert spec.serve_config.env == {"VLLM_LOG_STATS_INTERVAL": "0.25"}
     assert m.status == "ok" and m.trigger is not None and m.trigger["kind"] == "stats"

@@ -20,10 +20,10 @@ import torch.fx
 from snapshot_helpers import ctx, make_config
 
 from vllm_neuron.backends import Store, open_store
-from vllm_neuron.identity import RankInfo
+from vllm_neuron.identity import RankInfo, tensor_parallel_size
 from vllm_neuron.snapshot import forward_context
 from vllm_neuron.snapshot.bundles import load_bundle
-from vllm_neuron.snapshot.collectives import collective_ops, tensor_parallel_size
+from vllm_neuron.snapshot.collectives import collective_ops
 from vllm_neuron.snapshot.meta import CallMeta, InputSpec, read_call_meta, write_call_meta
 from vllm_neuron.snapshot.replay import replay, replay_bundle
 from vllm_neuron.snapshot.tp_replay import needs_group, plan_groups

@@ -44,7 +44,7 @@ from vllm_neuron.backends import (
     open_store,
     validate_hex,
 )
-from vllm_neuron.identity import tracing_peers
+from vllm_neuron.identity import tensor_parallel_size
 
 from .building import CompileFn, Compiler
 from .deferral import DeferringFlow
@@ -150,7 +150,7 @@ class TwoTierCache(LocalTierView, DeferringFlow):
         # VLLM_NEURON_COMPILE_WORKERS: the node's compile slots (None: compiles unbounded).
         self.compile_workers = compile_workers
         self._slots = None if compile_workers is None else CompileSlots(
-            self.local, compile_workers, lease_duration=lease_duration, peers=tracing_peers)
+            self.local, compile_workers, lease_duration=lease_duration, peers=tensor_parallel_size)
         self._loaded: dict[str, CacheResult] = {}
         self._in_flight: dict[str, PendingCompile] = {}  # begin's worker compiles, by key
         self._bound_lock = threading.Lock()  # one eviction pass at a time

@@ -103,7 +103,8 @@ class RemoteSingleFlight:
         (the caller has just looked for the holder's result; the first call looks again, and
         for a failure note) instead of waiting; so does a compile that finds no free slot
         (`compile_here` raises it), and the lease is let go for another node. A failure note
-        is looked for before waiting, or - without `wait` - once the lease is won.
+        is looked for before waiting, or - without `wait` - once the lease is won (a remote
+        that fails to answer then is a remote outage, as anywhere in this loop).
         """
         remote = self.tier.store()
         if remote is None or self.tier.read_only:
@@ -114,12 +115,19 @@ class RemoteSingleFlight:
         delay = 0.05
         while True:
             try:
-                if wait:  # a deferral looks for a failure only if it wins (below) or at the
-                    # first call: one request less per graph traced past
+                if wait:  # a deferral looks for a failure only once it wins the lease, or
+                    # at the first call: one request less per graph it traces past
                     self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
                 # Every poll: a waiter sees a dead holder's lease run out only by watching
                 # it stop changing (one read while it does not; docs/compile-cache.md).
                 lease.acquire(timeout=0)
+                if not wait:
+                    try:
+                        self._raise_if_failed_elsewhere(remote, key, started, wait_start,
+                                                        waited)  # fmt: skip
+                    except BaseException:
+                        self._let_go(lease)  # a failed graph, or the remote failed: below
+                        raise
                 break
             except LockTimeout:
                 pass
@@ -128,6 +136,8 @@ class RemoteSingleFlight:
             except PermissionError as exc:  # a read-only remote: fetch from it, write nothing
                 self.tier.write_denied(exc)
                 self._waited(key, wait_start, waited, "read-only")
+                if not wait:  # not looked for before the lease: a failed graph stays failed
+                    self._best_effort_failure_look(remote, key, started, wait_start, waited)
                 return fetch() or compile_here()
             except Exception as exc:  # noqa: BLE001 - the remote is best-effort
                 self.tier.failed(exc)
@@ -154,8 +164,6 @@ class RemoteSingleFlight:
             delay = min(delay * 1.5, MAX_POLL_INTERVAL)
         self._waited(key, wait_start, waited, "acquired")
         try:
-            if not wait:  # not looked for before the lease: a failed graph is not retried
-                self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
             previous = lease.took_over_from
             if previous is not None:
                 self._record(LeaseTakenOver(key=key, at=time.time(), previous_owner=previous,
@@ -236,6 +244,17 @@ class RemoteSingleFlight:
         if note is not None:
             self._waited(key, wait_start, waited, "failed-elsewhere")
             raise FleetCompileError(failure_message(key, note, remote))
+
+    def _best_effort_failure_look(self, remote: Store, key: str, started: float,
+                                  wait_start: float, waited: bool) -> None:  # fmt: skip
+        """`_raise_if_failed_elsewhere` where the remote may fail to answer: only a failure
+        note it does return stops the compile."""
+        try:
+            self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
+        except FleetCompileError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+            logger.debug("compile cache: no failure note of %s read: %s", key, exc)
 
     def _waited(self, key: str, since: float, waited: bool, outcome: str) -> None:
         if waited:

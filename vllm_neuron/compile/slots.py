@@ -15,7 +15,7 @@ there to keep a node from running out of memory, never to stop it serving.
 The ranks of a tensor-parallel engine trace the same graphs at the same time, and the
 first to trace would otherwise take every free slot and compile every graph while the
 others wait: each process holds at most its share of the slots - ``ceil(count / peers)``,
-`peers` being the ranks that trace alongside it (`identity.tracing_peers`) - so the
+`peers` being the ranks that trace alongside it (`identity.tensor_parallel_size`) - so the
 engine's graphs are shared out among its ranks, and the node stays as busy.
 """
 
@@ -62,9 +62,12 @@ class CompileSlots:
         return max(1, -(-self.count // max(1, self.peers())))
 
     def _try_take(self) -> Lock | None:
-        with self._mine_lock:
-            if self._mine >= self.share:
+        share = self.share  # asked outside the lock: a release never waits for it
+        with self._mine_lock:  # reserve one of this process's share first ...
+            if self._mine >= share:
                 return None  # the rest of the node's slots are its peers' turn
+            self._mine += 1
+        try:  # ... then look for a free slot of the node, without holding the lock
             for index in range(self.count):
                 lock = self.store.lock(f"{SLOT_PREFIX}{index}",
                                        lease_duration=self.lease_duration)  # fmt: skip
@@ -72,13 +75,19 @@ class CompileSlots:
                     lock.acquire(timeout=0)
                 except LockTimeout:
                     continue
-                self._mine += 1
                 return lock
+        except BaseException:
+            self._unreserve()
+            raise
+        self._unreserve()
         return None
 
-    def _give_back(self, slot: Lock) -> None:
+    def _unreserve(self) -> None:
         with self._mine_lock:
             self._mine -= 1
+
+    def _give_back(self, slot: Lock) -> None:
+        self._unreserve()
         with contextlib.suppress(Exception):  # an unreleased kernel lock dies with us
             slot.release()
 
@@ -114,8 +123,9 @@ class CompileSlots:
             now = time.monotonic()
             if now >= deadline:
                 raise CompileSlotTimeout(
-                    f"waited for a free compile slot to compile {what}: all "
-                    f"{self.count} (VLLM_NEURON_COMPILE_WORKERS={self.count}) stayed taken "
-                    "until NEURON_LIBTORCH_COMPILATION_TIMEOUT ran out")
+                    f"waited for a free compile slot to compile {what}: the node's "
+                    f"{self.count} (VLLM_NEURON_COMPILE_WORKERS={self.count}) - or this "
+                    f"process's share of them, {self.share} beside its tensor-parallel "
+                    "peers - stayed taken until NEURON_LIBTORCH_COMPILATION_TIMEOUT ran out")
             time.sleep(min(delay, deadline - now))
             delay = min(delay * 1.5, MAX_POLL)

@@ -16,9 +16,8 @@ import threading
 from dataclasses import dataclass
 
 from vllm_neuron.backends import Store, join, open_store, validate_key
-from vllm_neuron.identity import RankInfo, detect_ranks
+from vllm_neuron.identity import RankInfo, detect_ranks, tensor_parallel_size
 
-from .collectives import tensor_parallel_size
 from .config import SnapshotConfig, snapshot_config
 from .context import CaptureBudget, get_capture_budget
 from .encoding import SnapshotFormat

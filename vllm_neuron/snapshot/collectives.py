@@ -5,8 +5,8 @@ row-parallel layer or the vocab-parallel embedding) cannot be replayed by one ra
 its call waits for, and sums with, the other ranks of the tensor-parallel group. Replay has
 to know, per bundle, whether that is so (:func:`collective_ops`, read from the graph the
 capturer wraps: the exported graph is often missing and the compiled artifact is opaque)
-and how many ranks the group has (:func:`tensor_parallel_size`). Which bundle of another
-rank is the same call is the call's position in its forward
+and how many ranks the group has (`vllm_neuron.identity.tensor_parallel_size`). Which
+bundle of another rank is the same call is the call's position in its forward
 (``context.next_forward_call``), the same on every rank even where the graph differs by
 rank, as the vocab-parallel embedding's does.
 
@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .meta import CallMeta
 
-__all__ = ["collective_ops", "needs_group", "tensor_parallel_size"]
+__all__ = ["collective_ops", "needs_group"]
 
 # Namespaces whose every op is a collective, and collective op names in any namespace.
 _COLLECTIVE_NAMESPACES = ("_c10d_functional", "_c10d_functional_autograd", "c10d")
@@ -67,26 +67,6 @@ def collective_ops(gm: Any) -> list[str]:
         if namespace in _COLLECTIVE_NAMESPACES or _COLLECTIVE_NAME.match(op):
             found.add(name)
     return sorted(found)
-
-
-def tensor_parallel_size() -> int:
-    """The size of this process's tensor-parallel group: vLLM's when it is set up, else
-    torch.distributed's world size, else 1 (one process, no collective partner)."""
-    try:
-        # Lazy: vLLM is heavy and optional; only inside vLLM is the group known.
-        from vllm.distributed.parallel_state import get_tp_group
-
-        return int(get_tp_group().world_size)
-    except Exception:  # noqa: BLE001 - not inside vLLM, or its groups are not set up
-        pass
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            return int(dist.get_world_size())
-    except Exception:  # noqa: BLE001 - torch absent or half-initialised
-        pass
-    return 1
 
 
 def needs_group(meta: CallMeta) -> bool:
