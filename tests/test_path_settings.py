@@ -153,6 +153,28 @@ def test_require_directory_walks_up_to_the_nearest_existing_ancestor(tmp_path: P
         require_directory(str(tmp_path / "dangling" / "x"), setting="X", purpose="p")
 
 
+def test_a_directory_another_process_makes_during_the_check_is_accepted(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Eight ranks start on a fresh VLLM_CACHE_ROOT: one of them creates it between this
+    # process's "is it a directory?" (no) and "does something exist there?" (yes). Replayed
+    # in that order here: the first look creates it, as the other rank did, and says no.
+    root = str(tmp_path / "vllm-cache")
+    real_isdir = os.path.isdir
+    raced: list[str] = []
+
+    def isdir_racing_another_rank(path: object) -> bool:
+        if path == root and not raced:
+            raced.append(root)
+            os.mkdir(root)
+            return False
+        return real_isdir(path)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os.path, "isdir", isdir_racing_another_rank)
+    assert require_directory(root, setting="VLLM_CACHE_ROOT", purpose="caches") == root
+    assert raced == [root]
+
+
 def test_a_fresh_process_reports_the_variable_not_a_bare_os_error(tmp_path: Path) -> None:
     # The reported failure, end to end: nothing reset, nothing imported beforehand.
     blocker = str(a_file(tmp_path))

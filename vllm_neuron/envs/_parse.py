@@ -206,6 +206,8 @@ def require_directory(path: str, *, setting: str, purpose: str) -> str:
     probe = path
     while not os.path.isdir(probe):
         if os.path.lexists(probe):
+            if os.path.isdir(probe):
+                continue  # another process (a rank starting beside this one) made it meanwhile
             if probe == path:
                 raise ConfigError(
                     f"{setting}: {path} is {_kind_of(path)}, not a directory (it is meant "
