@@ -115,15 +115,11 @@ class _FdAppender(Appender):
             self._fd = -1
 
     def __del__(self) -> None:
-        # A log nobody closed (a dropped cache, a CLI's store) gives its descriptor back
-        # when collected: a long-lived process that makes many never runs out of them.
-        # Only in the process that opened it (a forked child may have reused the number),
-        # and not for an appender whose open failed (it has no descriptor).
-        fd = getattr(self, "_fd", -1)
-        if fd >= 0 and getattr(self, "_pid", -1) == os.getpid():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._fd = -1
+        # A log nobody closed (a dropped cache, a CLI's store) gives its descriptor back when
+        # collected - only in the process that opened it (a forked child may have reused the
+        # number); `_pid` is unset when the open failed.
+        if getattr(self, "_pid", -1) == os.getpid():
+            self.close()
 
 
 class LocalStore(Store):

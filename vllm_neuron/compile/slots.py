@@ -67,6 +67,7 @@ class CompileSlots:
             if self._mine >= share:
                 return None  # the rest of the node's slots are its peers' turn
             self._mine += 1
+        taken: Lock | None = None
         try:  # ... then look for a free slot of the node, without holding the lock
             for index in range(self.count):
                 lock = self.store.lock(f"{SLOT_PREFIX}{index}",
@@ -75,12 +76,12 @@ class CompileSlots:
                     lock.acquire(timeout=0)
                 except LockTimeout:
                     continue
-                return lock
-        except BaseException:
-            self._unreserve()
-            raise
-        self._unreserve()
-        return None
+                taken = lock
+                break
+        finally:
+            if taken is None:  # none free (or the tier failed): the reservation goes back
+                self._unreserve()
+        return taken
 
     def _unreserve(self) -> None:
         with self._mine_lock:
