@@ -5,7 +5,7 @@ that compiled each piece in place would compile them one after another; instead 
 exported here (the tracer's part, `CompileJob.prepare`), and its compile - the toolchain's
 long part - runs in a worker process, from a background thread of the cache
 (`TwoTierCache.begin`) inside one of the node's compile slots. Processes, not threads:
-Inductor's and ``neuronx-cc``'s compiles are not thread-safe.
+Inductor's compiles are not thread-safe.
 
 Workers persist (`WorkerPool`): ``python -m vllm_neuron.compile.worker_process --serve PID``
 imports torch and the kernel libraries once, then compiles one job after another, each
@@ -30,8 +30,10 @@ What can go wrong, and what it costs:
   parent gone mid-compile, and it exits, leaving a staging directory that `cache gc`
   collects like any killed compile's.
 
-Only the host toolchain (AOTInductor: the exported program travels as a file) has workers;
-the Neuron toolchain compiles in place (its HLO could travel the same way; not done).
+Only the host toolchain (AOTInductor: the exported program travels as a file) has workers.
+The Neuron toolchain needs none: its compiler, ``neuronx-cc``, is a process of its own. Its
+graph is lowered to HLO in the tracing thread (`Toolchain.lower`, a `LoweredJob`), and the
+cache's thread runs the compiler on it within a slot, the same way.
 """
 
 from __future__ import annotations
@@ -53,11 +55,11 @@ from typing import IO, Any
 import msgspec
 
 from .outcomes import CompileWorkerLost
-from .toolchains.base import ARTIFACTS, CompiledArtifact, Toolchain, ToolchainError
+from .toolchains.base import ARTIFACTS, CompiledArtifact, LoweredGraph, Toolchain, ToolchainError
 from .toolchains.op_libraries import loaded_vllm_kernel_library
 
 __all__ = ["ARTIFACT", "ERROR", "GRAPH_FAILED", "NO_ROOM", "OUTPUT", "POOL", "CompileJob",
-           "WorkerPool", "prepare_job"]
+           "LoweredJob", "PreparedJob", "WorkerPool", "prepare_job"]
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -72,14 +74,30 @@ OUTPUT = "output.txt"  # what the worker printed during the job
 RETIRE_WAIT = 30.0  # seconds an idle worker is given to exit before it is killed
 
 
-class CompileJob:
-    """One exported graph waiting for a worker: its job directory (a private temporary
-    directory, removed by `discard`)."""
+class PreparedJob:
+    """A graph prepared for a compile off the tracing thread: its job directory (a private
+    temporary directory, removed by `discard`, swept if its process dies)."""
+
+    def __init__(self, job_dir: str, owner: IO[bytes] | None = None) -> None:
+        self.job_dir = job_dir
+        self._owner = owner  # its lock says the job is alive (`_sweep_dead_jobs`)
+
+    def compile(self, out_dir: str) -> CompiledArtifact:
+        """Compile the graph, writing the artifact's files into `out_dir`."""
+        raise NotImplementedError
+
+    def discard(self) -> None:
+        shutil.rmtree(self.job_dir, ignore_errors=True)
+        if self._owner is not None:
+            self._owner.close()
+
+
+class CompileJob(PreparedJob):
+    """One exported graph waiting for a worker."""
 
     def __init__(self, job_dir: str, pool: WorkerPool, owner: IO[bytes] | None = None) -> None:
-        self.job_dir = job_dir
+        super().__init__(job_dir, owner)
         self.pool = pool
-        self._owner = owner  # its lock says the job is alive (`_sweep_dead_jobs`)
 
     def compile(self, out_dir: str) -> CompiledArtifact:
         """Have a worker compile the job, writing the artifact's files into `out_dir`."""
@@ -96,10 +114,18 @@ class CompileJob:
         with open(artifact, "rb") as f:
             return ARTIFACTS.decode(f.read(), source=artifact)
 
-    def discard(self) -> None:
-        shutil.rmtree(self.job_dir, ignore_errors=True)
-        if self._owner is not None:
-            self._owner.close()
+
+class LoweredJob(PreparedJob):
+    """A graph its toolchain lowered in the tracing thread (`Toolchain.lower`), whose
+    compiler the cache's thread runs: the job directory holds what the lowering wrote."""
+
+    def __init__(self, job_dir: str, owner: IO[bytes]) -> None:
+        super().__init__(job_dir, owner)
+        self.lowered: LoweredGraph | None = None
+
+    def compile(self, out_dir: str) -> CompiledArtifact:
+        assert self.lowered is not None
+        return self.lowered.compile(out_dir)
 
 
 class _Worker:
@@ -232,14 +258,16 @@ POOL = WorkerPool()
 
 
 def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
-                workers: int, pool: WorkerPool = POOL) -> CompileJob | None:  # fmt: skip
-    """Export `gm` for a worker, in the calling (tracing) thread; None when `toolchain` has
-    no workers or the job cannot be written (said once; the graph compiles in place).
-    `workers`: how many compiles the node runs at once (its slots)."""
+                workers: int, pool: WorkerPool = POOL) -> PreparedJob | None:  # fmt: skip
+    """Prepare `gm` for a compile off the tracing thread, in the calling (tracing) thread:
+    exported for a worker (host toolchain), or lowered for its own compiler process
+    (`Toolchain.lower`: Neuron). None when the toolchain does neither or the job cannot be
+    written (said once; the graph compiles in place). `workers`: how many compiles this
+    process runs at once (its share of the node's slots)."""
     from .toolchains.host import HostToolchain  # lazy: imports torch only when compiling
 
     if not isinstance(toolchain, HostToolchain):
-        return None
+        return _lowered_job(toolchain, gm, example_inputs)
     from .toolchains.host_jobs import export_job
 
     job_dir = None
@@ -261,6 +289,33 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
                    "compiled in the tracing process")
         return None
     return CompileJob(job_dir, pool, owner)
+
+
+def _lowered_job(toolchain: Toolchain, gm: Any,
+                 example_inputs: Sequence[Any]) -> PreparedJob | None:  # fmt: skip
+    """A toolchain whose compiler is a process of its own (``neuronx-cc``) needs no worker:
+    the graph is lowered here (`Toolchain.lower`) and its compiler run from a thread of the
+    cache. None when the toolchain does not lower, or this graph does not (said once; the
+    in-place compile says why in its own words, with the cache's failure handling)."""
+    _sweep_dead_jobs()
+    try:
+        job_dir, owner = _owned_job_dir()
+    except OSError as exc:
+        _warn_once(f"vllm_neuron: no room to lower this graph for a background compile "
+                   f"({exc}); it is compiled in the tracing process")  # fmt: skip
+        return None
+    job = LoweredJob(job_dir, owner)
+    try:
+        job.lowered = toolchain.lower(gm, example_inputs, job_dir)
+    except Exception as exc:  # noqa: BLE001 - compiled in place, which reports it
+        job.discard()
+        _warn_once(f"vllm_neuron: this graph could not be lowered for a background compile "
+                   f"({exc}); it is compiled in the tracing process")  # fmt: skip
+        return None
+    if job.lowered is None:
+        job.discard()
+        return None
+    return job
 
 
 JOB_PREFIX = "vllm_neuron_compile_job_"

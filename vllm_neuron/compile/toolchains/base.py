@@ -18,13 +18,14 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 from vllm_neuron.backends.records import Record, RecordCodec, Untagged
 
 __all__ = [
     "ARTIFACTS",
     "CompiledArtifact",
+    "LoweredGraph",
     "Toolchain",
     "ToolchainError",
     "ToolchainKind",
@@ -104,6 +105,15 @@ def restore_output_structure(result: Any, out_spec: str, expected_leaves: int) -
     return pytree.tree_unflatten(leaves, spec)
 
 
+class LoweredGraph(Protocol):
+    """A graph `Toolchain.lower` has prepared for its compiler."""
+
+    def compile(self, out_dir: str) -> CompiledArtifact:
+        """Run the compiler, writing every artifact file into ``out_dir`` (as
+        `Toolchain.compile` does); safe to call from any thread."""
+        ...
+
+
 class Toolchain(ABC):
     """Turns a traced FX graph into an artifact directory and loads it back."""
 
@@ -122,6 +132,14 @@ class Toolchain(ABC):
     def compile(self, gm: Any, example_inputs: Sequence[Any], out_dir: str) -> CompiledArtifact:
         """Compile ``gm`` for ``example_inputs``, writing every artifact file into
         ``out_dir`` (which the caller then publishes atomically)."""
+
+    def lower(self, gm: Any, example_inputs: Sequence[Any], work_dir: str) -> LoweredGraph | None:
+        """The part of `compile` that must run where ``gm`` was traced (in the tracing
+        thread), its results kept in ``work_dir``; the rest - the compiler, a process of its
+        own - is the returned graph's `LoweredGraph.compile`, which any thread may run, so
+        a process traces on while its graphs compile (compile/deferral.py). None: this
+        toolchain compiles only in one piece (`compile`)."""
+        return None
 
     @abstractmethod
     def load(self, entry_dir: str, meta: CompiledArtifact) -> Callable[..., Any]:

@@ -39,6 +39,7 @@ from vllm_neuron.compile.toolchains.base import (
 
 __all__ = [
     "INSTALL_HINT",
+    "LoweredNeuronGraph",
     "NeuronToolchain",
     "missing_neuron_packages",
     "neuronx_cc_command",
@@ -221,6 +222,28 @@ def _proto_result_shapes(hlo: Any) -> list[str]:
 # Toolchain ----------------------------------------------------------------------------------
 
 
+class LoweredNeuronGraph:
+    """A graph lowered to HLO (`NeuronToolchain.lower`), waiting for ``neuronx-cc``: what a
+    thread of the cache runs while the tracing thread lowers the next graph. The compiler is
+    a process of its own, so compiles of different graphs run side by side (as many as the
+    node's compile slots allow)."""
+
+    def __init__(self, work_dir: str, artifact: CompiledArtifact,
+                 compiler_args: Sequence[str]) -> None:  # fmt: skip
+        self.work_dir = work_dir
+        self.artifact = artifact
+        self._compiler_args = list(compiler_args)
+
+    def compile(self, out_dir: str) -> CompiledArtifact:
+        os.makedirs(out_dir, exist_ok=True)
+        for name in (HLO_NAME, METANEFF_NAME):
+            shutil.copyfile(os.path.join(self.work_dir, name), os.path.join(out_dir, name))
+        run_neuronx_cc(os.path.join(self.work_dir, "model"), os.path.join(out_dir, NEFF_NAME),
+                       self.artifact.target, self._compiler_args)  # fmt: skip
+        return self.artifact
+
+
+
 def _dist_version(name: str) -> str:
     try:
         return importlib.metadata.version(name)
@@ -261,6 +284,13 @@ class NeuronToolchain(Toolchain):
         return list(self._extra_args)
 
     def compile(self, gm: Any, example_inputs: Sequence[Any], out_dir: str) -> CompiledArtifact:
+        with tempfile.TemporaryDirectory(prefix="neuron-model-") as work_dir:
+            return self.lower(gm, example_inputs, work_dir).compile(out_dir)
+
+    def lower(self, gm: Any, example_inputs: Sequence[Any], work_dir: str) -> LoweredNeuronGraph:
+        """FX -> HLO with torch-neuronx, in the tracing thread; the HLO, its metaneff and the
+        compiler's model folder (the HLO with its constants, the weights) go in ``work_dir``.
+        `LoweredNeuronGraph.compile` runs ``neuronx-cc`` on them from any thread."""
         # Lazy: torch is heavy and optional; only this path needs it.
         import torch.fx
         import torch.utils._pytree as pytree
@@ -281,30 +311,27 @@ class NeuronToolchain(Toolchain):
         hlo, input_names, constants, _flattener, _packer, aliases = traced
         if aliases:
             raise ToolchainError("graphs that mutate their inputs are not supported")
-
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, HLO_NAME), "wb") as f:
-            f.write(hlo.SerializeToString())
-        metaneff = hlo_metaneff(hlo, input_names, aliases)
-        with open(os.path.join(out_dir, METANEFF_NAME), "wb") as f:
-            f.write(metaneff.SerializeToString())
-
-        # The compiler reads the HLO with its constants (weights) from a model folder;
-        # the folder is scratch, the constants end up inside the NEFF.
-        with tempfile.TemporaryDirectory(prefix="neuron-model-") as model_dir:
-            with open(os.path.join(model_dir, "graph.hlo"), "wb") as f:
-                f.write(hlo.SerializeToString())
-            weights = write_params(model_dir, constants)
-            with open(os.path.join(model_dir, "metadata.json"), "w") as f:
-                json.dump({"model_files": "graph.hlo", "version": "1.0", "weights": weights}, f)
-            run_neuronx_cc(
-                model_dir, os.path.join(out_dir, NEFF_NAME), self.target, self._extra_args
-            )
-
         shapes = _proto_result_shapes(hlo)
         if len(shapes) != len(leaves):
             raise ToolchainError(f"HLO returns {len(shapes)} arrays, graph {len(leaves)}")
-        return CompiledArtifact(
+
+        hlo_bytes = hlo.SerializeToString()
+        os.makedirs(work_dir, exist_ok=True)
+        with open(os.path.join(work_dir, HLO_NAME), "wb") as f:
+            f.write(hlo_bytes)
+        metaneff = hlo_metaneff(hlo, input_names, aliases)
+        with open(os.path.join(work_dir, METANEFF_NAME), "wb") as f:
+            f.write(metaneff.SerializeToString())
+        # The compiler reads the HLO with its constants (weights) from a model folder;
+        # the folder is scratch, the constants end up inside the NEFF.
+        model_dir = os.path.join(work_dir, "model")
+        os.makedirs(model_dir)
+        with open(os.path.join(model_dir, "graph.hlo"), "wb") as f:
+            f.write(hlo_bytes)
+        weights = write_params(model_dir, constants)
+        with open(os.path.join(model_dir, "metadata.json"), "w") as f:
+            json.dump({"model_files": "graph.hlo", "version": "1.0", "weights": weights}, f)
+        artifact = CompiledArtifact(
             toolchain=self.name,
             target=self.target,
             files=(NEFF_NAME, METANEFF_NAME),
@@ -313,6 +340,7 @@ class NeuronToolchain(Toolchain):
             num_inputs=len(example_inputs),
             hlo_file=HLO_NAME,
         )
+        return LoweredNeuronGraph(work_dir, artifact, self._extra_args)
 
     def load(self, entry_dir: str, meta: CompiledArtifact) -> Callable[..., Any]:
         self.check_meta(meta)
