@@ -76,6 +76,7 @@ from .outcomes import (
     PrecompiledOnlyMiss,
     RemoteWrite,
 )
+from .prefetch import Prefetcher
 from .promote import promote_entry
 from .quarantine import PublicationProblem, quarantine_entry
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
@@ -153,6 +154,7 @@ class TwoTierCache(LocalTierView, DeferringFlow):
             self.local, compile_workers, lease_duration=lease_duration, peers=tensor_parallel_size)
         self._loaded: dict[str, CacheResult] = {}
         self._in_flight: dict[str, PendingCompile] = {}  # begin's worker compiles, by key
+        self._prefetcher = Prefetcher(self._prefetch_once, patience=timeout)
         self._bound_lock = threading.Lock()  # one eviction pass at a time
         # The last record bytes read for each key and their decoding: a hit still reads the
         # record and stats every file, but bytes seen before are not decoded again.

@@ -19,11 +19,12 @@ from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from typing import Any, TypeVar
 
-from vllm_neuron.backends import Record
+from vllm_neuron.backends import LockTimeout, Record, Store
 
 from .building import CompileFn
 from .events import Deferred
 from .outcomes import CacheResult, CompileWorkerLost, DeferCompile, PendingCompile
+from .prefetch import Prefetcher
 from .slots import CompileSlots
 
 __all__ = ["DeferringFlow", "WorkerCompile"]
@@ -40,10 +41,22 @@ class DeferringFlow:
 
     timeout: float
     defer_compiles: bool
+    local: Store
+    lease_duration: float
     _slots: CompileSlots | None
     _in_flight: dict[str, PendingCompile]
+    _prefetcher: Prefetcher
 
     def _record(self, event: Record) -> None:
+        raise NotImplementedError
+
+    def lookup_local(self, key: str, *, quarantine: bool = True) -> CacheResult | None:
+        raise NotImplementedError
+
+    def fetch_remote(self, key: str) -> CacheResult | None:
+        raise NotImplementedError
+
+    def keep_within_bound(self) -> None:
         raise NotImplementedError
 
     def _get(self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
@@ -93,8 +106,11 @@ class DeferringFlow:
             future = _in_background(self._compile_in_worker, key, prepared, components, piece,
                                     at)  # fmt: skip
         self._record(Deferred(key=key, at=at, reason=reason, piece=piece or ""))
+        if reason == "remote-lease":  # fetched once its holder publishes it (prefetch.py)
+            self._prefetcher.add(key)
 
         def resolve() -> CacheResult:
+            self._prefetcher.forget(key)
             if reason == "worker":
                 try:
                     return future.result()
@@ -108,6 +124,25 @@ class DeferringFlow:
         if reason == "worker":
             self._in_flight[key] = pending
         return pending
+
+    def _prefetch_once(self, key: str) -> bool:
+        """One look for `key` on the remote from the prefetcher's thread, and its fetch when
+        it is published: True once the local tier has it. Under the key's local lock, taken
+        without waiting (busy: a first call or another rank is on it; look again later)."""
+        lock = self.local.lock(key, lease_duration=self.lease_duration)
+        try:
+            lock.acquire(timeout=0)
+        except LockTimeout:
+            return False
+        try:
+            if self.lookup_local(key, quarantine=False) is not None:
+                return True
+            fetched = self.fetch_remote(key) is not None
+        finally:
+            lock.release()
+        if fetched:
+            self.keep_within_bound()
+        return fetched
 
     def _compile_in_worker(self, key: str, prepared: tuple[CompileFn, Callable[[], None]],
                            components: Mapping[str, str], piece: str | None,

@@ -1,0 +1,103 @@
+"""A graph deferred to a holder on another node is fetched as soon as the holder publishes
+it, in the background, not at its first call (compile/prefetch.py).
+
+Two nodes in one test process, a folder remote with fenced leases: node A holds the graph's
+lease and compiles it until the test lets it finish; node B traces it (deferred). The test
+waits on B's local tier, never on a clock: with no prefetch, B's tier would stay empty until
+B called the graph, and the wait would run out.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from cache_workers import entry_is_right, fake_compile
+
+from vllm_neuron.backends import RecordCodec
+from vllm_neuron.compile.cache import TwoTierCache
+from vllm_neuron.compile.events import CACHE_EVENTS, EVENTS_STREAM, CacheHit, Fetched
+from vllm_neuron.compile.outcomes import PendingCompile
+from vllm_neuron.compile.prefetch import Prefetcher
+
+KEYS = ["5ef0c4ed" * 4, "5ef0c4ee" * 4, "5ef0c4ef" * 4]
+PATIENCE = 120.0  # far beyond any healthy run; only a broken prefetch waits this long
+
+
+def _until(condition: Any, what: str) -> None:
+    deadline = time.monotonic() + PATIENCE
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {PATIENCE} s for {what}"
+        time.sleep(0.01)
+
+
+def _node(tmp_path: Any, name: str) -> TwoTierCache:
+    return TwoTierCache(str(tmp_path / name), remote=str(tmp_path / "remote"),
+                        remote_options={"lock": "lease"})  # fmt: skip
+
+
+def test_graphs_deferred_to_another_node_are_fetched_before_their_first_calls(tmp_path):
+    node_a, node_b = _node(tmp_path, "a"), _node(tmp_path, "b")
+    holding, go = threading.Event(), threading.Event()
+
+    def held_compile(key: str) -> Any:
+        def compile_fn(out_dir: str) -> Any:
+            holding.set()
+            assert go.wait(PATIENCE)
+            return fake_compile(out_dir, key=key)
+        return compile_fn
+
+    def node_a_compiles() -> None:
+        for key in KEYS:
+            node_a.get_or_compile(key, held_compile(key))
+
+    a = threading.Thread(target=node_a_compiles)
+    a.start()
+    try:
+        _until(holding.is_set, "node A to hold the first graph")
+        pending = [node_b.begin(key, lambda out: pytest.fail("B compiled a held graph"))
+                   for key in KEYS[:1]]  # fmt: skip
+        assert isinstance(pending[0], PendingCompile) and pending[0].reason == "remote-lease"
+        assert node_b._prefetcher.pending == KEYS[:1]
+    finally:
+        go.set()
+    a.join()
+    # Node A published all three; B deferred only the first, and fetches it unasked.
+    _until(lambda: node_b.lookup_local(KEYS[0]) is not None, "B's background fetch")
+    _until(lambda: not node_b._prefetcher.pending, "B's prefetcher to let the key go")
+    result = pending[0].result()
+    assert result.source == "local" and entry_is_right(str(result.path), KEYS[0]) is None
+    codec = RecordCodec(CACHE_EVENTS)
+    events = [e for _, data in node_b.local.log(EVENTS_STREAM).segment_data()
+              for e in codec.decode_lines(data).records]  # fmt: skip
+    assert [e.key for e in events if isinstance(e, Fetched)] == KEYS[:1]
+    assert any(isinstance(e, CacheHit) and e.key == KEYS[0] for e in events)
+    assert node_b.lookup_local(KEYS[1]) is None  # nothing it did not defer
+
+
+def test_the_prefetcher_looks_round_the_keys_latest_first_and_leaves_each_to_its_first_call():
+    looked: list[str] = []
+    published = {"k3"}
+    all_added = threading.Event()
+
+    def fetch(key: str) -> bool:
+        looked.append(key)
+        if len(looked) == 1:  # the thread started at the first key: hold it until all are in
+            assert all_added.wait(PATIENCE)
+        return key in published
+
+    prefetcher = Prefetcher(fetch, patience=PATIENCE)
+    for key in ("k1", "k2", "k3"):
+        prefetcher.add(key)
+    all_added.set()
+    _until(lambda: "k3" not in prefetcher.pending, "k3's fetch")
+    prefetcher.forget("k1")
+    prefetcher.forget("k2")  # their first calls began
+    _until(lambda: not prefetcher.pending, "the prefetcher to finish")
+    assert looked[:2] == ["k1", "k3"], looked  # after the first look: latest deferral first
+    assert looked.count("k3") == 1  # fetched: never looked at again
+    prefetcher.add("k4")  # a new deferral starts a new thread
+    _until(lambda: "k4" in looked, "a look at k4")
+    prefetcher.forget("k4")

@@ -1,0 +1,109 @@
+"""Deferred graphs fetched as soon as their holders publish them, not at their first calls.
+
+A process that traced past graphs other nodes hold (`deferred`, reason ``remote-lease``)
+would otherwise fetch each one at its first call, one after another: on a fleet whose ranks
+share out G graphs, each process fetches G - G/N of them in a row once the compiles are done.
+The prefetcher looks for them in the background meanwhile and copies each into the local
+tier once it is published, so a first call finds a local hit, or the local lock held by the
+fetch already under way (it waits for it, then hits).
+
+What it does and does not do:
+
+* one thread per cache, alive while a key is pending; it looks at one key per pause
+  (`MAX_POLL_INTERVAL` at most, as a first call's wait does), so a process adds about one
+  small request per second to the remote however many graphs it deferred, and fetches the
+  published ones back to back; keys go in the order opposite to the first calls', so the
+  two meet in the middle instead of queueing on the same key;
+* it only fetches: a graph whose holder died (taken over), failed (failure note) or never
+  publishes is left to its first call, which owns those outcomes; so is a key whose local
+  lock is busy (a first call or another rank is on it);
+* a key is dropped at its first call, after NEURON_LIBTORCH_COMPILATION_TIMEOUT, or when a
+  look fails (the first call says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from .fleet import MAX_POLL_INTERVAL
+
+__all__ = ["Prefetcher"]
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+FIRST_PAUSE = 0.05
+
+
+class Prefetcher:
+    """Keys to fetch in the background, and the thread that fetches them.
+
+    `fetch(key)` makes one attempt: True when the local tier has the entry (nothing left to
+    do), False to look again later; an exception drops the key.
+    """
+
+    def __init__(self, fetch: Callable[[str], bool], *, patience: float) -> None:
+        self._fetch = fetch
+        self.patience = patience
+        self._pending: dict[str, float] = {}  # key -> monotonic deadline, in deferral order
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._running = False
+
+    def add(self, key: str) -> None:
+        """Fetch `key` once it is published (it was deferred to a holder elsewhere)."""
+        with self._lock:
+            self._pending[key] = time.monotonic() + self.patience
+            self._wake.set()
+            if self._running:
+                return
+            self._running = True
+        threading.Thread(target=self._run, daemon=True, name="vllm-neuron-prefetch").start()
+
+    def forget(self, key: str) -> None:
+        """Leave `key` to its first call, which has begun."""
+        with self._lock:
+            self._pending.pop(key, None)
+
+    @property
+    def pending(self) -> list[str]:
+        with self._lock:
+            return list(self._pending)
+
+    def _next(self, after: str | None) -> str | None:
+        """The key to look at after `after`, latest deferral first, round and round; None
+        when none is pending (the thread then ends: the caller holds the lock)."""
+        keys = list(reversed(self._pending))
+        if not keys:
+            self._running = False
+            return None
+        if after in keys:
+            return keys[(keys.index(after) + 1) % len(keys)]
+        return keys[0]
+
+    def _run(self) -> None:
+        pause = FIRST_PAUSE
+        key: str | None = None
+        while True:
+            with self._lock:
+                key = self._next(key)
+                if key is None:
+                    return
+                deadline = self._pending[key]
+                self._wake.clear()
+            if time.monotonic() > deadline:
+                self.forget(key)
+                continue
+            try:
+                done = self._fetch(key)
+            except Exception as exc:  # noqa: BLE001 - the first call owns this key's outcome
+                logger.debug("compile cache: no background fetch of %s: %s", key, exc)
+                done = True
+            if done:
+                self.forget(key)
+                pause = FIRST_PAUSE  # its peers are likely published too: look at once
+                continue
+            self._wake.wait(pause)  # a new deferral cuts the pause short
+            pause = min(pause * 1.5, MAX_POLL_INTERVAL)
