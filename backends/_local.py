@@ -41,6 +41,7 @@ from ._atomic import (
     replacing,
     write_temp,
 )
+from .appenders import FdAppender
 from .base import Appender, Capabilities, FileInfo
 from .debris import Seen
 from .digests import Expected, FileDigest, file_digest
@@ -88,38 +89,6 @@ def read_local_file(path: str) -> bytes | None:
 def _dir_identity(st: os.stat_result) -> str:
     """A directory's version (`LocalStore._dir_version`): device, inode, mtime."""
     return f"{st.st_dev:x}-{st.st_ino:x}-{st.st_mtime_ns:x}"
-
-
-class _FdAppender(Appender):
-    """O_APPEND descriptor; each `write` is one `os.write`, so lines survive `os._exit()`."""
-
-    __slots__ = ("_fd", "_pid", "_path")
-
-    def __init__(self, path: str, truncate: bool) -> None:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0)
-        self._path = path
-        self._fd = os.open(path, flags, 0o644)
-        self._pid = os.getpid()
-
-    def write(self, data: bytes) -> None:
-        os.write(self._fd, data)
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def close(self) -> None:
-        if self._fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self._fd)
-            self._fd = -1
-
-    def __del__(self) -> None:
-        # A log nobody closed (a dropped cache, a CLI's store) gives its descriptor back when
-        # collected - only in the process that opened it (a forked child may have reused the
-        # number); `_pid` is unset when the open failed.
-        if getattr(self, "_pid", -1) == os.getpid():
-            self.close()
 
 
 class LocalStore(Store):
@@ -237,7 +206,7 @@ class LocalStore(Store):
         return open(self._path(validate_key(key)), "rb")
 
     def open_appender(self, key: str, *, truncate: bool) -> Appender:
-        return _FdAppender(self._path(validate_key(key)), truncate)
+        return FdAppender(self._path(validate_key(key)), truncate)
 
     # ------------------------------------------- operations the domain code needs
     def read_published(self, final: str, rel: str) -> tuple[str, bytes | None] | None:

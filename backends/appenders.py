@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
 from abc import ABC, abstractmethod
 
 from .protocol import ByteStore
@@ -44,3 +46,35 @@ class SegmentAppender(Appender):
 
     def close(self) -> None:
         pass
+
+
+class FdAppender(Appender):
+    """O_APPEND descriptor; each `write` is one `os.write`, so lines survive `os._exit()`."""
+
+    __slots__ = ("_fd", "_pid", "_path")
+
+    def __init__(self, path: str, truncate: bool) -> None:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0)
+        self._path = path
+        self._fd = os.open(path, flags, 0o644)
+        self._pid = os.getpid()
+
+    def write(self, data: bytes) -> None:
+        os.write(self._fd, data)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._fd)
+            self._fd = -1
+
+    def __del__(self) -> None:
+        # A log nobody closed (a dropped cache, a CLI's store) gives its descriptor back when
+        # collected - only in the process that opened it (a forked child may have reused the
+        # number); `_pid` is unset when the open failed.
+        if getattr(self, "_pid", -1) == os.getpid():
+            self.close()

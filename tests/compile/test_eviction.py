@@ -484,3 +484,28 @@ def test_eviction_keeps_the_bound_and_never_removes_a_kept_entry(entries, bound_
             assert max(recency(k) for k in removed) < min(evictable_left)
         for key in after:
             assert store.publication(key).state == "published"
+
+
+def test_the_bound_counts_an_entrys_unpacked_copy_and_not_one_without_its_entry(tmp_path,
+                                                                               compile_fn):
+    d = str(tmp_path / "cache")
+    builder = TwoTierCache(d)
+    for key in KEYS[:2]:
+        builder.get_or_compile(key, compile_fn(key))
+    store = open_store(d)
+    # A copy of KEYS[0]'s package (compile/unpacked.py), and one whose entry is gone.
+    store.write(f".unpacked/{KEYS[0]}-{'a' * 32}/model.so", b"x" * ENTRY)
+    store.write(f".unpacked/{KEYS[5]}-{'b' * 32}/model.so", b"y" * (3 * ENTRY))
+    hit(d, KEYS[1], time.time() + 1)  # KEYS[0] is the least recently used
+
+    # The entries' records alone (2 x ENTRY) fit; with KEYS[0]'s copy they do not.
+    done = Evictor(store, 2 * ENTRY, recent_use_seconds=0).run()
+    assert done is not None and [e.key for e in done.withdrawn] == [KEYS[0]]
+    assert done.withdrawn[0].size == 2 * ENTRY  # its record's files and its copy
+    assert present(d) == [KEYS[1]]
+    assert not store.list(f".unpacked/{KEYS[0]}-{'a' * 32}")  # the copy went with it
+    # The orphan copy is `cache gc`'s: it never makes the bound evict an entry.
+    assert Evictor(store, ENTRY, recent_use_seconds=0).run() == eviction.Withdrawn(total=ENTRY)
+    assert present(d) == [KEYS[1]]
+    plan = plan_prune(store, max_size=ENTRY)
+    assert not plan.delete, plan

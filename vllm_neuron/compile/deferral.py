@@ -46,6 +46,7 @@ class DeferringFlow:
     _slots: CompileSlots | None
     _in_flight: dict[str, PendingCompile]
     _prefetcher: Prefetcher
+    _untrusted: dict[str, str]
 
     def _record(self, event: Record) -> None:
         raise NotImplementedError
@@ -142,7 +143,8 @@ class DeferringFlow:
             lock.release()
         if fetched:
             self.keep_within_bound()
-        return fetched
+        # Published but refused by the trust policy (said once): its first call decides.
+        return fetched or key in self._untrusted
 
     def _compile_in_worker(self, key: str, prepared: tuple[CompileFn, Callable[[], None]],
                            components: Mapping[str, str], piece: str | None,

@@ -46,7 +46,7 @@ import os
 import socket
 import time
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vllm_neuron.backends import (
     LockTimeout,
@@ -60,7 +60,7 @@ from vllm_neuron.backends import (
 
 from .events import CACHE_EVENTS, EVENTS_STREAM, CacheHit, Compiled, Evicted, Fetched
 from .inventory import KEY_RE, EntryInfo, list_entries
-from .unpacked import drop_unpacked
+from .unpacked import drop_unpacked, unpacked_sizes
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -188,6 +188,15 @@ class Candidate:
 
     info: EntryInfo
     last_used: float
+
+
+def sized_entries(store: Store) -> list[EntryInfo]:
+    """`list_entries`, each entry's size counting its unpacked copies too (`unpacked.py`):
+    they go with it, so the bound is on the bytes the tier holds. A copy whose entry is gone
+    is not counted here (no entry to evict frees it): `cache gc` collects it."""
+    copies = unpacked_sizes(store)
+    return [replace(e, size=e.size + copies[e.key]) if e.key in copies else e
+            for e in list_entries(store)]  # fmt: skip
 
 
 def eviction_order(
@@ -348,7 +357,7 @@ class Evictor:
             return None
 
     def _pass(self, protect: Collection[str]) -> Withdrawn:
-        entries = list_entries(self.store)
+        entries = sized_entries(self.store)
         total = sum(e.size for e in entries)
         if total <= self.max_size:
             return Withdrawn(total=total)

@@ -19,9 +19,10 @@ from .eviction import (
     eviction_order,
     pinned_keys,
     plan_to_fit,
+    sized_entries,
     withdraw_entries,
 )
-from .inventory import EntryInfo, list_entries
+from .inventory import EntryInfo
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def plan_prune(
     """
     if older_than is None and max_size is None and incompatible is None:
         raise ValueError("prune needs --older-than, --max-size and/or --incompatible")
-    entries = list_entries(store)
+    entries = sized_entries(store)
     saved = pinned_keys(store) | set(keep)
     must: dict[str, EntryInfo] = {}
     reasons: dict[str, str] = {}

@@ -117,6 +117,18 @@ def copy_key(name: str) -> str | None:
     return found.group(1) if found else None
 
 
+def unpacked_sizes(store: Store) -> dict[str, int]:
+    """The bytes of each key's unpacked copies in the tier (a listing of `UNPACKED_DIR` and
+    a stat per file): what the size bound counts beside each entry's recorded files."""
+    sizes: dict[str, int] = {}
+    for info in store.iter_files(UNPACKED_DIR):
+        name = info.key.removeprefix(UNPACKED_DIR + "/").split("/", 1)[0]
+        key = copy_key(name)
+        if key is not None:
+            sizes[key] = sizes.get(key, 0) + info.size
+    return sizes
+
+
 # -------------------------------------------------------------------- the copy
 def unpacked_dir(store: Store, key: str, prefix: str, package: str, source: FileDigest) -> str:
     """The local directory of a verified copy of entry `key`'s `package` (its files under
