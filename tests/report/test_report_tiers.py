@@ -119,6 +119,7 @@ def check_remote(section: Element, remote: str, key_id: str, *, pieces: bool) ->
     assert cells(by_key[PLAIN])[1] == "-" and cells(by_key[PLAIN])[5] == "unsigned"
     assert "did not load on" in by_key[NOT_LOADED].text and "bad magic" in by_key[NOT_LOADED].text
     assert by_key[NOT_LOADED].attrs.get("class") == "bad"
+    assert section.text.count("bad magic") == 1  # in its entry's row, not again for the tier
     assert FILE_NAMES[0] in cells(by_key[SHORT])[6]
     gone = by_key[QUARANTINED]
     assert gone.attrs["data-quarantined"] == "true" and "withdrawn" in cells(gone)[3]

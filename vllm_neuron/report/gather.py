@@ -115,7 +115,15 @@ def with_entries(caches: tuple[CacheView, ...], engines: tuple[EngineView, ...]
     manifest read."""
     pieces = piece_index((e for c in caches for row in c.rows for e in row.events),
                          (e.manifest for e in engines if e.manifest is not None))  # fmt: skip
-    return tuple(replace(c, entries=read_entries(c.location, pieces)) for c in caches)
+    out = []
+    for cache in caches:
+        entries = read_entries(cache.location, pieces)
+        # A note on an entry listed is in that entry's problems: the tier's own list keeps
+        # only the notes of keys without one (withdrawn since, never published here).
+        listed = {row.key for row in entries.live}
+        orphans = tuple(n for n in cache.load_failures if n.split(":", 1)[0] not in listed)
+        out.append(replace(cache, entries=entries, load_failures=orphans))
+    return tuple(out)
 
 
 def _load_failures(cache: str) -> tuple[str, ...]:

@@ -165,8 +165,9 @@ def _tier(n: int, cache: CacheView, now: float) -> Markup:
     role = "remote" if cache.remote else "local"
     usage = (el("p", _REMOTE_NOTE, class_="muted") if cache.remote
              else stats_table(cache.stats, cache.location))  # fmt: skip
-    notes = (problem_list("Entries that did not load on a host (notes on this tier; the "
-                          "entries stay: see cache verify --load)", cache.load_failures)
+    notes = (problem_list("Keys that did not load on a host, with no entry listed here "
+                          "(notes on this tier; a listed entry shows its own below)",
+                          cache.load_failures)
              if cache.load_failures else join([]))  # fmt: skip
     return el("section", el("h3", f"[{n}] {role.capitalize()} tier {cache.location}"), usage,
               _trust_table(cache.trust), notes, render_entries(cache.entries, cache.location, now),
