@@ -150,3 +150,41 @@ def test_a_remote_that_fails_to_answer_after_the_lease_is_won_is_an_outage_not_a
     assert not isinstance(result, PendingCompile)
     assert result.source == "compiled" and entry_is_right(str(result.path), KEY) is None
     assert read_stats(cache.local_dir).remote_outages == 1
+
+
+def test_a_rank_tracing_a_graph_another_rank_is_preparing_defers_to_it(tmp_path):
+    """The preparation (a host export, a Neuron lowering) runs under the key's lock: a rank
+    of the node that traces the same graph meanwhile defers to the one preparing it and
+    never prepares it too."""
+    rank_a, rank_b = _cache(tmp_path), _cache(tmp_path)  # two processes' caches, one node
+    preparing, go = threading.Event(), threading.Event()
+    prepared: list[str] = []
+
+    def slow_worker() -> Any:
+        prepared.append("a")
+        preparing.set()
+        assert go.wait(60)
+        return (lambda out: fake_compile(out, key=KEY)), (lambda: None)
+
+    def b_worker() -> Any:
+        prepared.append("b")
+        return (lambda out: fake_compile(out, key=KEY)), (lambda: None)
+
+    outcome: list[Any] = []
+    a = threading.Thread(target=lambda: outcome.append(
+        rank_a.begin(KEY, lambda out: pytest.fail("compiled in place"), worker=slow_worker)))
+    a.start()
+    try:
+        assert preparing.wait(60)
+        deferred = rank_b.begin(KEY, lambda out: pytest.fail("B compiled it"), worker=b_worker)
+        assert isinstance(deferred, PendingCompile) and deferred.reason == "local-lock"
+    finally:
+        go.set()
+        a.join()
+    assert prepared == ["a"]
+    (pending,) = outcome
+    assert isinstance(pending, PendingCompile) and pending.reason == "worker"
+    assert pending.result().source == "compiled"
+    result = deferred.result()
+    assert result.source in ("local", "local-after-wait")
+    assert entry_is_right(str(result.path), KEY) is None

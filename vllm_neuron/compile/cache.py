@@ -47,7 +47,7 @@ from vllm_neuron.backends import (
 from vllm_neuron.identity import tensor_parallel_size
 
 from .building import CompileFn, Compiler
-from .deferral import DeferringFlow
+from .deferral import DeferringFlow, WorkerCompile
 from .entry import (
     EntryProblem,
     EntryRecord,
@@ -281,8 +281,8 @@ class TwoTierCache(LocalTierView, DeferringFlow):
 
     def _get(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
-        piece: str | None, *, wait: bool, started: float | None, to_worker: bool = False,
-        have_slot: bool = False,
+        piece: str | None, *, wait: bool, started: float | None,
+        worker: WorkerCompile | None = None, have_slot: bool = False,
     ) -> CacheResult:
         validate_hex(key, length=32, what="compile cache key")
         cached = self._loaded.get(key)
@@ -302,7 +302,7 @@ class TwoTierCache(LocalTierView, DeferringFlow):
             self._loaded[key] = hit
             return hit
         result = self._locked_miss(key, compile_fn, components, piece, wait=wait,
-                                   started=started, to_worker=to_worker, have_slot=have_slot)
+                                   started=started, worker=worker, have_slot=have_slot)
         self._loaded[key] = result
         if result.source in ("compiled", "remote"):  # published: the tier grew
             self.keep_within_bound()
@@ -310,7 +310,8 @@ class TwoTierCache(LocalTierView, DeferringFlow):
 
     def _locked_miss(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None,
-        *, wait: bool, started: float | None, to_worker: bool = False, have_slot: bool = False,
+        *, wait: bool, started: float | None, worker: WorkerCompile | None = None,
+        have_slot: bool = False,
     ) -> CacheResult:
         wait_start = time.time() if started is None else started
         deadline = time.monotonic() + self.timeout
@@ -333,7 +334,7 @@ class TwoTierCache(LocalTierView, DeferringFlow):
                 key, compile_fn, components, piece, f"cannot take the key's lock: {exc}")
             return CacheResult(key, out_dir, record, "uncached", seconds, "")
         compile_here = self._compile_here(key, compile_fn, components, piece, wait, deadline,
-                                          to_worker, have_slot)
+                                          worker, have_slot)
         waited = time.perf_counter() - t0
         try:
             if waited > 0.05:
@@ -395,16 +396,23 @@ class TwoTierCache(LocalTierView, DeferringFlow):
 
     def _compile_here(
         self, key: str, compile_fn: CompileFn, components: Mapping[str, str], piece: str | None,
-        wait: bool, deadline: float, to_worker: bool = False, have_slot: bool = False,
+        wait: bool, deadline: float, worker: WorkerCompile | None = None,
+        have_slot: bool = False,
     ) -> Callable[..., CacheResult]:
         """The compile this process does once it has won `key`: in one of the node's compile
-        slots (without `wait`, `DeferCompile` when none is free, or - `to_worker` -
-        `DeferCompile("worker")`: `begin` hands it to a worker); with `owed`, the promotion
-        to the remote is owed first (settled by it, or by a later start)."""
+        slots (without `wait`, `DeferCompile` when none is free, or - with `worker` - the
+        graph prepared for a background compile and `DeferCompile("worker")` carrying it:
+        `begin` hands it to a worker); with `owed`, the promotion to the remote is owed first
+        (settled by it, or by a later start)."""
 
         def compile_here(*, owed: bool = False) -> CacheResult:
-            if to_worker and not wait:
-                raise DeferCompile("worker")
+            if worker is not None and not wait:
+                # Prepared here, under the key's lock (and lease): a rank that traces the
+                # graph meanwhile defers to this one instead of preparing it too.
+                prepared = worker()
+                if prepared is not None:
+                    raise DeferCompile("worker", prepared)
+                # no worker for this graph: compiled here, now, if a slot is free
             if self._slots is None or have_slot:  # no bound, or the caller holds a slot
                 if owed:
                     self._upkeep.owe(key)

@@ -61,7 +61,8 @@ class DeferringFlow:
         raise NotImplementedError
 
     def _get(self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
-             piece: str | None, *, wait: bool, started: float | None, to_worker: bool = False,
+             piece: str | None, *, wait: bool, started: float | None,
+             worker: WorkerCompile | None = None,
              have_slot: bool = False) -> CacheResult:  # fmt: skip
         raise NotImplementedError
 
@@ -81,9 +82,11 @@ class DeferringFlow:
         `deferred` event says why), and the wait happens at its `result()`.
 
         With `worker`, a graph this process wins is compiled in the background too: `worker()`
-        prepares it here, in the tracing thread, and returns the compile to run in a worker
-        process plus what discards the prepared job (None: compile in place, now); a thread of
-        this cache then runs the flow with it (`deferred` event, reason ``worker``). A worker
+        prepares it here, in the tracing thread, under the key's lock (a rank tracing it
+        meanwhile defers to this one), and returns the compile to run in a worker process
+        plus what discards the prepared job (None: compile in place, now, if a slot is free);
+        a thread of this cache then runs the flow with it (`deferred` event, reason
+        ``worker``). A worker
         that cannot run (`CompileWorkerLost`) costs an in-place compile at the first call.
         With VLLM_NEURON_DEFER_COMPILES=0 (`defer_compiles`) this is `get_or_compile`."""
         components = components or {}
@@ -95,15 +98,11 @@ class DeferringFlow:
         at = time.time()
         try:
             return self._get(key, compile_fn, components, piece, wait=False, started=at,
-                             to_worker=worker is not None)
+                             worker=worker)
         except DeferCompile as deferral:
-            reason = deferral.reason
+            reason, prepared = deferral.reason, deferral.prepared
         in_place = compile_fn
         if reason == "worker":
-            assert worker is not None
-            prepared = worker()
-            if prepared is None:  # no worker for this graph: compiled here and now
-                return self._get(key, compile_fn, components, piece, wait=True, started=at)
             future = _in_background(self._compile_in_worker, key, prepared, components, piece,
                                     at)  # fmt: skip
         self._record(Deferred(key=key, at=at, reason=reason, piece=piece or ""))

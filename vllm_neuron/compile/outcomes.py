@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import Any
 
 import msgspec
 
@@ -61,9 +62,12 @@ class DeferCompile(Exception):  # noqa: N818 - a signal inside the flow, not an 
     wait: the key's lock or lease is held by another process, or no compile slot is free.
     `TwoTierCache.begin` turns it into a `PendingCompile`; it never leaves the cache."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, reason: str, prepared: Any = None) -> None:
         super().__init__(reason)
-        self.reason = reason  # "local-lock", "remote-lease" or "no-slot"
+        self.reason = reason  # "local-lock", "remote-lease", "no-slot" or "worker"
+        # "worker": the graph prepared for a compile off the tracing thread (the compile to
+        # run, and what discards the prepared job; `deferral.WorkerCompile`)
+        self.prepared = prepared
 
 
 class PendingCompile:
