@@ -18,6 +18,7 @@ import posixpath
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +28,14 @@ from fake_neuron import HERE as FAKE_NEURON
 from fake_neuron import installed
 
 from vllm_neuron.backends import RecordCodec, open_store
-from vllm_neuron.compile.events import CACHE_EVENTS, EVENTS_STREAM, Compiled, Deferred
+from vllm_neuron.compile.events import (
+    CACHE_EVENTS,
+    EVENTS_STREAM,
+    Compiled,
+    CompileFailed,
+    Deferred,
+)
+from vllm_neuron.compile.failures import FAILURES_DIR
 from vllm_neuron.compile.toolchains.neuron import (
     HLO_NAME,
     METANEFF_NAME,
@@ -43,7 +51,8 @@ def _engine(tmp_path: Path, widths: list[int], **env: str) -> tuple[dict[str, An
     result and its cache events."""
     root = tmp_path / "root"
     proc = subprocess.run(
-        [sys.executable, os.path.join(FAKE_NEURON, "pieces.py"), json.dumps(widths)],
+        [sys.executable, os.path.join(FAKE_NEURON, "pieces.py"), json.dumps(widths),
+         str(tmp_path / "bin")],
         env=worker_env(VLLM_CACHE_ROOT=str(root), VLLM_NEURON_TOOLCHAIN="neuron", **env),
         capture_output=True, text=True, timeout=SAFETY)
     assert proc.returncode == 0, proc.stderr
@@ -101,11 +110,50 @@ def test_a_graph_the_neuron_compiler_rejects_fails_at_its_first_call_and_no_othe
     assert sum(isinstance(e, Compiled) for e in events) == 2
 
 
+@pytest.mark.timeout(2 * SAFETY)
+def test_a_neuron_compiler_killed_by_a_signal_is_no_failure_of_the_graph(tmp_path):
+    marks = tmp_path / "marks"
+    marks.mkdir()
+    result, events = _engine(tmp_path, [16], FAKE_NEURONX_CC_KILLED_ONCE=str(marks))
+
+    (graph,) = result["graphs"]
+    assert graph["deferred"] and "error" not in graph, graph  # compiled again, in place
+    entry = Path(result["entries"][graph["key"]])
+    assert graph["output"] == _neff_of((entry / HLO_NAME).read_bytes())
+    assert (marks / "killed").exists()  # the background compile was the one killed
+    assert not [e for e in events if isinstance(e, CompileFailed)], events
+    tier = open_store(str(tmp_path / "root" / "neuron" / "compile_cache"), create=False)
+    assert not tier.list(FAILURES_DIR)  # no failure note: other processes compile it
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_a_process_that_exits_during_a_background_compile_stops_the_compiler(tmp_path):
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    # The compile waits for a second one that never comes; the process exits meanwhile.
+    _engine(tmp_path, [16], FAKE_NEURONX_CC_TOGETHER=f"{meet}:2",
+            FAKE_NEURONX_CC_PATIENCE=str(10 * SAFETY), FAKE_PIECES_EXIT_WHEN_STARTED=str(meet))
+
+    (pid,) = (int(name) for name in os.listdir(meet))
+    deadline = time.monotonic() + SAFETY
+    while _alive(pid):  # killed at the process's exit, not left to run on the node
+        assert time.monotonic() < deadline, f"neuronx-cc {pid} outlived its process"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def test_lowering_here_and_compiling_in_another_thread_makes_the_in_place_entry(
         tmp_path, monkeypatch):  # fmt: skip
     import torch
 
-    with installed(monkeypatch):
+    with installed(monkeypatch, str(tmp_path / "bin")):
         toolchain = NeuronToolchain()
         model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU()).eval()
         gm, inputs = torch.fx.symbolic_trace(model), [torch.randn(2, 8)]

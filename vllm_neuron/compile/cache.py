@@ -155,6 +155,7 @@ class TwoTierCache(LocalTierView, DeferringFlow):
         self._loaded: dict[str, CacheResult] = {}
         self._in_flight: dict[str, PendingCompile] = {}  # begin's worker compiles, by key
         self._prefetcher = Prefetcher(self._prefetch_once, patience=timeout)
+        self._prefetched: set[str] = set()  # fetched by it, not yet looked up (deferral.py)
         self._bound_lock = threading.Lock()  # one eviction pass at a time
         # The last record bytes read for each key and their decoding: a hit still reads the
         # record and stats every file, but bytes seen before are not decoded again.
@@ -295,10 +296,11 @@ class TwoTierCache(LocalTierView, DeferringFlow):
         self._upkeep.start_background()  # once (upkeep.py)
         hit = self.lookup_local(key, quarantine=False)
         if hit is not None:
-            self._record(
-                CacheHit(key=key, at=time.time(), seconds=hit.seconds,
-                         compile_seconds=hit.record.compile_seconds)
-            )
+            if not self._first_use_of_prefetched(key):
+                self._record(
+                    CacheHit(key=key, at=time.time(), seconds=hit.seconds,
+                             compile_seconds=hit.record.compile_seconds)
+                )
             self._loaded[key] = hit
             return hit
         result = self._locked_miss(key, compile_fn, components, piece, wait=wait,
@@ -341,10 +343,11 @@ class TwoTierCache(LocalTierView, DeferringFlow):
                 self._record(LockWaited(key=key, at=time.time(), seconds=waited))
             hit = self.lookup_local(key)
             if hit is not None:
-                self._record(
-                    CacheHit(key=key, at=time.time(), seconds=waited,
-                             compile_seconds=hit.record.compile_seconds)
-                )
+                if not self._first_use_of_prefetched(key):
+                    self._record(
+                        CacheHit(key=key, at=time.time(), seconds=waited,
+                                 compile_seconds=hit.record.compile_seconds)
+                    )
                 return self._result(key, hit.prefix, hit.record, "local-after-wait", waited)
             failure = recent_failure(self.local, key, since=wait_start)
             if failure is not None:

@@ -55,7 +55,14 @@ from typing import IO, Any
 import msgspec
 
 from .outcomes import CompileWorkerLost
-from .toolchains.base import ARTIFACTS, CompiledArtifact, LoweredGraph, Toolchain, ToolchainError
+from .toolchains.base import (
+    ARTIFACTS,
+    CompiledArtifact,
+    CompilerKilled,
+    LoweredGraph,
+    Toolchain,
+    ToolchainError,
+)
 from .toolchains.op_libraries import loaded_vllm_kernel_library
 
 __all__ = ["ARTIFACT", "ERROR", "GRAPH_FAILED", "NO_ROOM", "OUTPUT", "POOL", "CompileJob",
@@ -125,7 +132,10 @@ class LoweredJob(PreparedJob):
 
     def compile(self, out_dir: str) -> CompiledArtifact:
         assert self.lowered is not None
-        return self.lowered.compile(out_dir)
+        try:
+            return self.lowered.compile(out_dir)
+        except CompilerKilled as exc:  # not the graph's failure: compiled in place instead
+            raise CompileWorkerLost(str(exc)) from exc
 
 
 class _Worker:
@@ -297,6 +307,8 @@ def _lowered_job(toolchain: Toolchain, gm: Any,
     the graph is lowered here (`Toolchain.lower`) and its compiler run from a thread of the
     cache. None when the toolchain does not lower, or this graph does not (said once; the
     in-place compile says why in its own words, with the cache's failure handling)."""
+    if type(toolchain).lower is Toolchain.lower:
+        return None  # it compiles only in one piece
     _sweep_dead_jobs()
     try:
         job_dir, owner = _owned_job_dir()

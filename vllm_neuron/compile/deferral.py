@@ -46,7 +46,7 @@ class DeferringFlow:
     _slots: CompileSlots | None
     _in_flight: dict[str, PendingCompile]
     _prefetcher: Prefetcher
-    _untrusted: dict[str, str]
+    _prefetched: set[str]
 
     def _record(self, event: Record) -> None:
         raise NotImplementedError
@@ -58,6 +58,10 @@ class DeferringFlow:
         raise NotImplementedError
 
     def keep_within_bound(self) -> None:
+        raise NotImplementedError
+
+    @property
+    def remote(self) -> Store | None:
         raise NotImplementedError
 
     def _get(self, key: str, compile_fn: CompileFn, components: Mapping[str, str],
@@ -126,24 +130,40 @@ class DeferringFlow:
         return pending
 
     def _prefetch_once(self, key: str) -> bool:
-        """One look for `key` on the remote from the prefetcher's thread, and its fetch when
-        it is published: True once the local tier has it. Under the key's local lock, taken
-        without waiting (busy: a first call or another rank is on it; look again later)."""
+        """One look for `key` on the remote from the prefetcher's thread (a request, no
+        lock), and once it is published, one fetch of it under the key's local lock, taken
+        without waiting. True when there is nothing more to do: fetched, found here, or a
+        fetch that failed (a full disk, a defective or untrusted entry, the remote gone),
+        whose first call owns the outcome; False to look again later (not published yet, or
+        the lock busy: a first call or another rank is on it)."""
+        remote = self.remote
+        if remote is None:
+            return True  # no remote (set aside): the first call waits and says why
+        if remote.publication(key).state == "absent":
+            return False
         lock = self.local.lock(key, lease_duration=self.lease_duration)
         try:
             lock.acquire(timeout=0)
         except LockTimeout:
             return False
         try:
-            if self.lookup_local(key, quarantine=False) is not None:
+            if self.lookup_local(key) is not None:
                 return True
             fetched = self.fetch_remote(key) is not None
         finally:
             lock.release()
         if fetched:
+            self._prefetched.add(key)  # its first call's local hit is this fetch, not a 2nd
             self.keep_within_bound()
-        # Published but refused by the trust policy (said once): its first call decides.
-        return fetched or key in self._untrusted
+        return True
+
+    def _first_use_of_prefetched(self, key: str) -> bool:
+        """Whether `key` was fetched by the prefetcher and not used since: its first local
+        hit records no `hit` event (the fetch counted once, as a remote hit)."""
+        if key not in self._prefetched:
+            return False
+        self._prefetched.discard(key)
+        return True
 
     def _compile_in_worker(self, key: str, prepared: tuple[CompileFn, Callable[[], None]],
                            components: Mapping[str, str], piece: str | None,

@@ -15,10 +15,16 @@ What it does and does not do:
   published ones back to back; keys go in the order opposite to the first calls', so the
   two meet in the middle instead of queueing on the same key;
 * it only fetches: a graph whose holder died (taken over), failed (failure note) or never
-  publishes is left to its first call, which owns those outcomes; so is a key whose local
-  lock is busy (a first call or another rank is on it);
-* a key is dropped at its first call, after NEURON_LIBTORCH_COMPILATION_TIMEOUT, or when a
-  look fails (the first call says why).
+  publishes is left to its first call, which owns those outcomes; a look is one request
+  (is it published?), and the key's local lock is taken - without waiting - only to fetch
+  what is published (busy: a first call or another rank is on it; looked at again later);
+* a published key gets one fetch: whatever comes of it (fetched; or a full or read-only
+  disk, a defective or untrusted entry, a remote that fails - each said once, where the
+  fetch says it), the key is done and its first call takes it from there;
+* a key is also dropped at its first call, after NEURON_LIBTORCH_COMPILATION_TIMEOUT, or
+  when a look raises (the first call says why);
+* the fetch is the graph's one use of the remote: its first call's local hit records no
+  second ``hit`` event (`cache stats` counts one remote hit).
 """
 
 from __future__ import annotations
@@ -60,7 +66,14 @@ class Prefetcher:
             if self._running:
                 return
             self._running = True
-        threading.Thread(target=self._run, daemon=True, name="vllm-neuron-prefetch").start()
+        try:
+            threading.Thread(target=self._run, daemon=True, name="vllm-neuron-prefetch").start()
+        except RuntimeError as exc:  # no thread to be had: the first calls fetch, as without
+            with self._lock:
+                self._running = False
+                self._pending.clear()
+            logger.warning("compile cache: no background fetches (%s); deferred graphs are "
+                           "fetched at their first calls", exc)  # fmt: skip
 
     def forget(self, key: str) -> None:
         """Leave `key` to its first call, which has begun."""

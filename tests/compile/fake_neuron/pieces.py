@@ -2,7 +2,8 @@
 as vLLM's piecewise backend does (a piece name each, every graph before any call), then
 calls each. Settings from the environment; prints one JSON line: per graph its key, whether
 the runtime returned before the graph compiled (deferred), and what its first call gave
-(the NEFF's bytes, or the error)."""
+(the NEFF's bytes, or the error). With FAKE_PIECES_EXIT_WHEN_STARTED=<dir> it calls none:
+it exits once a file appears in <dir> (a compile has started)."""
 
 from __future__ import annotations
 
@@ -10,13 +11,17 @@ import json
 import os
 import socket
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def main(widths: list[int]) -> dict[str, object]:
+def main(widths: list[int], bin_dir: str) -> dict[str, object]:
     sys.path.insert(0, HERE)
-    os.environ["PATH"] = os.path.join(HERE, "bin") + os.pathsep + os.environ.get("PATH", "")
+    sys.path.insert(0, os.path.dirname(HERE))
+    from fake_neuron import compiler_on_path
+
+    os.environ["PATH"] = compiler_on_path(bin_dir)
     import torch
 
     from vllm_neuron.assembly import get_runtime
@@ -38,6 +43,11 @@ def main(widths: list[int]) -> dict[str, object]:
         fn, traced = runtime.compile(torch.fx.symbolic_trace(model), [torch.randn(4, width)],
                                      piece=f"piece {width}")
         graphs.append((fn, traced.key, isinstance(fn, DeferredGraph)))
+    leave_when = os.environ.get("FAKE_PIECES_EXIT_WHEN_STARTED")
+    if leave_when:  # a server stopped during its cold start: exits while a compile runs
+        while not os.listdir(leave_when):
+            time.sleep(0.02)
+        return {"graphs": [], "writer": f"{socket.gethostname()}-{os.getpid()}"}
     results = []
     for fn, key, deferred in graphs:
         try:
@@ -49,4 +59,4 @@ def main(widths: list[int]) -> dict[str, object]:
 
 
 if __name__ == "__main__":
-    print("RESULT " + json.dumps(main(json.loads(sys.argv[1]))), flush=True)
+    print("RESULT " + json.dumps(main(json.loads(sys.argv[1]), sys.argv[2])), flush=True)

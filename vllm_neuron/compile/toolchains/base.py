@@ -25,6 +25,7 @@ from vllm_neuron.backends.records import Record, RecordCodec, Untagged
 __all__ = [
     "ARTIFACTS",
     "CompiledArtifact",
+    "CompilerKilled",
     "LoweredGraph",
     "Toolchain",
     "ToolchainError",
@@ -40,6 +41,12 @@ ARTIFACT_TAG = "compiled-artifact"
 
 class ToolchainError(RuntimeError):
     """A toolchain failed to compile or load a graph."""
+
+
+class CompilerKilled(ToolchainError):
+    """The compiler's process was ended by a signal (most often the kernel's out-of-memory
+    killer, when compiles side by side took the node's memory): the node's fault at that
+    moment, not the graph's - no failure note; the graph is compiled again in place."""
 
 
 class ToolchainUnavailable(ToolchainError):

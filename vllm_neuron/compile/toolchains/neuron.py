@@ -16,6 +16,8 @@ follow torch-neuronx's own ``trace`` implementation and are unverified here.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -24,11 +26,13 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 from vllm_neuron.compile.toolchains.base import (
     CompiledArtifact,
+    CompilerKilled,
     Toolchain,
     ToolchainError,
     ToolchainKind,
@@ -114,28 +118,58 @@ def neuronx_cc_command(
     ]
 
 
+_RUNNING: set[subprocess.Popen[str]] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+def _stop_running_compilers() -> None:
+    """A process that exits while a thread of its cache runs ``neuronx-cc`` (a server
+    stopped during its cold start) stops the compiler too: nobody would publish its NEFF,
+    and it would hold the node's memory while the next server's compiles start."""
+    with _RUNNING_LOCK:
+        running = list(_RUNNING)
+    for proc in running:
+        with contextlib.suppress(OSError):
+            proc.kill()
+
+
+atexit.register(_stop_running_compilers)
+
+
 def run_neuronx_cc(
     hlo_path: str,
     neff_path: str,
     target: str,
     compiler_args: Sequence[str] = (),
     executable: str | None = None,
+    scratch_parent: str | None = None,
 ) -> list[str]:
-    """Run ``neuronx-cc`` and return the command; raise ToolchainError with its output.
+    """Run ``neuronx-cc`` and return the command; raise ToolchainError with its output
+    (`CompilerKilled` when a signal ended it).
 
-    The compiler runs in a scratch directory because it drops logs and temporaries in its
-    working directory, and an entry must hold only what it declares.
+    The compiler runs in a scratch directory (in ``scratch_parent``, default the temporary
+    directory) because it drops logs and temporaries in its working directory, and an entry
+    must hold only what it declares.
     """
     exe = executable or shutil.which("neuronx-cc")
     if exe is None:
         raise _unavailable(["neuronx-cc (the neuronx-cc executable on PATH)"])
     command = neuronx_cc_command(hlo_path, neff_path, target, compiler_args, exe)
-    with tempfile.TemporaryDirectory(prefix="neuronx-cc-") as scratch:
-        proc = subprocess.run(command, cwd=scratch, capture_output=True, text=True)
+    with tempfile.TemporaryDirectory(prefix="neuronx-cc-", dir=scratch_parent) as scratch:
+        proc = subprocess.Popen(command, cwd=scratch, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        with _RUNNING_LOCK:
+            _RUNNING.add(proc)
+        try:
+            output, _ = proc.communicate()
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(proc)
     if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-4000:]
+        tail = output[-4000:]
         reason = {-9: " (killed, often out of memory)", -6: " (aborted)", -11: " (crashed)"}
-        raise ToolchainError(
+        error = CompilerKilled if proc.returncode in (-9, -15) else ToolchainError
+        raise error(
             f"neuronx-cc exited with {proc.returncode}{reason.get(proc.returncode, '')}: {tail}"
         )
     if not os.path.isfile(neff_path):
@@ -239,7 +273,8 @@ class LoweredNeuronGraph:
         for name in (HLO_NAME, METANEFF_NAME):
             shutil.copyfile(os.path.join(self.work_dir, name), os.path.join(out_dir, name))
         run_neuronx_cc(os.path.join(self.work_dir, "model"), os.path.join(out_dir, NEFF_NAME),
-                       self.artifact.target, self._compiler_args)  # fmt: skip
+                       self.artifact.target, self._compiler_args,
+                       scratch_parent=self.work_dir)  # fmt: skip
         return self.artifact
 
 
