@@ -355,3 +355,25 @@ def test_loading_records_nothing_in_the_temp_dir_in_this_process_either(
     torch.testing.assert_close(hit.load()(*hit.inputs()), expected(hit))  # loads it
     assert temp_dirs_of_torch(tmp_path / "torch-tmp") == []
     assert [r for r in caplog.records if r.levelno >= logging.INFO] == []
+
+
+def test_a_copy_made_at_a_load_counts_against_the_size_bound_at_once(
+    built: tuple[Path, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    compile_fn: Callable[..., Any],
+) -> None:
+    """The bound counts an entry's unpacked copies, and the copy is made at the entry's
+    first load on the node - after the publish's eviction pass: the load runs one more."""
+    from vllm_neuron.compile import eviction
+
+    monkeypatch.setattr(eviction, "RECENT_USE_SECONDS", 0.0)
+    tier = copy_of(built, tmp_path / "cache", with_copy=False)
+    other = "0f" * 16
+    TwoTierCache(str(tier)).get_or_compile(other, compile_fn(other))  # nobody loads it
+    sizes = {e.key: e.size for e in list_entries(open_store(str(tier)))}
+    cache = TwoTierCache(str(tier), max_size=sum(sizes.values()))  # both fit, uncopied
+    assert sorted(e.key for e in list_entries(cache.local)) == sorted([built[1], other])
+    found = cache.get_or_compile(built[1], lambda out: pytest.fail("compiled a hit"))
+    load_entry(HostToolchain(), cache.local, found, ARTIFACTS.convert(found.record.meta),
+               grew=cache.keep_within_bound)  # as the runtime loads
+    assert listed(tier / UNPACKED_DIR), "the load made the copy"
+    assert [e.key for e in list_entries(cache.local)] == [built[1]]  # the other one went

@@ -202,7 +202,8 @@ class CompileRuntime:
             )
         # From the verified unpacked copy of its package, where the toolchain loads one
         # (a hit then writes nothing to $TMPDIR): compile/unpacked.py.
-        return artifact, load_entry(self.toolchain, self.cache.local, result, artifact)
+        return artifact, load_entry(self.toolchain, self.cache.local, result, artifact,
+                                    grew=self.cache.keep_within_bound)
 
 
 class DeferredGraph:

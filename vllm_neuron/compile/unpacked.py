@@ -130,9 +130,11 @@ def unpacked_sizes(store: Store) -> dict[str, int]:
 
 
 # -------------------------------------------------------------------- the copy
-def unpacked_dir(store: Store, key: str, prefix: str, package: str, source: FileDigest) -> str:
+def unpacked_dir(store: Store, key: str, prefix: str, package: str, source: FileDigest, *,
+                 made: Callable[[], None] | None = None) -> str:  # fmt: skip
     """The local directory of a verified copy of entry `key`'s `package` (its files under
-    `prefix`; `source`: its recorded digests), made, or made again, when needed.
+    `prefix`; `source`: its recorded digests), made, or made again, when needed (then
+    `made()` is called: the tier grew).
 
     `PackageMismatch` when the package does not match `source`; an `OSError` when the tier
     cannot take the copy; anything else: the package cannot be unpacked here."""
@@ -151,6 +153,8 @@ def unpacked_dir(store: Store, key: str, prefix: str, package: str, source: File
                 found = _unpack(store, name, key, join(prefix, package), package, source)
             except _Unsound as exc:
                 found, why = None, str(exc)
+            if found is not None and made is not None:
+                made()
         if found is not None:
             directory = store.local_dir_of(found)
             if directory is None:
@@ -242,11 +246,13 @@ _WARNED: set[str] = set()
 
 
 def load_entry(toolchain: Toolchain, store: Store, result: CacheResult,
-               artifact: CompiledArtifact) -> Callable[..., Any]:  # fmt: skip
+               artifact: CompiledArtifact, *,
+               grew: Callable[[], None] | None = None) -> Callable[..., Any]:  # fmt: skip
     """Load `result`'s artifact: from the verified copy of its package in `store` (the local
     tier) when the toolchain loads one, else, or when that cannot be, as `toolchain.load`
     does. A package that fails its entry's record is a `ToolchainError` (the entry's
-    fault); what fails only in the copy costs a warning, never the load."""
+    fault); what fails only in the copy costs a warning, never the load. `grew()` is called
+    once a copy is made (the size bound counts copies)."""
     path, package = result.path, toolchain.package_of(artifact)
     if path is None:
         raise RuntimeError(f"{store.url} is not on local disk: {result.key} cannot be loaded")
@@ -254,7 +260,7 @@ def load_entry(toolchain: Toolchain, store: Store, result: CacheResult,
     if package is None or source is None or not result.prefix or store.url in _NO_ROOM:
         return toolchain.load(path, artifact)  # no package, a scratch compile, or no room
     try:
-        directory = unpacked_dir(store, result.key, result.prefix, package, source)
+        directory = unpacked_dir(store, result.key, result.prefix, package, source, made=grew)
     except PackageMismatch as exc:
         raise ToolchainError(str(exc)) from None
     except Exception as exc:  # noqa: BLE001 - the copy is an optimisation; load as before
