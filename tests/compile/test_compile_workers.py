@@ -128,25 +128,25 @@ def test_one_worker_waits_ahead_of_need_and_retires_when_idle(monkeypatch):
 
 
 def test_job_directories_of_dead_processes_are_swept(tmp_path, monkeypatch):
-    from vllm_neuron.compile import compile_workers
+    from vllm_neuron.compile import job_dirs
 
-    monkeypatch.setattr(compile_workers.tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setattr(compile_workers, "_swept", False)
-    live, owner = compile_workers._owned_job_dir()  # this process's, its owner file locked
+    monkeypatch.setattr(job_dirs.tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(job_dirs, "_swept", False)
+    live, owner = job_dirs.owned_job_dir()  # this process's, its owner file locked
     # An exited process's: its owner file is there, its lock went with it.
     killed = subprocess.run(
         [sys.executable, "-c", "import sys, tempfile; tempfile.tempdir = sys.argv[1]; "
-         "from vllm_neuron.compile.compile_workers import _owned_job_dir; "
-         "print(_owned_job_dir()[0])", str(tmp_path)],
+         "from vllm_neuron.compile.job_dirs import owned_job_dir; "
+         "print(owned_job_dir()[0])", str(tmp_path)],
         check=True, capture_output=True, text=True).stdout.strip()
     assert os.path.isdir(killed)
-    recent = tmp_path / f"{compile_workers.JOB_PREFIX}1_recent"  # no owner file yet: young
-    old = tmp_path / f"{compile_workers.JOB_PREFIX}2_old"  # no owner file, an hour old
+    recent = tmp_path / f"{job_dirs.JOB_PREFIX}1_recent"  # no owner file yet: young
+    old = tmp_path / f"{job_dirs.JOB_PREFIX}2_old"  # no owner file, an hour old
     other = tmp_path / "unrelated_dir"
     for directory in (recent, old, other):
         directory.mkdir()
-    os.utime(old, (time.time() - 2 * compile_workers.ORPHAN_AGE,) * 2)
-    compile_workers._sweep_dead_jobs()
+    os.utime(old, (time.time() - 2 * job_dirs.ORPHAN_AGE,) * 2)
+    job_dirs.sweep_dead_jobs()
     try:
         assert not os.path.exists(killed) and not old.exists()
         assert os.path.isdir(live) and recent.exists() and other.exists()

@@ -1,6 +1,6 @@
 """The Neuron toolchain compiles a process's graphs side by side while it traces on: each
 graph is lowered to HLO in the tracing thread and ``neuronx-cc`` - a process of its own - runs
-from a thread of the cache, within the node's compile slots (compile_workers.LoweredJob).
+from a thread of the cache, within the node's compile slots (compile/job_dirs.py LoweredJob).
 
 The Neuron stack exists only on Trainium; these tests run the toolchain's own code on a fake
 of it (tests/compile/fake_neuron: a lowering that writes the graph's code as its "HLO", and a

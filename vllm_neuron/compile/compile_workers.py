@@ -32,7 +32,7 @@ What can go wrong, and what it costs:
 
 Only the host toolchain (AOTInductor: the exported program travels as a file) has workers.
 The Neuron toolchain needs none: its compiler, ``neuronx-cc``, is a process of its own. Its
-graph is lowered to HLO in the tracing thread (`Toolchain.lower`, a `LoweredJob`), and the
+graph is lowered to HLO in the tracing thread (`Toolchain.lower`, a `job_dirs.LoweredJob`), and the
 cache's thread runs the compiler on it within a slot, the same way.
 """
 
@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import logging
 import os
 import shutil
@@ -54,19 +53,13 @@ from typing import IO, Any
 
 import msgspec
 
+from .job_dirs import PreparedJob, lowered_job, owned_job_dir, sweep_dead_jobs, warn_once
 from .outcomes import CompileWorkerLost
-from .toolchains.base import (
-    ARTIFACTS,
-    CompiledArtifact,
-    CompilerKilled,
-    LoweredGraph,
-    Toolchain,
-    ToolchainError,
-)
+from .toolchains.base import ARTIFACTS, CompiledArtifact, Toolchain, ToolchainError
 from .toolchains.op_libraries import loaded_vllm_kernel_library
 
 __all__ = ["ARTIFACT", "ERROR", "GRAPH_FAILED", "NO_ROOM", "OUTPUT", "POOL", "CompileJob",
-           "LoweredJob", "PreparedJob", "WorkerPool", "prepare_job"]
+           "WorkerPool", "prepare_job"]
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -79,24 +72,6 @@ ARTIFACT = "artifact.json"
 ERROR = "error.txt"
 OUTPUT = "output.txt"  # what the worker printed during the job
 RETIRE_WAIT = 30.0  # seconds an idle worker is given to exit before it is killed
-
-
-class PreparedJob:
-    """A graph prepared for a compile off the tracing thread: its job directory (a private
-    temporary directory, removed by `discard`, swept if its process dies)."""
-
-    def __init__(self, job_dir: str, owner: IO[bytes] | None = None) -> None:
-        self.job_dir = job_dir
-        self._owner = owner  # its lock says the job is alive (`_sweep_dead_jobs`)
-
-    def compile(self, out_dir: str) -> CompiledArtifact:
-        """Compile the graph, writing the artifact's files into `out_dir`."""
-        raise NotImplementedError
-
-    def discard(self) -> None:
-        shutil.rmtree(self.job_dir, ignore_errors=True)
-        if self._owner is not None:
-            self._owner.close()
 
 
 class CompileJob(PreparedJob):
@@ -120,22 +95,6 @@ class CompileJob(PreparedJob):
                                     f"{_tail(os.path.join(self.job_dir, OUTPUT))}")
         with open(artifact, "rb") as f:
             return ARTIFACTS.decode(f.read(), source=artifact)
-
-
-class LoweredJob(PreparedJob):
-    """A graph its toolchain lowered in the tracing thread (`Toolchain.lower`), whose
-    compiler the cache's thread runs: the job directory holds what the lowering wrote."""
-
-    def __init__(self, job_dir: str, owner: IO[bytes]) -> None:
-        super().__init__(job_dir, owner)
-        self.lowered: LoweredGraph | None = None
-
-    def compile(self, out_dir: str) -> CompiledArtifact:
-        assert self.lowered is not None
-        try:
-            return self.lowered.compile(out_dir)
-        except CompilerKilled as exc:  # not the graph's failure: compiled in place instead
-            raise CompileWorkerLost(str(exc)) from exc
 
 
 class _Worker:
@@ -277,7 +236,7 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
     from .toolchains.host import HostToolchain  # lazy: imports torch only when compiling
 
     if not isinstance(toolchain, HostToolchain):
-        return _lowered_job(toolchain, gm, example_inputs)
+        return lowered_job(toolchain, gm, example_inputs)
     from .toolchains.host_jobs import export_job
 
     job_dir = None
@@ -286,8 +245,8 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
     try:
         with contextlib.suppress(CompileWorkerLost):  # no start now: `run` tries again
             pool.reserve(workers)  # its imports overlap the export
-        _sweep_dead_jobs()
-        job_dir, owner = _owned_job_dir()
+        sweep_dead_jobs()
+        job_dir, owner = owned_job_dir()
         pool.namespaces.update(export_job(toolchain, gm, example_inputs, job_dir).namespaces)
     except (OSError, RuntimeError, CompileWorkerLost) as exc:  # RuntimeError: torch's writer
         # No room for the job, or a graph export refuses: the in-place compile says the
@@ -295,93 +254,10 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
         if job_dir is not None:
             shutil.rmtree(job_dir, ignore_errors=True)
             owner.close()
-        _warn_once(f"vllm_neuron: a compile worker cannot take this graph ({exc}); it is "
+        warn_once(f"vllm_neuron: a compile worker cannot take this graph ({exc}); it is "
                    "compiled in the tracing process")
         return None
     return CompileJob(job_dir, pool, owner)
-
-
-def _lowered_job(toolchain: Toolchain, gm: Any,
-                 example_inputs: Sequence[Any]) -> PreparedJob | None:  # fmt: skip
-    """A toolchain whose compiler is a process of its own (``neuronx-cc``) needs no worker:
-    the graph is lowered here (`Toolchain.lower`) and its compiler run from a thread of the
-    cache. None when the toolchain does not lower, or this graph does not (said once; the
-    in-place compile says why in its own words, with the cache's failure handling)."""
-    if type(toolchain).lower is Toolchain.lower:
-        return None  # it compiles only in one piece
-    _sweep_dead_jobs()
-    try:
-        job_dir, owner = _owned_job_dir()
-    except OSError as exc:
-        _warn_once(f"vllm_neuron: no room to lower this graph for a background compile "
-                   f"({exc}); it is compiled in the tracing process")  # fmt: skip
-        return None
-    job = LoweredJob(job_dir, owner)
-    try:
-        job.lowered = toolchain.lower(gm, example_inputs, job_dir)
-    except Exception as exc:  # noqa: BLE001 - compiled in place, which reports it
-        job.discard()
-        _warn_once(f"vllm_neuron: this graph could not be lowered for a background compile "
-                   f"({exc}); it is compiled in the tracing process")  # fmt: skip
-        return None
-    if job.lowered is None:
-        job.discard()
-        return None
-    return job
-
-
-JOB_PREFIX = "vllm_neuron_compile_job_"
-OWNER = ".owner"  # locked (flock) by the process that prepared the job, while it lives
-ORPHAN_AGE = 3600.0  # seconds after which a job directory without its owner file is debris
-_swept = False
-
-
-def _owned_job_dir() -> tuple[str, IO[bytes]]:
-    """A new job directory and its owner file, locked for as long as this process keeps it
-    open: the kernel drops the lock when the process dies, which is how `_sweep_dead_jobs`
-    tells a dead job from a live one (in any process, container or PID namespace that
-    shares the temporary directory)."""
-    job_dir = tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}_")
-    try:
-        owner = open(os.path.join(job_dir, OWNER), "wb")  # noqa: SIM115 - held by the job
-        fcntl.flock(owner, fcntl.LOCK_EX)
-    except OSError:
-        shutil.rmtree(job_dir, ignore_errors=True)
-        raise
-    return job_dir, owner
-
-
-def _sweep_dead_jobs() -> None:
-    """Remove the job directories that processes which are gone (a server that was killed)
-    left in the temporary directory; once per process, when its first job is prepared."""
-    global _swept
-    if _swept:
-        return
-    _swept = True
-    root = tempfile.gettempdir()
-    with contextlib.suppress(OSError):
-        for name in os.listdir(root):
-            path = os.path.join(root, name)
-            if name.startswith(JOB_PREFIX) and _abandoned(path):
-                shutil.rmtree(path, ignore_errors=True)
-
-
-def _abandoned(job_dir: str) -> bool:
-    try:
-        owner = open(os.path.join(job_dir, OWNER), "rb")  # noqa: SIM115 - closed below
-    except FileNotFoundError:  # its process died before it locked it, or it is not ours
-        try:
-            return time.time() - os.stat(job_dir).st_mtime > ORPHAN_AGE
-        except OSError:
-            return False
-    except OSError:
-        return False
-    with owner:
-        try:
-            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:  # held: its process lives
-            return False
-        return True
 
 
 def _disk_fault(recorded: str) -> OSError:
@@ -404,12 +280,3 @@ def _read(path: str) -> str:
 
 def _tail(path: str, size: int = 2000) -> str:
     return _read(path)[-size:].strip()
-
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning("%s", message)
