@@ -57,7 +57,6 @@ from .events import (
     CacheHit,
     CacheMiss,
     Fetched,
-    LoadFailed,
     LockWaited,
 )
 from .failures import (
@@ -66,7 +65,7 @@ from .failures import (
 )
 from .fleet import RemoteSingleFlight
 from .gc import STAGING_MAX_AGE
-from .load_notes import note_load_failure
+from .healing import HealingFlow
 from .local_view import EVENT_OBSERVERS, LocalTierView
 from .outcomes import (
     CacheResult,
@@ -78,12 +77,11 @@ from .outcomes import (
 )
 from .prefetch import Prefetcher
 from .promote import promote_entry
-from .quarantine import PublicationProblem, quarantine_entry
+from .quarantine import PublicationProblem
 from .remote_tier import REMOTE_RETRY_AFTER, RemoteTier, fetch_entry
 from .slots import CompileSlots
 from .tier_health import (
     LOCAL_DISK_FULL_OR_READ_ONLY,
-    LocalTierFault,
     tier_dir,
     unwritable_cause,
 )
@@ -97,7 +95,7 @@ __all__ = [  # noqa: RUF022 - grouped: settings and names, then types
 
 logger = logging.getLogger("vllm_neuron.compile")
 
-class TwoTierCache(LocalTierView, DeferringFlow):
+class TwoTierCache(LocalTierView, DeferringFlow, HealingFlow):
     """One node's view of the cache: a local store plus an optional remote store."""
 
     def __init__(
@@ -175,53 +173,6 @@ class TwoTierCache(LocalTierView, DeferringFlow):
             may_publish=self.trust.may_publish_remote,
             quarantine=lambda key, why: self.quarantine(self.local, key, why, tier="local"))
         self._upkeep.at_start()
-
-    # -------------------------------------------------------------- local
-    def heal_unloadable(
-        self, result: CacheResult, error: str, compile_fn: CompileFn, *,
-        components: Mapping[str, str], piece: str | None = None,
-    ) -> CacheResult:
-        """`result`'s entry passed its checksums but would not load here: record a
-        `load_failed` event; withdraw it from the local tier (a quarantine note kept) unless
-        another process replaced it meanwhile (then that one is served), and compile the
-        graph again under the key's lock, not fetched again. A fetched entry is not withdrawn
-        from the remote on this node's word alone: it gets this host's note
-        (`load_notes`). Where the tier cannot withdraw it or take the lock, the graph is
-        compiled and served from scratch; in pre-compiled-only mode `PrecompiledOnlyMiss`
-        says why, and nothing is withdrawn."""
-        key = result.key
-        self._loaded.pop(key, None)
-        self._record(LoadFailed(key=key, at=time.time(), source=result.source, error=error))
-        if self.precompiled_only:
-            raise PrecompiledOnlyMiss(
-                f"the compile cache entry {key} does not load here ({error}), and "
-                "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 forbids compiling at runtime"
-            )
-        remote = self.remote if result.source == "remote" else None
-        if remote is not None:  # a note for the fleet's operators, not a withdrawal
-            note_load_failure(remote, key, error)
-        try:
-            with self.local.lock(key, lease_duration=self.lease_duration, timeout=self.timeout):
-                try:
-                    current: EntryRecord | None = self.read_entry(key)
-                except EntryProblem:
-                    current = None
-                if current == result.record:
-                    if not quarantine_entry(self.local, key, f"does not load here: {error}",
-                                            warn=False):  # fmt: skip
-                        raise LocalTierFault(f"could not withdraw the entry {key}")
-                    current = None
-                replaced = None if current is None else self.lookup_local(key)
-                healed = replaced or self._compile_here(
-                    key, compile_fn, components, piece, True, time.monotonic() + self.timeout)()
-        except (LocalTierFault, OSError) as exc:
-            if isinstance(exc, OSError) and unwritable_cause(exc, tier_dir(self.local)) is None:
-                raise
-            out_dir, record, seconds = self._compiler.serve_from_scratch(
-                key, compile_fn, components, piece, str(exc))
-            healed = CacheResult(key, out_dir, record, "uncached", seconds, "")
-        self._loaded[key] = healed
-        return healed
 
     # ------------------------------------------------------------- remote
     @property
