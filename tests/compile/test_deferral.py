@@ -106,6 +106,12 @@ def test_a_rank_holds_its_share_of_the_slots_and_leaves_the_rest_to_its_peers(tm
     assert slots.share == 1
     with slots.held(wait=False, deadline=far, what="d"), pytest.raises(DeferCompile):
         slots.held(wait=False, deadline=far, what="e").__enter__()
+    # One share per process and tier, however many caches it opens on the node's tier.
+    again = CompileSlots(open_store(str(tmp_path / "local")), 3, peers=lambda: 8)
+    with slots.held(wait=False, deadline=far, what="f"), pytest.raises(DeferCompile):
+        again.held(wait=False, deadline=far, what="g").__enter__()
+    with again.held(wait=False, deadline=far, what="g"):  # given back: its turn now
+        pass
 
 
 def test_a_graph_that_failed_on_another_node_is_not_compiled_again_at_trace(tmp_path, compile_fn):

@@ -41,6 +41,12 @@ MAX_POLL = 0.2
 the next one's start, against a few lock attempts per second."""
 
 
+_HELD: dict[str, int] = {}
+"""Slots this process holds, per tier (its URL): every cache of the process on one node's
+tier, and every compile thread of each, draws on the process's one share."""
+_HELD_LOCK = threading.Lock()
+
+
 class CompileSlots:
     """`count` slots in `store`'s locks; `held()` is a context that holds one of them."""
 
@@ -53,8 +59,6 @@ class CompileSlots:
         self.lease_duration = lease_duration
         self.peers = peers  # asked at each take: vLLM's groups appear after start-up
         self._broken = False  # the tier could not hold a slot's lock file: no bound
-        self._mine = 0  # slots this process holds (its compile threads share them)
-        self._mine_lock = threading.Lock()
 
     @property
     def share(self) -> int:
@@ -63,10 +67,10 @@ class CompileSlots:
 
     def _try_take(self) -> Lock | None:
         share = self.share  # asked outside the lock: a release never waits for it
-        with self._mine_lock:  # reserve one of this process's share first ...
-            if self._mine >= share:
+        with _HELD_LOCK:  # reserve one of this process's share first ...
+            if _HELD.get(self.store.url, 0) >= share:
                 return None  # the rest of the node's slots are its peers' turn
-            self._mine += 1
+            _HELD[self.store.url] = _HELD.get(self.store.url, 0) + 1
         taken: Lock | None = None
         try:  # ... then look for a free slot of the node, without holding the lock
             for index in range(self.count):
@@ -84,8 +88,8 @@ class CompileSlots:
         return taken
 
     def _unreserve(self) -> None:
-        with self._mine_lock:
-            self._mine -= 1
+        with _HELD_LOCK:
+            _HELD[self.store.url] -= 1
 
     def _give_back(self, slot: Lock) -> None:
         self._unreserve()
