@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import select
 import socket
 import sys
 import time
@@ -478,6 +479,31 @@ def finish_workers(procs: list[Any], timeout: float = SAFETY) -> list[dict[str, 
         result["stderr"] = err
         results.append(result)
     return results
+
+
+def gone(pid: int) -> bool:
+    """Whether process `pid` has exited (a zombie counts: it runs nothing)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return any(line.startswith("State:") and "Z" in line for line in f)
+    except FileNotFoundError:
+        return True
+
+
+def wait_until_gone(pids: list[int], what: str) -> None:
+    """Wait on each process's exit itself (a pidfd turns readable when it exits), bounded."""
+    for pid in pids:
+        try:
+            fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue  # gone (and reaped) already
+        try:
+            poller = select.poll()  # not select(): a busy process's fd numbers pass 1024
+            poller.register(fd, select.POLLIN)
+            ready = poller.poll(SAFETY * 1000)
+        finally:
+            os.close(fd)
+        assert ready or gone(pid), f"{what}: {pid}"
 
 
 def worker_command(mode: str, args: Mapping[str, Any]) -> list[str]:

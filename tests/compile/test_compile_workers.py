@@ -13,14 +13,20 @@ from __future__ import annotations
 
 import os
 import posixpath
-import select
 import subprocess
 import sys
 import time
 from typing import Any
 
 import pytest
-from cache_workers import SAFETY, finish_workers, worker_command, worker_env
+from cache_workers import (
+    SAFETY,
+    finish_workers,
+    gone,
+    wait_until_gone,
+    worker_command,
+    worker_env,
+)
 
 from vllm_neuron.backends import RecordCodec, open_store
 from vllm_neuron.compile.events import (
@@ -66,7 +72,7 @@ def test_a_process_compiles_its_own_pieces_in_workers_at_once(tmp_path):
     # Two slots, three jobs: the third took a worker the others had used (its imports
     # paid), not a new interpreter; and once the process exited, its workers did too.
     assert len(result["worker_pids"]) == 2, result
-    _wait_until_gone(result["worker_pids"], "a compile worker outlived its process")
+    wait_until_gone(result["worker_pids"], "a compile worker outlived its process")
 
 
 @pytest.mark.timeout(2 * SAFETY)
@@ -79,31 +85,6 @@ def test_a_worker_that_dies_is_not_the_graphs_failure(tmp_path):
     assert not [e for e in events if isinstance(e, CompileFailed)]
     assert not tier.list(FAILURES_DIR)  # nobody is told the graph failed
     assert sum(isinstance(e, Compiled) for e in events) == 1
-
-
-def _gone(pid: int) -> bool:
-    """Whether process `pid` has exited (a zombie counts: it runs nothing)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return any(line.startswith("State:") and "Z" in line for line in f)
-    except FileNotFoundError:
-        return True
-
-
-def _wait_until_gone(pids: list[int], what: str) -> None:
-    """Wait on each process's exit itself (a pidfd turns readable when it exits), bounded."""
-    for pid in pids:
-        try:
-            fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            continue  # gone (and reaped) already
-        try:
-            poller = select.poll()  # not select(): a busy process's fd numbers pass 1024
-            poller.register(fd, select.POLLIN)
-            ready = poller.poll(SAFETY * 1000)
-        finally:
-            os.close(fd)
-        assert ready or _gone(pid), f"{what}: {pid}"
 
 
 def test_one_worker_waits_ahead_of_need_and_retires_when_idle(monkeypatch):
@@ -120,11 +101,11 @@ def test_one_worker_waits_ahead_of_need_and_retires_when_idle(monkeypatch):
         pool.reserve(at_most=at_most)  # started ahead of a job; one idle is enough
     assert len(pool.started) == 1
     assert pool.retire_idle() == [0]  # its input closed: it exited by itself, not killed
-    assert _gone(pool.started[0])
+    assert gone(pool.started[0])
 
     quick = WorkerPool(idle_seconds=0.0)
     quick.reserve(at_most=1)  # a job that never came: the worker must not stay
-    _wait_until_gone(quick.started, "an idle worker did not retire")
+    wait_until_gone(quick.started, "an idle worker did not retire")
 
 
 def test_job_directories_of_dead_processes_are_swept(tmp_path, monkeypatch):

@@ -10,7 +10,6 @@ B called the graph, and the wait would run out.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import pytest
@@ -26,16 +25,44 @@ KEYS = ["5ef0c4ed" * 4, "5ef0c4ee" * 4, "5ef0c4ef" * 4]
 PATIENCE = 120.0  # far beyond any healthy run; only a broken prefetch waits this long
 
 
+_CHANGED = threading.Condition()  # notified by the prefetchers the tests watch
+
+
+def _notify() -> None:
+    with _CHANGED:
+        _CHANGED.notify_all()
+
+
+def _watched(prefetcher: Prefetcher) -> Prefetcher:
+    """`prefetcher`, telling the tests after each look it makes and each key it lets go."""
+    fetch, forget = prefetcher._fetch, prefetcher.forget
+
+    def fetch_and_tell(key: str) -> bool:
+        try:
+            return fetch(key)
+        finally:
+            _notify()
+
+    def forget_and_tell(key: str) -> None:
+        forget(key)
+        _notify()
+
+    prefetcher._fetch = fetch_and_tell  # type: ignore[method-assign]
+    prefetcher.forget = forget_and_tell  # type: ignore[method-assign]
+    return prefetcher
+
+
 def _until(condition: Any, what: str) -> None:
-    deadline = time.monotonic() + PATIENCE
-    while not condition():
-        assert time.monotonic() < deadline, f"waited {PATIENCE} s for {what}"
-        time.sleep(0.01)
+    """Wait for `condition`, looked at again each time a watched prefetcher changes."""
+    with _CHANGED:
+        assert _CHANGED.wait_for(condition, PATIENCE), f"waited {PATIENCE} s for {what}"
 
 
 def _node(tmp_path: Any, name: str) -> TwoTierCache:
-    return TwoTierCache(str(tmp_path / name), remote=str(tmp_path / "remote"),
-                        remote_options={"lock": "lease"})  # fmt: skip
+    cache = TwoTierCache(str(tmp_path / name), remote=str(tmp_path / "remote"),
+                         remote_options={"lock": "lease"})  # fmt: skip
+    _watched(cache._prefetcher)
+    return cache
 
 
 def test_graphs_deferred_to_another_node_are_fetched_before_their_first_calls(tmp_path):
@@ -56,7 +83,7 @@ def test_graphs_deferred_to_another_node_are_fetched_before_their_first_calls(tm
     a = threading.Thread(target=node_a_compiles)
     a.start()
     try:
-        _until(holding.is_set, "node A to hold the first graph")
+        assert holding.wait(PATIENCE), "node A never held the first graph"
         pending = [node_b.begin(key, lambda out: pytest.fail("B compiled a held graph"))
                    for key in KEYS[:1]]  # fmt: skip
         assert isinstance(pending[0], PendingCompile) and pending[0].reason == "remote-lease"
@@ -86,11 +113,12 @@ def test_the_prefetcher_looks_round_the_keys_latest_first_and_leaves_each_to_its
 
     def fetch(key: str) -> bool:
         looked.append(key)
+        _notify()  # before it may block below
         if len(looked) == 1:  # the thread started at the first key: hold it until all are in
             assert all_added.wait(PATIENCE)
         return key in published
 
-    prefetcher = Prefetcher(fetch, patience=PATIENCE)
+    prefetcher = _watched(Prefetcher(fetch, patience=PATIENCE))
     prefetcher.add("k1")
     _until(lambda: looked == ["k1"], "the thread's first look")  # held there until all are in
     prefetcher.add("k2")

@@ -2,8 +2,8 @@
 as vLLM's piecewise backend does (a piece name each, every graph before any call), then
 calls each. Settings from the environment; prints one JSON line: per graph its key, whether
 the runtime returned before the graph compiled (deferred), and what its first call gave
-(the NEFF's bytes, or the error). With FAKE_PIECES_EXIT_WHEN_STARTED=<dir> it calls none:
-it exits once a file appears in <dir> (a compile has started)."""
+(the NEFF's bytes, or the error). With FAKE_PIECES_EXIT_WHEN_STARTED=<fifo> it calls none:
+it exits once the compiler writes to <fifo> (a compile has started)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import json
 import os
 import socket
 import sys
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -45,8 +44,8 @@ def main(widths: list[int], bin_dir: str) -> dict[str, object]:
         graphs.append((fn, traced.key, isinstance(fn, DeferredGraph)))
     leave_when = os.environ.get("FAKE_PIECES_EXIT_WHEN_STARTED")
     if leave_when:  # a server stopped during its cold start: exits while a compile runs
-        while not os.listdir(leave_when):
-            time.sleep(0.02)
+        with open(leave_when, "rb") as started:  # a FIFO the compiler writes when it starts
+            started.read(1)
         return {"graphs": [], "writer": f"{socket.gethostname()}-{os.getpid()}"}
     results = []
     for fn, key, deferred in graphs:
