@@ -108,6 +108,36 @@ def test_one_worker_waits_ahead_of_need_and_retires_when_idle(monkeypatch):
     wait_until_gone(quick.started, "an idle worker did not retire")
 
 
+def test_a_node_with_an_empty_local_tier_starts_a_worker_before_any_graph(tmp_path, compile_fn,
+                                                                         monkeypatch):
+    from vllm_neuron.compile import compile_workers
+    from vllm_neuron.compile.cache import TwoTierCache
+    from vllm_neuron.compile.compile_workers import WorkerPool
+    from vllm_neuron.compile.runtime import CompileRuntime
+    from vllm_neuron.compile.toolchains.host import HostToolchain
+
+    monkeypatch.setattr(compile_workers, "RETIRE_WAIT", float(SAFETY))
+
+    def started(cache: TwoTierCache) -> int:
+        pool = WorkerPool(idle_seconds=3600.0)
+        runtime = CompileRuntime(cache, HostToolchain())
+        assert runtime.start_compile_worker_if_cold(pool) == bool(pool.started)
+        assert runtime.start_compile_worker_if_cold(pool) is False  # one idle is enough
+        assert pool.retire_idle() == [0] * len(pool.started)
+        return len(pool.started)
+
+    local = str(tmp_path / "local")
+    assert started(TwoTierCache(local, compile_workers=2)) == 1  # a new node: cold
+    # Nothing to gain: waiting in place, or no graph compiled here.
+    assert started(TwoTierCache(local, compile_workers=2, defer_compiles=False)) == 0
+    assert started(TwoTierCache(local, compile_workers=2, precompiled_only=True)) == 0
+    assert started(TwoTierCache(local, disabled=True)) == 0
+    # A node with an entry is likely warm: its start must not pay for an idle worker.
+    warm = TwoTierCache(local, compile_workers=2)
+    warm.get_or_compile("ab" * 16, compile_fn("ab" * 16))
+    assert started(warm) == 0
+
+
 def test_job_directories_of_dead_processes_are_swept(tmp_path, monkeypatch):
     from vllm_neuron.compile import job_dirs
 

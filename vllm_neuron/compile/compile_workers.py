@@ -59,7 +59,7 @@ from .toolchains.base import ARTIFACTS, CompiledArtifact, Toolchain, ToolchainEr
 from .toolchains.op_libraries import loaded_vllm_kernel_library
 
 __all__ = ["ARTIFACT", "ERROR", "GRAPH_FAILED", "NO_ROOM", "OUTPUT", "POOL", "CompileJob",
-           "WorkerPool", "prepare_job"]
+           "WorkerPool", "prepare_job", "start_worker_early"]
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -164,14 +164,15 @@ class WorkerPool:
         # far, and vLLM's kernels when this process has them (its graphs call them).
         self.namespaces: set[str] = set()
 
-    def reserve(self, at_most: int) -> None:
+    def reserve(self, at_most: int) -> bool:
         """Start a worker now if none is idle and fewer than `at_most` live (the node's
-        slots), so its imports run while a job is prepared."""
+        slots), so its imports run while a job is prepared; True when one was started."""
         with self._lock:
             if self._idle or self._live >= at_most:
-                return
+                return False
             worker = self._started()
         self._give_back(worker)
+        return True
 
     def run(self, job_dir: str, out_dir: str) -> int:
         """The job's status from an idle worker, or a new one; `CompileWorkerLost` when the
@@ -258,6 +259,24 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
                    "compiled in the tracing process")
         return None
     return CompileJob(job_dir, pool, owner)
+
+
+def start_worker_early(toolchain: Toolchain, *, workers: int, pool: WorkerPool = POOL) -> bool:
+    """Start one compile worker before any graph is traced (head_start.py says when): its
+    start-up - torch, vLLM's kernels, Inductor's CPU probe - then runs while the engine
+    loads its model, not after its first graph is exported. Only the host toolchain has
+    workers. True when one was started; a worker that cannot start is said by the first
+    job that needs one."""
+    from .toolchains.host import HostToolchain  # lazy: imports torch only when compiling
+
+    if not isinstance(toolchain, HostToolchain) or workers < 1:
+        return False
+    if loaded_vllm_kernel_library() is not None:
+        pool.namespaces.add("_C")  # a graph traced inside vLLM calls its kernels
+    try:
+        return pool.reserve(workers)
+    except CompileWorkerLost:
+        return False
 
 
 def _disk_fault(recorded: str) -> OSError:

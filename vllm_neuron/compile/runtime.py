@@ -19,7 +19,7 @@ import msgspec
 
 from .building import CompileFn
 from .cache import CacheResult, TwoTierCache
-from .compile_workers import prepare_job
+from .compile_workers import POOL, WorkerPool, prepare_job, start_worker_early
 from .outcomes import CompileError, PendingCompile
 from .tier_health import unwritable_cause
 from .toolchains.base import (
@@ -91,6 +91,18 @@ class CompileRuntime:
         callable is returned as is, so a disabled feature costs nothing per forward.
         """
         self._wrappers.append(wrapper)
+
+    def start_compile_worker_if_cold(self, pool: WorkerPool = POOL) -> bool:
+        """Start a compile worker now, before the engine traces its model, when this
+        process is likely to compile its own graphs (head_start.py: the host toolchain,
+        deferred compiles, a cache that compiles, a local tier that holds no entry at
+        all), so its start-up overlaps the model's loading. True when one was started."""
+        cache = self.cache
+        if cache.disabled or cache.precompiled_only or not cache.defer_compiles:
+            return False
+        if cache.entries():
+            return False
+        return start_worker_early(self.toolchain, workers=cache.compile_share, pool=pool)
 
     def compile_graph(self, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Artifacts for `gm` from the cache (compiling on a miss), loaded as a callable."""

@@ -1,5 +1,6 @@
 """A compile worker's process: ``python -m vllm_neuron.compile.worker_process --serve PID
-[NAMESPACE...]`` (started by `compile_workers.WorkerPool`, which is the other end of it).
+[NAMESPACE...]`` (started by `compile_workers.WorkerPool`, which is the other end of it);
+or, with ``--probe PID``, only a worker's CPU probe, run ahead of a cold start (head_start.py).
 
 It pays its start-up once - torch, the op libraries its graphs call, Inductor's CPU probe -
 then compiles one job after another, each named on its standard input and answered with a
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import contextlib
 import os
+import platform
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -27,7 +30,7 @@ from vllm_neuron.backends.writable import unwritable_cause
 from .compile_workers import ARTIFACT, ERROR, GRAPH_FAILED, NO_ROOM, OUTPUT
 from .toolchains.base import ToolchainError
 
-__all__ = ["main", "serve"]
+__all__ = ["main", "probe", "serve"]
 
 PARENT_POLL = 0.5  # seconds between a worker's looks at whether its parent is alive
 
@@ -98,6 +101,24 @@ def _flush() -> None:
         sys.stderr.flush()
 
 
+def _probe_cpu() -> None:
+    """Inductor's CPU probe, paid before the first job. Inductor builds and loads a test
+    program for each vector ISA the CPU claims, one after another (seconds each, four on an
+    AVX-512 host); here each builds in a thread of its own, side by side on the node's cores,
+    and `pick_vec_isa` then reads their verdicts from Inductor's own caches."""
+    from torch._inductor import cpu_vec_isa
+
+    if platform.machine() in ("x86_64", "AMD64"):
+        with contextlib.suppress(Exception):  # a torch without them: probed one by one
+            flags = cpu_vec_isa.x86_isa_checker()
+            claimed = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+                       if all(flag in flags for flag in str(isa).split())]  # fmt: skip
+            if len(claimed) > 1:
+                with ThreadPoolExecutor(len(claimed), "vllm-neuron-cpu-probe") as probes:
+                    list(probes.map(bool, claimed))
+    cpu_vec_isa.pick_vec_isa()
+
+
 def serve(parent: int, preload: Sequence[str]) -> int:
     """``python -m vllm_neuron.compile.worker_process --serve PARENT_PID [NAMESPACE...]``:
     load the op libraries of the namespaces, compile the jobs named on standard input
@@ -121,9 +142,7 @@ def serve(parent: int, preload: Sequence[str]) -> int:
     with contextlib.suppress(MissingOpLibrary):  # a job that needs it says so itself
         load_namespaces(preload, "a compile worker")  # paid before the first job comes
     with contextlib.suppress(Exception):  # the first job would pay it (and say what failed)
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        pick_vec_isa()  # Inductor's CPU probe (test compiles: seconds, once per process)
+        _probe_cpu()
     for line in sys.stdin:
         job_dir, _, out_dir = line.rstrip("\n").partition("\0")
         with _output_to(os.path.join(job_dir, OUTPUT)):
@@ -136,11 +155,24 @@ def serve(parent: int, preload: Sequence[str]) -> int:
     return 0
 
 
+def probe(parent: int) -> int:
+    """``python -m vllm_neuron.compile.worker_process --probe PARENT_PID``: Inductor's CPU
+    probe ahead of a cold start's workers (head_start.py), on the node's cores; its test
+    programs stay in Inductor's cache directory for the workers to find."""
+    _exit_with_parent(parent)
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    _probe_cpu()
+    return 0
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) < 2 or argv[0] != "--serve" or not argv[1].isdigit():
+    if len(argv) < 2 or argv[0] not in ("--serve", "--probe") or not argv[1].isdigit():
         print("usage: python -m vllm_neuron.compile.worker_process --serve PARENT_PID "
-              "[NAMESPACE...]", file=sys.stderr)
+              "[NAMESPACE...] | --probe PARENT_PID", file=sys.stderr)
         return 2
+    if argv[0] == "--probe":
+        return probe(int(argv[1]))
     return serve(int(argv[1]), argv[2:])
 
 

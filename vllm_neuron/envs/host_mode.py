@@ -10,6 +10,7 @@ from .compile_cache import VLLM_NEURON_TOOLCHAIN
 
 __all__ = [
     "VARIABLES",
+    "VLLM_NEURON_CPU_PROBE_STARTED",
     "VLLM_NEURON_HOST_MODE",
     "VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING",
     "VLLM_USE_AOT_COMPILE",
@@ -20,6 +21,7 @@ __all__ = [
 
 VLLM_NEURON_HOST_MODE = "VLLM_NEURON_HOST_MODE"
 VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING = "VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING"
+VLLM_NEURON_CPU_PROBE_STARTED = "VLLM_NEURON_CPU_PROBE_STARTED"
 # vLLM's own variable; read here because host mode must turn it off (see the plugin).
 VLLM_USE_AOT_COMPILE = "VLLM_USE_AOT_COMPILE"
 
@@ -38,6 +40,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         "In host mode at tensor parallelism above 1: 1 gives vLLM's vocab-parallel embedding "
         "its shard bounds as a buffer, so its piece is one graph on every rank (compiled once "
         "per engine, not once per rank; same outputs); 0 keeps vLLM's own layer.",
+    ),
+    EnvVar(
+        VLLM_NEURON_CPU_PROBE_STARTED,
+        "(set by the first process of a host-mode start, inherited by the others)",
+        "vllm-plugin",
+        "The process id of the process that looked at whether to run Inductor's CPU probe "
+        "ahead of a cold start (vllm_neuron/compile/head_start.py); the processes it starts "
+        "inherit it and do not look again. Not a setting: leave it unset.",
     ),
 )
 

@@ -32,6 +32,7 @@ import logging
 import os
 import sys
 
+from vllm_neuron.compile.head_start import start_cpu_probe_if_cold
 from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
 from vllm_neuron.dynamo_backend import register_backend
 from vllm_neuron.envs import (
@@ -186,6 +187,9 @@ def register() -> None:
         # Handed to vLLM (and the engine processes it starts) through the environment,
         # which is where vLLM reads it; an explicit choice of the user is kept.
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
+        # Before vLLM starts any engine process: Inductor's CPU probe runs now, on a core
+        # vLLM's imports leave idle, when this node is likely to compile (head_start.py).
+        start_cpu_probe_if_cold(compile_cache_settings())
     try:
         register_backend()
     except ImportError as exc:  # torch missing: vLLM itself cannot run either

@@ -21,13 +21,32 @@ class NeuronHostWorker(ArtifactWorkerHooks, CPUWorker):
 
     Before anything builds the model, it has vLLM build the vocab-parallel embedding whose
     piece is one graph on every tensor-parallel rank (`vocab_embedding.py`), unless
-    VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING=0.
+    VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING=0; and on a node whose local tier is empty it
+    starts a compile worker, whose start-up then runs while the model loads.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if host_mode_settings().rank_independent_embedding:
             _install_rank_independent_embedding()
         super().__init__(*args, **kwargs)
+        _start_compile_worker_if_cold()
+
+
+def _start_compile_worker_if_cold() -> None:
+    # Lazy: the runtime's assembly reads every setting, once this process is a worker.
+    from vllm_neuron.assembly import get_runtime
+    from vllm_neuron.envs import ConfigError
+
+    try:
+        started = get_runtime().start_compile_worker_if_cold()
+    except ConfigError:
+        return  # a malformed setting: the first compile says it, naming the variable
+    except Exception as exc:  # noqa: BLE001 - an early start is a head start, never a need
+        logger.warning("vllm_neuron: no compile worker started early: %s", exc)
+        return
+    if started:
+        logger.info("vllm_neuron: this node's local tier holds no entry: a compile worker "
+                    "starts now, while the model loads")
 
 
 def _install_rank_independent_embedding() -> None:

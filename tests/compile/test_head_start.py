@@ -1,0 +1,64 @@
+"""What a cold start begins before its first graph (head_start.py): Inductor's CPU probe in a
+process of its own, once per start, only on a node likely to compile - a real probe, real
+test programs in a private Inductor cache directory."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from cache_workers import SAFETY
+
+from vllm_neuron.compile.cache import TwoTierCache
+from vllm_neuron.compile.head_start import holds_entries, start_cpu_probe_if_cold
+from vllm_neuron.envs import CompileCacheSettings
+from vllm_neuron.envs.host_mode import VLLM_NEURON_CPU_PROBE_STARTED
+
+
+@pytest.fixture
+def first_process(monkeypatch, tmp_path):
+    """This process as vLLM's first one: no probe looked at yet, a private Inductor cache."""
+    monkeypatch.delenv(VLLM_NEURON_CPU_PROBE_STARTED, raising=False)
+    inductor = tmp_path / "inductor"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    return inductor
+
+
+def _local(tmp_path: Path) -> str:
+    return str(tmp_path / "root" / "neuron" / "compile_cache")
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_a_cold_node_probes_the_cpu_ahead_once_per_start(tmp_path, first_process):
+    settings = CompileCacheSettings(cache_root=str(tmp_path / "root"))
+    probe = start_cpu_probe_if_cold(settings)
+    assert probe is not None
+    assert os.environ[VLLM_NEURON_CPU_PROBE_STARTED] == str(os.getpid())  # its children's
+    assert start_cpu_probe_if_cold(settings) is None  # once per start
+    assert probe.wait(timeout=SAFETY) == 0
+    # Its test programs are in Inductor's cache for the workers: built, not to be built again.
+    assert list(first_process.rglob("*.so")), sorted(first_process.rglob("*"))
+
+
+@pytest.mark.parametrize("change", [
+    {"toolchain": "neuron"},
+    {"defer_compiles": False},
+    {"disable_compile_cache": True},
+    {"disable_warmup_compile": True},  # pre-compiled only: nothing is compiled here
+    {"compile_workers": 0},
+])
+def test_a_node_that_would_not_compile_in_workers_starts_no_probe(tmp_path, first_process,
+                                                                   change):
+    settings = CompileCacheSettings(cache_root=str(tmp_path / "root"), **change)
+    assert start_cpu_probe_if_cold(settings) is None
+    assert not first_process.exists()
+
+
+def test_a_node_whose_tier_holds_an_entry_starts_no_probe(tmp_path, first_process, compile_fn):
+    local = _local(tmp_path)
+    assert not holds_entries(local)  # no tier yet: a new node
+    TwoTierCache(local).get_or_compile("ab" * 16, compile_fn("ab" * 16))
+    assert holds_entries(local)
+    assert start_cpu_probe_if_cold(CompileCacheSettings(cache_root=str(tmp_path / "root"))) is None
+    assert not first_process.exists()

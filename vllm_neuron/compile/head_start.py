@@ -1,0 +1,98 @@
+"""What a cold start begins before its first graph is traced.
+
+A host-mode compile worker spends its first seconds on start-up, not on the graph: torch,
+vLLM's kernel library, and Inductor's CPU probe, which builds and loads a test program per
+vector ISA the CPU claims (about 7 s on a fresh Inductor cache, 1 s once its programs are
+there). On a cold start those seconds used to come after the engine had traced its model,
+on the path to the first answer, once per worker. Two head starts move them off it:
+
+* vLLM's first process (the API server: its general plugin runs before any engine process
+  exists) starts the probe in a process of its own (`start_cpu_probe_if_cold`). Its test
+  programs land in Inductor's cache directory, which the engine processes and their workers
+  inherit, while vLLM itself is still importing on one core.
+* the process that will trace starts its first compile worker when vLLM builds its worker
+  object (`CompileRuntime.start_compile_worker_if_cold`), so the worker's imports overlap
+  the model's loading.
+
+Both only on a node that is likely to compile: host mode, deferred compiles, a cache that
+compiles (not disabled, not pre-compiled-only), and a local tier that holds no entry at
+all (a new node, a fresh cache). A node with entries starts neither: a warm start must not
+pay for them. A wrong guess (a new node whose fleet already has every graph) costs one
+probe and one idle worker, which retires after `WorkerPool.idle_seconds`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import subprocess
+import sys
+import threading
+
+from vllm_neuron.backends import open_store
+from vllm_neuron.envs import CompileCacheSettings, ConfigError
+from vllm_neuron.envs.host_mode import VLLM_NEURON_CPU_PROBE_STARTED
+
+from .local_tier import get_neuron_compile_cache_dir
+
+__all__ = ["holds_entries", "likely_to_compile", "start_cpu_probe_if_cold"]
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+
+def holds_entries(local_dir: str) -> bool:
+    """Whether the local tier at `local_dir` holds any published entry (a tier that does
+    not exist yet holds none). A tier that cannot be read counts as holding some: no head
+    start is taken on a guess."""
+    if not os.path.isdir(local_dir):
+        return False
+    try:
+        names = open_store(local_dir, create=False).published_children("")
+    except OSError:
+        return True
+    return any(len(name) == 32 for name in names)
+
+
+def likely_to_compile(settings: CompileCacheSettings, local_dir: str, toolchain: str) -> bool:
+    """Whether a process with these settings is likely to compile host graphs in workers:
+    the host toolchain, deferred compiles, a cache that compiles, an empty local tier."""
+    if toolchain != "host" or not settings.defer_compiles or settings.compile_workers < 1:
+        return False
+    if settings.disable_compile_cache or settings.disable_warmup_compile:
+        return False
+    return not holds_entries(local_dir)
+
+
+def start_cpu_probe_if_cold(settings: CompileCacheSettings) -> subprocess.Popen[bytes] | None:
+    """In the first process of a host-mode start: run Inductor's CPU probe now, in a process
+    of its own, when this node is likely to compile (see the module). Once per start: the
+    processes this one starts inherit VLLM_NEURON_CPU_PROBE_STARTED and start none. The
+    probe's process when it was started (reaped by a thread of this process)."""
+    if os.environ.get(VLLM_NEURON_CPU_PROBE_STARTED):
+        return None
+    os.environ[VLLM_NEURON_CPU_PROBE_STARTED] = str(os.getpid())
+    try:
+        local_dir = get_neuron_compile_cache_dir(settings)
+    except ConfigError:
+        return None  # the cache's own start says it, naming the setting
+    toolchain = "host" if settings.toolchain in ("auto", "host") else settings.toolchain
+    if not likely_to_compile(settings, local_dir, toolchain):
+        return None
+    try:
+        probe = subprocess.Popen(
+            [sys.executable, "-m", "vllm_neuron.compile.worker_process", "--probe",
+             str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    except OSError as exc:  # no process left: the workers probe for themselves
+        logger.warning("vllm_neuron: Inductor's CPU probe not started ahead: %s", exc)
+        return None
+    # Reaped when it ends, so no zombie is left in a server that runs for weeks.
+    threading.Thread(target=_reap, args=(probe,), daemon=True,
+                     name="vllm-neuron-cpu-probe").start()  # fmt: skip
+    return probe
+
+
+def _reap(probe: subprocess.Popen[bytes]) -> None:
+    with contextlib.suppress(OSError):
+        probe.wait()
