@@ -127,7 +127,7 @@ def test_a_node_with_an_empty_local_tier_starts_a_worker_before_any_graph(tmp_pa
         return len(pool.started)
 
     local = str(tmp_path / "local")
-    assert started(TwoTierCache(local, compile_workers=2)) == 1  # a new node: cold
+    assert started(TwoTierCache(local, compile_workers=2)) == 2  # a new node: its share
     # Nothing to gain: waiting in place, or no graph compiled here.
     assert started(TwoTierCache(local, compile_workers=2, defer_compiles=False)) == 0
     assert started(TwoTierCache(local, compile_workers=2, precompiled_only=True)) == 0

@@ -18,10 +18,14 @@ from vllm_neuron.envs.host_mode import VLLM_NEURON_CPU_PROBE_STARTED
 
 @pytest.fixture
 def first_process(monkeypatch, tmp_path):
-    """This process as vLLM's first one: no probe looked at yet, a private Inductor cache."""
+    """This process as vLLM's first one on a new machine: no probe looked at yet, a private
+    Inductor cache and temporary directory (AOTInductor keeps its precompiled headers under
+    the temporary directory, whatever TORCHINDUCTOR_CACHE_DIR says)."""
     monkeypatch.delenv(VLLM_NEURON_CPU_PROBE_STARTED, raising=False)
     inductor = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     return inductor
 
 
@@ -37,8 +41,11 @@ def test_a_cold_node_probes_the_cpu_ahead_once_per_start(tmp_path, first_process
     assert os.environ[VLLM_NEURON_CPU_PROBE_STARTED] == str(os.getpid())  # its children's
     assert start_cpu_probe_if_cold(settings) is None  # once per start
     assert probe.wait(timeout=SAFETY) == 0
-    # Its test programs are in Inductor's cache for the workers: built, not to be built again.
+    # Its CPU test programs and AOTInductor's precompiled headers are in Inductor's cache for
+    # the workers: built, not to be built again.
     assert list(first_process.rglob("*.so")), sorted(first_process.rglob("*"))
+    assert list((tmp_path / "tmp").rglob("precompiled_headers/*.gch")), sorted(
+        (tmp_path / "tmp").rglob("*"))
 
 
 @pytest.mark.parametrize("change", [
@@ -52,7 +59,7 @@ def test_a_node_that_would_not_compile_in_workers_starts_no_probe(tmp_path, firs
                                                                    change):
     settings = CompileCacheSettings(cache_root=str(tmp_path / "root"), **change)
     assert start_cpu_probe_if_cold(settings) is None
-    assert not first_process.exists()
+    assert not first_process.exists() and not any((tmp_path / "tmp").iterdir())
 
 
 def test_a_node_whose_tier_holds_an_entry_starts_no_probe(tmp_path, first_process, compile_fn):
@@ -61,4 +68,4 @@ def test_a_node_whose_tier_holds_an_entry_starts_no_probe(tmp_path, first_proces
     TwoTierCache(local).get_or_compile("ab" * 16, compile_fn("ab" * 16))
     assert holds_entries(local)
     assert start_cpu_probe_if_cold(CompileCacheSettings(cache_root=str(tmp_path / "root"))) is None
-    assert not first_process.exists()
+    assert not first_process.exists() and not any((tmp_path / "tmp").iterdir())

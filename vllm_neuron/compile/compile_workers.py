@@ -174,6 +174,18 @@ class WorkerPool:
         self._give_back(worker)
         return True
 
+    def start_ahead(self, count: int) -> int:
+        """Start workers until `count` are live (a cold start's head start: head_start.py);
+        how many were started."""
+        started = 0
+        while True:
+            with self._lock:
+                if self._live >= count:
+                    return started
+                worker = self._started()
+            self._give_back(worker)
+            started += 1
+
     def run(self, job_dir: str, out_dir: str) -> int:
         """The job's status from an idle worker, or a new one; `CompileWorkerLost` when the
         worker dies or cannot start."""
@@ -262,11 +274,11 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
 
 
 def start_worker_early(toolchain: Toolchain, *, workers: int, pool: WorkerPool = POOL) -> bool:
-    """Start one compile worker before any graph is traced (head_start.py says when): its
-    start-up - torch, vLLM's kernels, Inductor's CPU probe - then runs while the engine
-    loads its model, not after its first graph is exported. Only the host toolchain has
-    workers. True when one was started; a worker that cannot start is said by the first
-    job that needs one."""
+    """Start this process's share of the node's compile workers before any graph is traced
+    (head_start.py says when): their start-up - torch, vLLM's kernels, Inductor's CPU probe -
+    then runs while the engine loads its model, not after its first graph is exported.
+    Only the host toolchain has workers. True when any was started; a worker that cannot
+    start is said by the first job that needs one."""
     from .toolchains.host import HostToolchain  # lazy: imports torch only when compiling
 
     if not isinstance(toolchain, HostToolchain) or workers < 1:
@@ -274,7 +286,7 @@ def start_worker_early(toolchain: Toolchain, *, workers: int, pool: WorkerPool =
     if loaded_vllm_kernel_library() is not None:
         pool.namespaces.add("_C")  # a graph traced inside vLLM calls its kernels
     try:
-        return pool.reserve(workers)
+        return pool.start_ahead(workers) > 0
     except CompileWorkerLost:
         return False
 

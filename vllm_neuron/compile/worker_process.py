@@ -156,13 +156,21 @@ def serve(parent: int, preload: Sequence[str]) -> int:
 
 
 def probe(parent: int) -> int:
-    """``python -m vllm_neuron.compile.worker_process --probe PARENT_PID``: Inductor's CPU
-    probe ahead of a cold start's workers (head_start.py), on the node's cores; its test
-    programs stay in Inductor's cache directory for the workers to find."""
+    """``python -m vllm_neuron.compile.worker_process --probe PARENT_PID``: what a cold
+    start's first worker compile would pay once per Inductor cache directory, paid ahead
+    (head_start.py): Inductor's CPU probe, then a tiny graph compiled with the host toolchain,
+    which builds the precompiled headers of AOTInductor's wrapper and kernels. Both stay in
+    Inductor's cache directory for the workers to find. At the lowest priority, on the node's
+    cores: it takes only what vLLM's own start-up leaves idle."""
     _exit_with_parent(parent)
     with contextlib.suppress(AttributeError, OSError, ValueError):
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    with contextlib.suppress(OSError):
+        os.nice(19)
     _probe_cpu()
+    from .toolchains.host_jobs import compile_tiny_graph
+
+    compile_tiny_graph()
     return 0
 
 

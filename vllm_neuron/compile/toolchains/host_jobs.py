@@ -27,7 +27,8 @@ from vllm_neuron.compile.toolchains.host import (
 )
 from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema, load_namespaces
 
-__all__ = ["JOB_PROGRAM", "JOB_RECORD", "HostJob", "compile_job", "export_job"]
+__all__ = ["JOB_PROGRAM", "JOB_RECORD", "HostJob", "compile_job", "compile_tiny_graph",
+           "export_job"]
 
 JOB_PROGRAM = "program.pt2"
 JOB_RECORD = "job.json"
@@ -98,6 +99,25 @@ def compile_job(job_dir: str, out_dir: str) -> CompiledArtifact:
                             files=(ARTIFACT_NAME,), output_shapes=job.output_shapes,
                             out_spec=job.out_spec, num_inputs=job.num_inputs,
                             derived_inputs=job.derived_inputs)  # fmt: skip
+
+
+def compile_tiny_graph() -> None:
+    """Compile a two-op graph as the host toolchain does, into a directory thrown away after:
+    what a first compile builds once per Inductor cache directory (the precompiled headers of
+    AOTInductor's wrapper and kernels, keyed by the same flags as every later compile's) is
+    then there for the compiles that count."""
+    # Lazy: torch is heavy and optional; only this path needs it.
+    import tempfile
+
+    import torch
+
+    class Tiny(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.gelu(x) * 2.0
+
+    gm = torch.fx.symbolic_trace(Tiny())
+    with tempfile.TemporaryDirectory(prefix="vllm_neuron_tiny_graph_") as out_dir:
+        HostToolchain().compile(gm, [torch.randn(4, 8)], out_dir)
 
 
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional",
