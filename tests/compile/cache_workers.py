@@ -366,7 +366,8 @@ def run_pieces(args: Mapping[str, Any]) -> dict[str, Any]:
 
     return {"ok": True, "matches": matches, "keys": [g[3] for g in graphs],
             "sources": [g.result.source for g in runtime.history],
-            "writer": f"{socket.gethostname()}-{os.getpid()}", "worker_pids": POOL.started}
+            "writer": f"{socket.gethostname()}-{os.getpid()}", "worker_pids": POOL.started,
+            "workers_lost": POOL.lost, "workers_retired": POOL.retired}
 
 
 def run_promote(args: Mapping[str, Any]) -> dict[str, Any]:

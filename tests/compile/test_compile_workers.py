@@ -165,6 +165,30 @@ def test_job_directories_of_dead_processes_are_swept(tmp_path, monkeypatch):
         owner.close()
 
 
+def test_a_warm_start_that_prepares_no_job_sweeps_them_too(tmp_path, monkeypatch, compile_fn):
+    from vllm_neuron.compile import job_dirs
+    from vllm_neuron.compile.cache import TwoTierCache
+
+    temp = tmp_path / "temp"
+    temp.mkdir()
+    monkeypatch.setattr(job_dirs.tempfile, "tempdir", str(temp))
+    killed = subprocess.run(
+        [sys.executable, "-c", "import sys, tempfile; tempfile.tempdir = sys.argv[1]; "
+         "from vllm_neuron.compile.job_dirs import owned_job_dir; "
+         "print(owned_job_dir()[0])", str(temp)],
+        check=True, capture_output=True, text=True).stdout.strip()
+    key = "ab" * 16
+    monkeypatch.setattr(job_dirs, "_swept", True)  # the process that compiled, long ago
+    first = TwoTierCache(str(tmp_path / "local"))
+    first.get_or_compile(key, compile_fn(key))
+    assert first.wait_for_upkeep(timeout=SAFETY) and os.path.isdir(killed)
+    monkeypatch.setattr(job_dirs, "_swept", False)  # a new process: only hits from here
+    cache = TwoTierCache(str(tmp_path / "local"))
+    assert cache.get_or_compile(key, lambda out: pytest.fail("compiled")).source == "local"
+    assert cache.wait_for_upkeep(timeout=SAFETY)  # its background pass, at the first use
+    assert not os.path.exists(killed)
+
+
 @pytest.mark.parametrize(("error", "status", "errno_"), [
     (OSError(28, "No space left on device", "{tmp}/elsewhere/x"), 4, 28),  # anywhere
     (OSError(13, "Permission denied", "{tmp}/staging/out/graph.pt2"), 4, 13),  # in the tier

@@ -46,6 +46,7 @@ def test_a_cold_node_probes_the_cpu_ahead_once_per_start(tmp_path, first_process
     assert list(first_process.rglob("*.so")), sorted(first_process.rglob("*"))
     assert list((tmp_path / "tmp").rglob("precompiled_headers/*.gch")), sorted(
         (tmp_path / "tmp").rglob("*"))
+    assert not list((tmp_path / "tmp").glob("vllm_neuron_compile_job_*"))  # its throwaway
 
 
 @pytest.mark.parametrize("change", [

@@ -65,8 +65,9 @@ def _node(tmp_path: Any, name: str) -> TwoTierCache:
     return cache
 
 
-def test_graphs_deferred_to_another_node_are_fetched_before_their_first_calls(tmp_path):
-    node_a, node_b = _node(tmp_path, "a"), _node(tmp_path, "b")
+def _defer_to_a_holder(node_a: TwoTierCache, node_b: TwoTierCache) -> list[PendingCompile]:
+    """Node A compiles KEYS, holding the first until B has deferred it; A has published
+    them all when this returns."""
     holding, go = threading.Event(), threading.Event()
 
     def held_compile(key: str) -> Any:
@@ -91,6 +92,12 @@ def test_graphs_deferred_to_another_node_are_fetched_before_their_first_calls(tm
     finally:
         go.set()
     a.join()
+    return pending  # type: ignore[return-value]
+
+
+def test_graphs_deferred_to_another_node_are_fetched_before_their_first_calls(tmp_path):
+    node_a, node_b = _node(tmp_path, "a"), _node(tmp_path, "b")
+    pending = _defer_to_a_holder(node_a, node_b)
     # Node A published all three; B deferred only the first, and fetches it unasked.
     _until(lambda: node_b.lookup_local(KEYS[0]) is not None, "B's background fetch")
     _until(lambda: not node_b._prefetcher.pending, "B's prefetcher to let the key go")
@@ -104,6 +111,23 @@ def test_graphs_deferred_to_another_node_are_fetched_before_their_first_calls(tm
     assert not [e for e in events if isinstance(e, CacheHit)], events
     assert node_b.get_or_compile(KEYS[0], lambda out: pytest.fail("compiled")).source == "memory"
     assert node_b.lookup_local(KEYS[1]) is None  # nothing it did not defer
+
+
+def test_a_prefetched_graph_is_not_evicted_before_its_first_call(tmp_path):
+    node_a = _node(tmp_path, "a")
+    node_b = TwoTierCache(str(tmp_path / "b"), remote=str(tmp_path / "remote"),
+                          remote_options={"lock": "lease"}, max_size=1)  # fmt: skip
+    _watched(node_b._prefetcher)
+    evictor = node_b._upkeep._evictor
+    assert evictor is not None
+    evictor.recent_use_seconds = 0  # no grace for a recent use: only protection keeps it
+    pending = _defer_to_a_holder(node_a, node_b)
+    _until(lambda: not node_b._prefetcher.pending, "B's prefetcher to let the key go")
+    # Above its bound once fetched, yet kept: it is about to be called, and an eviction
+    # now would only fetch it again at that call.
+    assert node_b.lookup_local(KEYS[0]) is not None
+    result = pending[0].result()
+    assert result.source == "local" and entry_is_right(str(result.path), KEYS[0]) is None
 
 
 def test_the_prefetcher_looks_round_the_keys_latest_first_and_leaves_each_to_its_first_call():

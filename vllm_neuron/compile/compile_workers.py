@@ -160,6 +160,8 @@ class WorkerPool:
         self._live = 0  # idle or compiling
         self._lock = threading.Lock()
         self.started: list[int] = []  # the process ids of the workers it started
+        self.lost: list[int] = []  # ... of those that died or could not answer
+        self.retired: list[int] = []  # ... of those retired when idle
         # The op namespaces a new worker loads before its first job: those of the jobs so
         # far, and vLLM's kernels when this process has them (its graphs call them).
         self.namespaces: set[str] = set()
@@ -196,6 +198,7 @@ class WorkerPool:
         except CompileWorkerLost:
             with self._lock:
                 self._live -= 1  # it died: not given back
+                self.lost.append(worker.process.pid)
             raise
         self._give_back(worker)
         return status
@@ -205,6 +208,7 @@ class WorkerPool:
         with self._lock:
             idle, self._idle = self._idle, []
             self._live -= len(idle)
+            self.retired.extend(worker.process.pid for worker in idle)
         return [worker.close(wait=RETIRE_WAIT) for worker in idle]
 
     def _started(self) -> _Worker:
@@ -228,6 +232,7 @@ class WorkerPool:
                     return  # working again, or already retired
                 self._idle.remove(worker)
                 self._live -= 1
+                self.retired.append(worker.process.pid)
             worker.close(wait=RETIRE_WAIT)
 
         timer = threading.Timer(self.idle_seconds, retire)

@@ -155,6 +155,8 @@ _WARNED: set[str] = set()
 
 
 def warn_once(message: str) -> None:
+    """Log `message` once per process: a condition met by every graph is said once, not once
+    per graph."""
     if message not in _WARNED:
         _WARNED.add(message)
         logger.warning("%s", message)

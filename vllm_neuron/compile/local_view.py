@@ -47,6 +47,7 @@ class LocalTierView:
     trust: TrustPolicy
     _untrusted: dict[str, str]
     _loaded: dict[str, CacheResult]
+    _prefetched: set[str]
     _decoded: dict[str, tuple[bytes, EntryRecord]]
     _events: EventLog
     _events_broken: bool
@@ -147,9 +148,12 @@ class LocalTierView:
 
     def keep_within_bound(self) -> None:
         """Evict the least recently used entries above the bound, never one this process
-        has loaded (its artifact is loaded from the entry); best-effort (eviction.py)."""
+        has loaded (its artifact is loaded from the entry) or prefetched for a call still to
+        come; best-effort (eviction.py)."""
         with self._bound_lock:
-            self._upkeep.keep_within_bound(list(self._loaded))
+            # What this process loaded, and what its prefetcher fetched for a first call
+            # still to come (evicted now, that call would only fetch it again).
+            self._upkeep.keep_within_bound([*self._loaded, *self._prefetched.copy()])
 
     def wait_for_upkeep(self, timeout: float | None = None) -> bool:
         """Wait for the background pass this cache started when it opened (what killed

@@ -20,6 +20,7 @@ import msgspec
 from .building import CompileFn
 from .cache import CacheResult, TwoTierCache
 from .compile_workers import POOL, WorkerPool, prepare_job, start_worker_early
+from .job_dirs import warn_once
 from .outcomes import CompileError, PendingCompile
 from .tier_health import unwritable_cause
 from .toolchains.base import (
@@ -184,7 +185,7 @@ class CompileRuntime:
                 raise
             # An entry that verified but will not load (another build of a library, a
             # truncated artifact with the right checksum...): healed, never fatal.
-            _warn_once(f"vllm_neuron: compile cache entry {traced.key} ({result.source}) does "
+            warn_once(f"vllm_neuron: compile cache entry {traced.key} ({result.source}) does "
                        f"not load here ({exc}); withdrawn, compiling the graph again")  # fmt: skip
             result = self.cache.heal_unloadable(result, str(exc), compile_into,
                                                 components=traced.components, piece=traced.piece)
@@ -263,11 +264,3 @@ def _entry_at_fault(result: CacheResult, exc: ToolchainError) -> bool:
         return False
     return not isinstance(exc.__cause__, MissingOpLibrary) and unwritable_cause(exc) is None
 
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning("%s", message)

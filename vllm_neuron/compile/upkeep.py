@@ -6,7 +6,8 @@ Three jobs, none on the hot path and none allowed to stop the cache from serving
 - at its first use (`get_or_compile`; not when it is built, which may happen before vLLM
   forks its workers: a fork must not copy a thread's locks mid-use), a background pass
   that collects what killed processes left (`gc.py`'s plan of the tier with its default
-  bounds: staging, temp files, dead leases and expired notes; never an entry) and settles
+  bounds: staging, temp files, dead leases and expired notes; never an entry; and their
+  compile job directories in the temporary directory, `job_dirs.py`) and settles
   the promotions an earlier process owed the remote (`owed.py`). One process per tier
   runs it at a time (the tier's ``upkeep`` lock, taken without waiting): the ranks of a
   TP=32 engine opening one tier walk it once, not 32 times. It stops between items when
@@ -26,6 +27,7 @@ from vllm_neuron.backends import LockTimeout, Record, Store
 
 from .eviction import Evictor
 from .gc import plan_gc
+from .job_dirs import sweep_dead_jobs
 from .owed import owe_promotion, owed_keys, promotion_settled, settle_owed
 from .remote_tier import RemoteTier
 
@@ -97,6 +99,7 @@ class TierUpkeep:
             return
         try:
             self._collect()
+            sweep_dead_jobs()  # a warm restart prepares no job: it would never sweep
             self._settle()
         except Exception as exc:  # noqa: BLE001 - a background pass never kills the process
             logger.warning("compile cache: the upkeep of %s stopped: %s", self.local.url, exc)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
+import shutil
 import sys
 import threading
 import time
@@ -168,9 +169,16 @@ def probe(parent: int) -> int:
     with contextlib.suppress(OSError):
         os.nice(19)
     _probe_cpu()
+    from .job_dirs import owned_job_dir
     from .toolchains.host_jobs import compile_tiny_graph
 
-    compile_tiny_graph()
+    # Its throwaway output in a job directory: swept like any job's if this process is killed.
+    job_dir, owner = owned_job_dir()
+    try:
+        compile_tiny_graph(job_dir)
+    finally:
+        shutil.rmtree(job_dir, ignore_errors=True)
+        owner.close()
     return 0
 
 

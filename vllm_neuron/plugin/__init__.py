@@ -189,7 +189,10 @@ def register() -> None:
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         # Before vLLM starts any engine process: Inductor's CPU probe runs now, on a core
         # vLLM's imports leave idle, when this node is likely to compile (head_start.py).
-        start_cpu_probe_if_cold(compile_cache_settings())
+        probe = start_cpu_probe_if_cold(compile_cache_settings())
+        if probe is not None:
+            logger.info("vllm_neuron: this node's local tier holds no entry: Inductor's CPU "
+                        "probe runs ahead, in pid %d", probe.pid)
     try:
         register_backend()
     except ImportError as exc:  # torch missing: vLLM itself cannot run either

@@ -101,23 +101,19 @@ def compile_job(job_dir: str, out_dir: str) -> CompiledArtifact:
                             derived_inputs=job.derived_inputs)  # fmt: skip
 
 
-def compile_tiny_graph() -> None:
-    """Compile a two-op graph as the host toolchain does, into a directory thrown away after:
-    what a first compile builds once per Inductor cache directory (the precompiled headers of
-    AOTInductor's wrapper and kernels, keyed by the same flags as every later compile's) is
-    then there for the compiles that count."""
+def compile_tiny_graph(out_dir: str) -> None:
+    """Compile a two-op graph into `out_dir` as the host toolchain does (the caller throws it
+    away): what a first compile builds once per Inductor cache directory (the precompiled
+    headers of AOTInductor's wrapper and kernels, keyed by the same flags as every later
+    compile's) is then there for the compiles that count."""
     # Lazy: torch is heavy and optional; only this path needs it.
-    import tempfile
-
     import torch
 
     class Tiny(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.gelu(x) * 2.0
 
-    gm = torch.fx.symbolic_trace(Tiny())
-    with tempfile.TemporaryDirectory(prefix="vllm_neuron_tiny_graph_") as out_dir:
-        HostToolchain().compile(gm, [torch.randn(4, 8)], out_dir)
+    HostToolchain().compile(torch.fx.symbolic_trace(Tiny()), [torch.randn(4, 8)], out_dir)
 
 
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional",
