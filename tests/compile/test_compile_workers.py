@@ -11,8 +11,10 @@ note is left.
 
 from __future__ import annotations
 
+import errno
 import os
 import posixpath
+import shutil
 import subprocess
 import sys
 import time
@@ -187,6 +189,40 @@ def test_a_warm_start_that_prepares_no_job_sweeps_them_too(tmp_path, monkeypatch
     assert cache.get_or_compile(key, lambda out: pytest.fail("compiled")).source == "local"
     assert cache.wait_for_upkeep(timeout=SAFETY)  # its background pass, at the first use
     assert not os.path.exists(killed)
+
+
+def test_a_temporary_directory_near_full_takes_no_more_jobs(tmpfs, monkeypatch, caplog):
+    """Every deferred graph's job waits in the temporary directory until a slot comes; below
+    a tenth of the file system free, no job is written there and the graph is compiled in
+    place - the node's temporary space is never filled by deferral."""
+    import logging
+
+    import torch
+
+    from vllm_neuron.compile import job_dirs
+    from vllm_neuron.compile.compile_workers import WorkerPool, prepare_job
+    from vllm_neuron.compile.toolchains.host import HostToolchain
+
+    monkeypatch.setattr(job_dirs.tempfile, "tempdir", str(tmpfs))
+    total = os.statvfs(tmpfs).f_blocks * os.statvfs(tmpfs).f_frsize
+    ballast = tmpfs / "ballast"
+    with open(ballast, "wb") as f:  # leaves 5% free: above ENOSPC, below the floor
+        f.write(b"\0" * int(total * 0.95 - (total - shutil.disk_usage(tmpfs).free)))
+    with pytest.raises(OSError, match="below the .* GiB that compile jobs leave free") as raised:
+        job_dirs.owned_job_dir()
+    assert raised.value.errno == errno.ENOSPC and raised.value.filename == str(tmpfs)
+    model = torch.fx.symbolic_trace(torch.nn.Linear(4, 4))
+    pool = WorkerPool(idle_seconds=3600.0)
+    monkeypatch.setattr(job_dirs, "_WARNED", set())
+    with caplog.at_level(logging.WARNING, logger="vllm_neuron.compile"):
+        assert prepare_job(HostToolchain(), model, [torch.randn(2, 4)], workers=0,
+                           pool=pool) is None  # fmt: skip
+    assert "compile jobs leave free" in caplog.text and "compiled in the tracing" in caplog.text
+    assert [p.name for p in tmpfs.iterdir()] == ["ballast"]  # nothing written
+    ballast.unlink()  # room again: jobs are written
+    job = prepare_job(HostToolchain(), model, [torch.randn(2, 4)], workers=0, pool=pool)
+    assert job is not None and os.path.isdir(job.job_dir)
+    job.discard()
 
 
 @pytest.mark.parametrize(("error", "status", "errno_"), [

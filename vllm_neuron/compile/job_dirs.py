@@ -15,6 +15,7 @@ thread runs the compiler on it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -27,8 +28,8 @@ from typing import IO, Any
 from .outcomes import CompileWorkerLost
 from .toolchains.base import CompiledArtifact, CompilerKilled, LoweredGraph, Toolchain
 
-__all__ = ["JOB_PREFIX", "LoweredJob", "PreparedJob", "lowered_job", "owned_job_dir",
-           "sweep_dead_jobs", "warn_once"]
+__all__ = ["JOB_PREFIX", "LoweredJob", "PreparedJob", "job_space_floor", "lowered_job",
+           "owned_job_dir", "sweep_dead_jobs", "warn_once"]
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -96,6 +97,17 @@ def lowered_job(toolchain: Toolchain, gm: Any,
     return job
 
 
+GIB = 1 << 30
+JOB_SPACE_FLOOR_BYTES = GIB
+JOB_SPACE_FLOOR_FRACTION = 0.1
+
+
+def job_space_floor(total: int) -> int:
+    """The free space (bytes) a file system of `total` bytes keeps when a job is written:
+    a tenth of it, at most 1 GiB."""
+    return min(JOB_SPACE_FLOOR_BYTES, int(total * JOB_SPACE_FLOOR_FRACTION))
+
+
 JOB_PREFIX = "vllm_neuron_compile_job_"
 OWNER = ".owner"  # locked (flock) by the process that prepared the job, while it lives
 ORPHAN_AGE = 3600.0  # seconds after which a job directory without its owner file is debris
@@ -106,7 +118,22 @@ def owned_job_dir() -> tuple[str, IO[bytes]]:
     """A new job directory and its owner file, locked for as long as this process keeps it
     open: the kernel drops the lock when the process dies, which is how `sweep_dead_jobs`
     tells a dead job from a live one (in any process, container or PID namespace that
-    shares the temporary directory)."""
+    shares the temporary directory).
+
+    Refused (an OSError, ENOSPC) when the temporary directory's free space is below
+    `job_space_floor`: every deferred graph's job waits there until a slot comes (a Neuron
+    job holds the graph's weights), so a model's worth of them could fill the file system the
+    whole node uses. The graph is then compiled in place, one at a time, as without deferral.
+    """
+    root = tempfile.gettempdir()
+    try:
+        usage = shutil.disk_usage(root)
+    except OSError:
+        usage = None  # nothing to judge by: the write says it if there is no room
+    if usage is not None and usage.free < job_space_floor(usage.total):
+        raise OSError(errno.ENOSPC, f"{usage.free / GIB:.1f} GiB free, below the "
+                      f"{job_space_floor(usage.total) / GIB:.1f} GiB that compile jobs leave "
+                      "free", root)  # fmt: skip
     job_dir = tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}_")
     try:
         owner = open(os.path.join(job_dir, OWNER), "wb")  # noqa: SIM115 - held by the job
