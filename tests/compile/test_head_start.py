@@ -21,7 +21,8 @@ def first_process(monkeypatch, tmp_path):
     """This process as vLLM's first one on a new machine: no probe looked at yet, a private
     Inductor cache and temporary directory (AOTInductor keeps its precompiled headers under
     the temporary directory, whatever TORCHINDUCTOR_CACHE_DIR says)."""
-    monkeypatch.delenv(VLLM_NEURON_CPU_PROBE_STARTED, raising=False)
+    monkeypatch.setenv(VLLM_NEURON_CPU_PROBE_STARTED, "restored after the test")
+    monkeypatch.delenv(VLLM_NEURON_CPU_PROBE_STARTED)
     inductor = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
     (tmp_path / "tmp").mkdir()
@@ -70,3 +71,19 @@ def test_a_node_whose_tier_holds_an_entry_starts_no_probe(tmp_path, first_proces
     assert holds_entries(local)
     assert start_cpu_probe_if_cold(CompileCacheSettings(cache_root=str(tmp_path / "root"))) is None
     assert not first_process.exists() and not any((tmp_path / "tmp").iterdir())
+
+
+def test_a_marker_from_a_process_that_is_no_ancestor_stops_no_probe(tmp_path, first_process,
+                                                                      monkeypatch):
+    settings = CompileCacheSettings(cache_root=str(tmp_path / "root"),
+                                    toolchain="neuron")  # fmt: skip  (so none is started)
+    for marker in (str(os.getppid()), str(os.getpid())):  # an ancestor, this process
+        monkeypatch.setenv(VLLM_NEURON_CPU_PROBE_STARTED, marker)
+        assert start_cpu_probe_if_cold(settings) is None
+        assert os.environ[VLLM_NEURON_CPU_PROBE_STARTED] == marker  # looked already
+    # A launcher's, inherited from outside this start (pid 1 is no process we descend from
+    # through vLLM; an unused number is none at all): this process looks, and says so.
+    for marker in ("1", str(2**22 + 1), "not a pid"):
+        monkeypatch.setenv(VLLM_NEURON_CPU_PROBE_STARTED, marker)
+        assert start_cpu_probe_if_cold(settings) is None  # the neuron toolchain: no probe
+        assert os.environ[VLLM_NEURON_CPU_PROBE_STARTED] == str(os.getpid())

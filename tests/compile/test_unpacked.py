@@ -377,3 +377,17 @@ def test_a_copy_made_at_a_load_counts_against_the_size_bound_at_once(
                grew=cache.keep_within_bound)  # as the runtime loads
     assert listed(tier / UNPACKED_DIR), "the load made the copy"
     assert [e.key for e in list_entries(cache.local)] == [built[1]]  # the other one went
+
+
+def test_cache_ls_says_the_bytes_of_the_unpacked_copies(hit: Hit, capsys) -> None:
+    import json
+
+    from vllm_neuron.cli import main
+    from vllm_neuron.cli.format import human_size
+
+    copied = sum(p.stat().st_size for p in hit.copy_dir().rglob("*") if p.is_file())
+    assert main(["cache", "--cache-dir", str(hit.tier), "ls"]) == 0
+    assert f"(and {human_size(copied)} of unpacked copies)" in capsys.readouterr().out
+    assert main(["cache", "--cache-dir", str(hit.tier), "ls", "--json"]) == 0
+    (listed,) = json.loads(capsys.readouterr().out)
+    assert listed["key"] == hit.key and listed["unpacked_size"] == copied > 0

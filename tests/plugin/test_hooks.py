@@ -7,6 +7,7 @@ on its own, quickly, with stand-ins for vLLM's objects (they are used by attribu
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +32,9 @@ def clean_settings(monkeypatch: pytest.MonkeyPatch) -> Any:
                                       "CAPTURE_REQUEST", "MAX_CAPTURES", "RANKS", "FORMAT",
                                       "DIR"))):
         monkeypatch.delenv(name, raising=False)
+    # register() in host mode would start Inductor's CPU probe for this process's default
+    # cache root (head_start.py): this process has looked already.
+    monkeypatch.setenv("VLLM_NEURON_CPU_PROBE_STARTED", str(os.getpid()))
     # register() would give the package logger a stderr handler (not propagating): keep
     # this session's logging as pytest set it up.
     monkeypatch.setattr(plugin_mod, "_show_logs", lambda: None)

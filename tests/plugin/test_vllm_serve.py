@@ -293,7 +293,7 @@ def test_cold_start_compiles_every_piece_through_the_cache(cold: ServerRun) -> N
     # A new node: Inductor's CPU probe ran ahead in vLLM's first process, and the engine's
     # worker started its compile workers before loading the model (head_start.py).
     assert "CPU probe runs ahead" in log
-    assert "a compile worker starts now, while the model loads" in log
+    assert "compile workers start now, while the model loads" in log
     keys = {c[1] for c in calls}
     assert cold.extra["stats"]["compiles"] == len(keys) == len(calls)
     assert cold.extra["stats"]["compile_failures"] == 0
@@ -308,7 +308,7 @@ def test_restart_without_vllm_caches_is_served_by_the_local_tier(
     assert {c[2] for c in calls} == {"local"}  # ... and this package served every piece
     # Its local tier holds entries: a warm start pays for no probe and no idle worker.
     assert "CPU probe runs ahead" not in restart.log()
-    assert "a compile worker starts now" not in restart.log()
+    assert "compile workers start now" not in restart.log()
     stats = restart.extra["stats"]
     assert stats["compiles"] == 0 and stats["hits"] == len(calls) and stats["fetches"] == 0
 

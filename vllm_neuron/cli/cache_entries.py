@@ -33,6 +33,7 @@ from vllm_neuron.compile.promote import save_cache
 from vllm_neuron.compile.prune import plan_prune
 from vllm_neuron.compile.quarantine import quarantine_entry
 from vllm_neuron.compile.trust import signer_of
+from vllm_neuron.compile.unpacked import unpacked_sizes
 from vllm_neuron.envs import compile_cache_settings, remote_cache_url
 
 from .cache_trust import load_policy, trust_check, trusted_keys_option
@@ -114,8 +115,15 @@ def cmd_ls(args: argparse.Namespace) -> int:
     entries = list_entries(store, sizes=True)
     notes = read_load_failures(store)
     signers = {e.key: signer_of(store, e.key) for e in entries}
+    # A local tier's unpacked copies of host packages go with their entries (and count
+    # against VLLM_NEURON_CACHE_MAX_SIZE): said beside the recorded files' bytes.
+    try:
+        copies = unpacked_sizes(store)
+    except OSError:
+        copies = {}
     if args.json:
-        print_json([entry_json(e, notes.get(e.key, ()), signers[e.key]) for e in entries])
+        print_json([{**entry_json(e, notes.get(e.key, ()), signers[e.key]),
+                     "unpacked_size": copies.get(e.key, 0)} for e in entries])  # fmt: skip
         return 0
     rows = [
         (e.key, human_size(e.size), e.files,
@@ -127,7 +135,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(table(["KEY", "SIZE", "FILES", "AGE", "TOOLCHAIN", "TARGET", "COMPILE", "SIGNER",
                  "PROBLEM"], rows))  # fmt: skip
     bad = sum(1 for e in entries if e.problem)
+    copied = sum(copies.get(e.key, 0) for e in entries)
     print(f"{len(entries)} entries, {human_size(sum(e.size for e in entries))}"
+          + (f" (and {human_size(copied)} of unpacked copies)" if copied else "")
           + (f", {bad} with a problem" if bad else ""))
     return 0
 

@@ -72,6 +72,8 @@ ARTIFACT = "artifact.json"
 ERROR = "error.txt"
 OUTPUT = "output.txt"  # what the worker printed during the job
 RETIRE_WAIT = 30.0  # seconds an idle worker is given to exit before it is killed
+EARLY_WORKERS = 2  # at most this many workers started ahead of a cold start's first graph
+EARLY_IDLE_SECONDS = 120.0  # how long those wait for their first job before they retire
 
 
 class CompileJob(PreparedJob):
@@ -172,12 +174,16 @@ class WorkerPool:
         with self._lock:
             if self._idle or self._live >= at_most:
                 return False
+            # Idle in the same hold as it is counted live: a job's `run` in between would
+            # find none idle and start one more than the node's slots.
             worker = self._started()
-        self._give_back(worker)
+            stamp = self._idle_now(worker)
+        self._retire_after(worker, stamp, self.idle_seconds)
         return True
 
-    def start_ahead(self, count: int) -> int:
-        """Start workers until `count` are live (a cold start's head start: head_start.py);
+    def start_ahead(self, count: int, first_idle: float | None = None) -> int:
+        """Start workers until `count` are live (a cold start's head start: head_start.py),
+        each retiring if no job came within `first_idle` seconds (default: `idle_seconds`);
         how many were started."""
         started = 0
         while True:
@@ -185,7 +191,9 @@ class WorkerPool:
                 if self._live >= count:
                     return started
                 worker = self._started()
-            self._give_back(worker)
+                stamp = self._idle_now(worker)
+            self._retire_after(worker, stamp,
+                               self.idle_seconds if first_idle is None else first_idle)
             started += 1
 
     def run(self, job_dir: str, out_dir: str) -> int:
@@ -200,7 +208,9 @@ class WorkerPool:
                 self._live -= 1  # it died: not given back
                 self.lost.append(worker.process.pid)
             raise
-        self._give_back(worker)
+        with self._lock:
+            stamp = self._idle_now(worker)
+        self._retire_after(worker, stamp, self.idle_seconds)
         return status
 
     def retire_idle(self) -> list[int | None]:
@@ -221,10 +231,14 @@ class WorkerPool:
         self.started.append(worker.process.pid)
         return worker
 
-    def _give_back(self, worker: _Worker) -> None:
+    def _idle_now(self, worker: _Worker) -> float:
+        """Put `worker` among the idle ones (the caller holds the lock); its idle stamp."""
         stamp = worker.idle_since = time.monotonic()
-        with self._lock:
-            self._idle.append(worker)
+        self._idle.append(worker)
+        return stamp
+
+    def _retire_after(self, worker: _Worker, stamp: float, seconds: float) -> None:
+        """Retire `worker` if it is still idle since `stamp` in `seconds`."""
 
         def retire() -> None:
             with self._lock:
@@ -235,7 +249,7 @@ class WorkerPool:
                 self.retired.append(worker.process.pid)
             worker.close(wait=RETIRE_WAIT)
 
-        timer = threading.Timer(self.idle_seconds, retire)
+        timer = threading.Timer(seconds, retire)
         timer.daemon = True
         timer.start()
 
@@ -279,19 +293,21 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
 
 
 def start_worker_early(toolchain: Toolchain, *, workers: int, pool: WorkerPool = POOL) -> bool:
-    """Start this process's share of the node's compile workers before any graph is traced
-    (head_start.py says when): their start-up - torch, vLLM's kernels, Inductor's CPU probe -
-    then runs while the engine loads its model, not after its first graph is exported.
-    Only the host toolchain has workers. True when any was started; a worker that cannot
-    start is said by the first job that needs one."""
+    """Start up to `EARLY_WORKERS` of this process's share (`workers`) of the node's compile
+    workers before any graph is traced (head_start.py says when): their start-up - torch,
+    vLLM's kernels, Inductor's CPU probe - then runs while the engine loads its model, not
+    after its first graph is exported. They wait for their first job up to
+    `EARLY_IDLE_SECONDS` (a model's loading can take minutes). Only the host toolchain has
+    workers. True when any was started; a worker that cannot start is said by the first job
+    that needs one."""
     from .toolchains.host import HostToolchain  # lazy: imports torch only when compiling
 
     if not isinstance(toolchain, HostToolchain) or workers < 1:
         return False
     if loaded_vllm_kernel_library() is not None:
         pool.namespaces.add("_C")  # a graph traced inside vLLM calls its kernels
-    try:
-        return pool.start_ahead(workers) > 0
+    try:  # more start as jobs come: how many graphs the model has is not known yet
+        return pool.start_ahead(min(workers, EARLY_WORKERS), first_idle=EARLY_IDLE_SECONDS) > 0
     except CompileWorkerLost:
         return False
 

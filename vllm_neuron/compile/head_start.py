@@ -3,22 +3,23 @@
 A host-mode compile worker spends its first seconds on start-up, not on the graph: torch,
 vLLM's kernel library, and Inductor's CPU probe, which builds and loads a test program per
 vector ISA the CPU claims (about 7 s on a fresh Inductor cache, 1 s once its programs are
-there). On a cold start those seconds used to come after the engine had traced its model,
-on the path to the first answer, once per worker. Two head starts move them off it:
+there); a node's first AOTInductor compile also builds precompiled headers (about 5 s). On a
+cold start those seconds used to come after the engine had traced its model, on the path to
+the first answer, once per worker. Two head starts move them off it:
 
 * vLLM's first process (the API server: its general plugin runs before any engine process
-  exists) starts the probe in a process of its own (`start_cpu_probe_if_cold`). Its test
-  programs land in Inductor's cache directory, which the engine processes and their workers
-  inherit, while vLLM itself is still importing on one core.
-* the process that will trace starts its first compile worker when vLLM builds its worker
-  object (`CompileRuntime.start_compile_worker_if_cold`), so the worker's imports overlap
-  the model's loading.
+  exists) runs the probe and a tiny compile in a process of its own
+  (`start_cpu_probe_if_cold`). What they build lands in Inductor's caches, which the engine
+  processes and their workers share, while vLLM itself is still importing on one core.
+* the process that will trace starts up to two compile workers once vLLM has set up its
+  device (`CompileRuntime.start_compile_worker_if_cold`), so their start-up overlaps the
+  model's loading.
 
 Both only on a node that is likely to compile: host mode, deferred compiles, a cache that
-compiles (not disabled, not pre-compiled-only), and a local tier that holds no entry at
-all (a new node, a fresh cache). A node with entries starts neither: a warm start must not
-pay for them. A wrong guess (a new node whose fleet already has every graph) costs one
-probe and one idle worker, which retires after `WorkerPool.idle_seconds`.
+compiles (not disabled, not pre-compiled-only), and a local tier that holds no entry at all
+(a new node, a fresh cache). A node with entries starts neither: a warm start must not pay
+for them. A wrong guess (a new node whose fleet already has every graph) costs one probe and
+up to two idle workers, which retire after `compile_workers.EARLY_IDLE_SECONDS`.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ import subprocess
 import sys
 import threading
 
-from vllm_neuron.backends import open_store
 from vllm_neuron.envs import CompileCacheSettings, ConfigError
 from vllm_neuron.envs.host_mode import VLLM_NEURON_CPU_PROBE_STARTED
 
@@ -42,16 +42,18 @@ logger = logging.getLogger("vllm_neuron.compile")
 
 
 def holds_entries(local_dir: str) -> bool:
-    """Whether the local tier at `local_dir` holds any published entry (a tier that does
-    not exist yet holds none). A tier that cannot be read counts as holding some: no head
-    start is taken on a guess."""
-    if not os.path.isdir(local_dir):
-        return False
+    """Whether the local tier at `local_dir` holds an entry: a directory named by a key,
+    the first one found ends the look (a warm start must not pay for a walk of the tier). A
+    tier that does not exist yet holds none; one that cannot be read counts as holding some
+    (no head start is taken on a guess)."""
     try:
-        names = open_store(local_dir, create=False).published_children("")
+        with os.scandir(local_dir) as children:
+            return any(len(child.name) == 32 and not child.name.startswith(".")
+                       and child.is_dir() for child in children)  # fmt: skip
+    except FileNotFoundError:
+        return False
     except OSError:
         return True
-    return any(len(name) == 32 for name in names)
 
 
 def likely_to_compile(settings: CompileCacheSettings, local_dir: str, toolchain: str) -> bool:
@@ -69,7 +71,7 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings) -> subprocess.Popen[
     of its own, when this node is likely to compile (see the module). Once per start: the
     processes this one starts inherit VLLM_NEURON_CPU_PROBE_STARTED and start none. The
     probe's process when it was started (reaped by a thread of this process)."""
-    if os.environ.get(VLLM_NEURON_CPU_PROBE_STARTED):
+    if _started_by_an_ancestor(os.environ.get(VLLM_NEURON_CPU_PROBE_STARTED, "")):
         return None
     os.environ[VLLM_NEURON_CPU_PROBE_STARTED] = str(os.getpid())
     try:
@@ -87,10 +89,34 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings) -> subprocess.Popen[
     except OSError as exc:  # no process left: the workers probe for themselves
         logger.warning("vllm_neuron: Inductor's CPU probe not started ahead: %s", exc)
         return None
-    # Reaped when it ends, so no zombie is left in a server that runs for weeks.
-    threading.Thread(target=_reap, args=(probe,), daemon=True,
-                     name="vllm-neuron-cpu-probe").start()  # fmt: skip
+    # Reaped when it ends, so no zombie is left in a server that runs for weeks (without a
+    # thread - a pids limit reached - `subprocess` reaps it at this process's next start of
+    # one).
+    with contextlib.suppress(RuntimeError):
+        threading.Thread(target=_reap, args=(probe,), daemon=True,
+                         name="vllm-neuron-cpu-probe").start()  # fmt: skip
     return probe
+
+
+def _started_by_an_ancestor(marker: str) -> bool:
+    """Whether VLLM_NEURON_CPU_PROBE_STARTED names this process or one it descends from: a
+    value inherited from anything else (a launcher that loaded vLLM's plugins itself, then
+    started servers) does not stop this start's probe."""
+    if not marker.isdigit():
+        return False
+    pid = os.getpid()
+    for _ in range(64):  # a process tree is not deeper; a loop in /proc's answers ends here
+        if pid == int(marker):
+            return True
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+                pid = int(stat.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+        if pid <= 1:
+            return False
+    return False
 
 
 def _reap(probe: subprocess.Popen[bytes]) -> None:

@@ -146,13 +146,14 @@ def owned_job_dir() -> tuple[str, IO[bytes]]:
 
 def sweep_dead_jobs() -> None:
     """Remove the job directories that processes which are gone (a server that was killed)
-    left in the temporary directory; once per process, when its first job is prepared."""
+    left in the temporary directory; once per process, when its first job is prepared or
+    its cache's upkeep pass runs. Never raises."""
     global _swept
     if _swept:
         return
     _swept = True
-    root = tempfile.gettempdir()
-    with contextlib.suppress(OSError):
+    with contextlib.suppress(OSError):  # no usable temporary directory: nothing to sweep
+        root = tempfile.gettempdir()
         for name in os.listdir(root):
             path = os.path.join(root, name)
             if name.startswith(JOB_PREFIX) and _abandoned(path):

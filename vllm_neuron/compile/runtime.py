@@ -20,6 +20,7 @@ import msgspec
 from .building import CompileFn
 from .cache import CacheResult, TwoTierCache
 from .compile_workers import POOL, WorkerPool, prepare_job, start_worker_early
+from .head_start import holds_entries
 from .job_dirs import warn_once
 from .outcomes import CompileError, PendingCompile
 from .tier_health import unwritable_cause
@@ -101,7 +102,7 @@ class CompileRuntime:
         cache = self.cache
         if cache.disabled or cache.precompiled_only or not cache.defer_compiles:
             return False
-        if cache.entries():
+        if holds_entries(cache.local_dir):
             return False
         return start_worker_early(self.toolchain, workers=cache.compile_share, pool=pool)
 

@@ -99,7 +99,7 @@ class TierUpkeep:
             return
         try:
             self._collect()
-            sweep_dead_jobs()  # a warm restart prepares no job: it would never sweep
+            sweep_dead_jobs()  # never raises; a warm restart prepares no job to sweep them
             self._settle()
         except Exception as exc:  # noqa: BLE001 - a background pass never kills the process
             logger.warning("compile cache: the upkeep of %s stopped: %s", self.local.url, exc)

@@ -161,13 +161,15 @@ def probe(parent: int) -> int:
     start's first worker compile would pay once per Inductor cache directory, paid ahead
     (head_start.py): Inductor's CPU probe, then a tiny graph compiled with the host toolchain,
     which builds the precompiled headers of AOTInductor's wrapper and kernels. Both stay in
-    Inductor's cache directory for the workers to find. At the lowest priority, on the node's
-    cores: it takes only what vLLM's own start-up leaves idle."""
+    Inductor's cache directory (the headers under the temporary directory's
+    ``torchinductor_<user>``) for the workers to find. At a lower priority (nice 10), on the
+    node's cores: it takes mostly what vLLM's own start-up leaves idle, yet is not starved
+    on a busy host while it holds the Inductor file locks a worker may wait on."""
     _exit_with_parent(parent)
     with contextlib.suppress(AttributeError, OSError, ValueError):
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
     with contextlib.suppress(OSError):
-        os.nice(19)
+        os.nice(10)
     _probe_cpu()
     from .job_dirs import owned_job_dir
     from .toolchains.host_jobs import compile_tiny_graph

@@ -21,14 +21,19 @@ class NeuronHostWorker(ArtifactWorkerHooks, CPUWorker):
 
     Before anything builds the model, it has vLLM build the vocab-parallel embedding whose
     piece is one graph on every tensor-parallel rank (`vocab_embedding.py`), unless
-    VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING=0; and on a node whose local tier is empty it
-    starts a compile worker, whose start-up then runs while the model loads.
+    VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING=0; and, once its device is set up (its
+    tensor-parallel group known, so its share of the node's compile slots is), on a node whose
+    local tier is empty it starts its compile workers, whose start-up then runs while the
+    model loads.
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         if host_mode_settings().rank_independent_embedding:
             _install_rank_independent_embedding()
         super().__init__(*args, **kwargs)
+
+    def init_device(self) -> None:
+        super().init_device()
         _start_compile_worker_if_cold()
 
 
@@ -45,8 +50,8 @@ def _start_compile_worker_if_cold() -> None:
         logger.warning("vllm_neuron: no compile worker started early: %s", exc)
         return
     if started:
-        logger.info("vllm_neuron: this node's local tier holds no entry: a compile worker "
-                    "starts now, while the model loads")
+        logger.info("vllm_neuron: this node's local tier holds no entry: compile workers "
+                    "start now, while the model loads")
 
 
 def _install_rank_independent_embedding() -> None:
