@@ -95,10 +95,11 @@ class CompileRuntime:
         self._wrappers.append(wrapper)
 
     def start_compile_worker_if_cold(self, pool: WorkerPool = POOL) -> bool:
-        """Start a compile worker now, before the engine traces its model, when this
-        process is likely to compile its own graphs (head_start.py: the host toolchain,
-        deferred compiles, a cache that compiles, a local tier that holds no entry at
-        all), so its start-up overlaps the model's loading. True when one was started."""
+        """Start compile workers now (up to two of this process's share), before the engine
+        traces its model, when this process is likely to compile its own graphs
+        (head_start.py: the host toolchain, deferred compiles, a cache that compiles, a
+        local tier that holds no entry at all), so their start-up overlaps the model's
+        loading. True when any was started."""
         cache = self.cache
         if cache.disabled or cache.precompiled_only or not cache.defer_compiles:
             return False

@@ -189,7 +189,11 @@ def register() -> None:
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         # Before vLLM starts any engine process: Inductor's CPU probe runs now, on a core
         # vLLM's imports leave idle, when this node is likely to compile (head_start.py).
-        probe = start_cpu_probe_if_cold(compile_cache_settings())
+        try:
+            probe = start_cpu_probe_if_cold(compile_cache_settings())
+        except Exception as exc:  # noqa: BLE001 - a head start never stops a server
+            logger.warning("vllm_neuron: Inductor's CPU probe not started ahead: %s", exc)
+            probe = None
         if probe is not None:
             logger.info("vllm_neuron: this node's local tier holds no entry: Inductor's CPU "
                         "probe runs ahead, in pid %d", probe.pid)
