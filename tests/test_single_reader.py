@@ -219,6 +219,7 @@ def test_read_variables_are_exactly_what_the_groups_read() -> None:
     envs.load_snapshot_settings(env)
     envs.check_snapshot_root("memory://reader", env)
     envs.load_host_mode_settings(env)
+    envs.load_cpu_probe_marker(env)
     envs.load_profiling_settings(env)
     envs.load_identity_settings(env)
     envs.load_fault_settings(env)

@@ -31,8 +31,12 @@ import subprocess
 import sys
 import threading
 
-from vllm_neuron.envs import CompileCacheSettings, ConfigError
-from vllm_neuron.envs.host_mode import VLLM_NEURON_CPU_PROBE_STARTED
+from vllm_neuron.envs import (
+    CompileCacheSettings,
+    ConfigError,
+    load_cpu_probe_marker,
+    mark_cpu_probe_started,
+)
 
 from .local_tier import get_neuron_compile_cache_dir
 
@@ -71,9 +75,9 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings) -> subprocess.Popen[
     of its own, when this node is likely to compile (see the module). Once per start: the
     processes this one starts inherit VLLM_NEURON_CPU_PROBE_STARTED and start none. The
     probe's process when it was started (reaped by a thread of this process)."""
-    if _started_by_an_ancestor(os.environ.get(VLLM_NEURON_CPU_PROBE_STARTED, "")):
+    if _started_by_an_ancestor(load_cpu_probe_marker()):
         return None
-    os.environ[VLLM_NEURON_CPU_PROBE_STARTED] = str(os.getpid())
+    mark_cpu_probe_started()
     try:
         local_dir = get_neuron_compile_cache_dir(settings)
     except ConfigError:
@@ -98,15 +102,15 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings) -> subprocess.Popen[
     return probe
 
 
-def _started_by_an_ancestor(marker: str) -> bool:
+def _started_by_an_ancestor(marker: int | None) -> bool:
     """Whether VLLM_NEURON_CPU_PROBE_STARTED names this process or one it descends from: a
     value inherited from anything else (a launcher that loaded vLLM's plugins itself, then
     started servers) does not stop this start's probe."""
-    if not marker.isdigit():
+    if marker is None:
         return False
     pid = os.getpid()
     for _ in range(64):  # a process tree is not deeper; a loop in /proc's answers ends here
-        if pid == int(marker):
+        if pid == marker:
             return True
         try:
             with open(f"/proc/{pid}/stat", "rb") as stat:

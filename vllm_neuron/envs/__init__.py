@@ -66,7 +66,13 @@ from .compile_cache import (
     remote_cache_url,
 )
 from .faults import FaultSettings, fault_settings, load_fault_settings
-from .host_mode import HostModeSettings, host_mode_settings, load_host_mode_settings
+from .host_mode import (
+    HostModeSettings,
+    host_mode_settings,
+    load_cpu_probe_marker,
+    load_host_mode_settings,
+    mark_cpu_probe_started,
+)
 from .identity import IdentitySettings, load_identity_settings
 from .manifest import ManifestSettings, load_manifest_settings, manifest_settings
 from .metrics import MetricsSettings, load_metrics_settings
@@ -119,7 +125,9 @@ __all__ = [
     "fault_settings",
     "host_mode_settings",
     "is_secret_name",
+    "mark_cpu_probe_started",
     "load_compile_cache_settings",
+    "load_cpu_probe_marker",
     "load_fault_settings",
     "load_host_mode_settings",
     "load_identity_settings",

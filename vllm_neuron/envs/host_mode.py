@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -16,7 +17,9 @@ __all__ = [
     "VLLM_USE_AOT_COMPILE",
     "HostModeSettings",
     "host_mode_settings",
+    "load_cpu_probe_marker",
     "load_host_mode_settings",
+    "mark_cpu_probe_started",
 ]
 
 VLLM_NEURON_HOST_MODE = "VLLM_NEURON_HOST_MODE"
@@ -97,3 +100,17 @@ def load_host_mode_settings(environ: Mapping[str, str] | None = None) -> HostMod
 def host_mode_settings() -> HostModeSettings:
     """The process's host-mode setting, parsed from os.environ on first use."""
     return load_host_mode_settings()
+
+
+def load_cpu_probe_marker(environ: Mapping[str, str] | None = None) -> int | None:
+    """VLLM_NEURON_CPU_PROBE_STARTED: the process id of the process of this start that looked
+    at whether to run Inductor's CPU probe ahead (vllm_neuron/compile/head_start.py), or None
+    when unset. Read at each use (the first process sets it while running); a value that is
+    no process id is no marker (None), never an error: it is no setting of the user's."""
+    value = raw(environ_or_default(environ), VLLM_NEURON_CPU_PROBE_STARTED)
+    return int(value) if value is not None and value.isdigit() else None
+
+
+def mark_cpu_probe_started() -> None:
+    """Set VLLM_NEURON_CPU_PROBE_STARTED to this process's id, for the processes it starts."""
+    os.environ[VLLM_NEURON_CPU_PROBE_STARTED] = str(os.getpid())
