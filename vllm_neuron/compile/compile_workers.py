@@ -48,7 +48,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import IO, Any
 
 import msgspec
@@ -171,30 +171,18 @@ class WorkerPool:
     def reserve(self, at_most: int) -> bool:
         """Start a worker now if none is idle and fewer than `at_most` live (the node's
         slots), so its imports run while a job is prepared; True when one was started."""
-        with self._lock:
-            if self._idle or self._live >= at_most:
-                return False
-            # Idle in the same hold as it is counted live: a job's `run` in between would
-            # find none idle and start one more than the node's slots.
-            worker = self._started()
-            stamp = self._idle_now(worker)
-        self._retire_after(worker, stamp, self.idle_seconds)
-        return True
+        return self._start_one(lambda: not self._idle and self._live < at_most,
+                               self.idle_seconds)  # fmt: skip
 
     def start_ahead(self, count: int, first_idle: float | None = None) -> int:
         """Start workers until `count` are live (a cold start's head start: head_start.py),
         each retiring if no job came within `first_idle` seconds (default: `idle_seconds`);
         how many were started."""
+        seconds = self.idle_seconds if first_idle is None else first_idle
         started = 0
-        while True:
-            with self._lock:
-                if self._live >= count:
-                    return started
-                worker = self._started()
-                stamp = self._idle_now(worker)
-            self._retire_after(worker, stamp,
-                               self.idle_seconds if first_idle is None else first_idle)
+        while self._start_one(lambda: self._live < count, seconds):
             started += 1
+        return started
 
     def run(self, job_dir: str, out_dir: str) -> int:
         """The job's status from an idle worker, or a new one; `CompileWorkerLost` when the
@@ -230,6 +218,18 @@ class WorkerPool:
         self._live += 1
         self.started.append(worker.process.pid)
         return worker
+
+    def _start_one(self, wanted: Callable[[], bool], idle_seconds: float) -> bool:
+        """Start a worker if `wanted()` (asked under the lock), idle in the same hold as it
+        is counted live - a job's `run` in between would find none idle and start one more
+        than the node's slots - and retiring after `idle_seconds` without a job."""
+        with self._lock:
+            if not wanted():
+                return False
+            worker = self._started()
+            stamp = self._idle_now(worker)
+        self._retire_after(worker, stamp, idle_seconds)
+        return True
 
     def _idle_now(self, worker: _Worker) -> float:
         """Put `worker` among the idle ones (the caller holds the lock); its idle stamp."""
@@ -272,8 +272,7 @@ def prepare_job(toolchain: Toolchain, gm: Any, example_inputs: Sequence[Any], *,
     from .toolchains.host_jobs import export_job
 
     job_dir = None
-    if loaded_vllm_kernel_library() is not None:
-        pool.namespaces.add("_C")  # a graph traced inside vLLM calls its kernels
+    _load_vllm_kernels_in_workers(pool)
     try:
         with contextlib.suppress(CompileWorkerLost):  # no start now: `run` tries again
             pool.reserve(workers)  # its imports overlap the export
@@ -304,12 +303,17 @@ def start_worker_early(toolchain: Toolchain, *, workers: int, pool: WorkerPool =
 
     if not isinstance(toolchain, HostToolchain) or workers < 1:
         return False
-    if loaded_vllm_kernel_library() is not None:
-        pool.namespaces.add("_C")  # a graph traced inside vLLM calls its kernels
+    _load_vllm_kernels_in_workers(pool)
     try:  # more start as jobs come: how many graphs the model has is not known yet
         return pool.start_ahead(min(workers, EARLY_WORKERS), first_idle=EARLY_IDLE_SECONDS) > 0
     except CompileWorkerLost:
         return False
+
+
+def _load_vllm_kernels_in_workers(pool: WorkerPool) -> None:
+    """A graph traced inside vLLM calls its kernels: new workers load them before a job."""
+    if loaded_vllm_kernel_library() is not None:
+        pool.namespaces.add("_C")
 
 
 def _disk_fault(recorded: str) -> OSError:
