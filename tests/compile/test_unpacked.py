@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,7 @@ def test_a_full_tier_loads_the_package_with_one_warning(
     (said,) = result["warnings"]
     assert "cannot take unpacked packages" in said and "no space left" in said, said
     assert listed(tier / UNPACKED_DIR) == listed(tier / ".staging") == []  # dropped at once
+    assert listed(tmpdir) == []  # the package unpacked for the load, then removed
 
 
 # In this process -------------------------------------------------------------------------------
@@ -160,6 +162,7 @@ def fresh_process_state(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iter
     monkeypatch.setattr(unpacked, "_WARNED", set())
     (tmp_path / "torch-tmp").mkdir()
     monkeypatch.setenv("TMPDIR", str(tmp_path / "torch-tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "torch-tmp"))
     yield
     arm(None)
 
@@ -284,11 +287,12 @@ def test_a_tier_that_cannot_take_the_copy_loads_the_package_with_one_warning(
     reason = "no space left" if kind == "full" else "read-only file system"
     assert "cannot take unpacked packages" in said and reason in said, said
     assert listed(hit.tier / UNPACKED_DIR) == listed(hit.tier / ".staging") == []
-    assert len(temp_dirs_of_torch(tmp_path / "torch-tmp")) == 2  # as before this module
+    assert os.listdir(tmp_path / "torch-tmp") == []  # unpacked for each load, then removed
 
 
 def test_a_package_that_cannot_be_unpacked_here_loads_as_a_package_with_one_warning(
     hit: Hit, expected: Callable[[Hit], Any], cache_warnings: Callable[[], list[str]],
+    tmp_path: Path,
 ) -> None:
     import zipfile
 
@@ -305,6 +309,7 @@ def test_a_package_that_cannot_be_unpacked_here_loads_as_a_package_with_one_warn
     torch.testing.assert_close(hit.load()(*hit.inputs()), expected(hit))
     (said,) = cache_warnings()
     assert "loads from its package, not from an unpacked copy" in said, said
+    assert os.listdir(tmp_path / "torch-tmp") == []  # unpacked for the load, then removed
 
 
 # Collected with the entry -----------------------------------------------------------------------

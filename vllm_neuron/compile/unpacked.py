@@ -37,14 +37,16 @@ whose entry is gone anyway (a process killed between the two, a load racing a wi
 is collected by ``cache gc`` and the background pass (`gc.py`, kind ``unpacked``).
 
 **Never fatal.** A tier that cannot take the copy (full, read-only) costs one warning per
-process, and its graphs load as they always did (torch unpacks each into ``$TMPDIR``); so
-does a package this code cannot unpack. A package that does not match its entry's record
+process, and its graphs load from their packages, each unpacked into a job directory of
+``$TMPDIR`` removed once loaded (`_load_package`); so does a package this code cannot unpack
+into the tier. A package that does not match its entry's record
 is the entry's fault: a `ToolchainError`, which the runtime heals (withdraw, compile).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import tempfile
 import time
@@ -66,6 +68,7 @@ from vllm_neuron.backends.digests import digest_stream, mismatch
 from vllm_neuron.backends.records import RecordError, encode
 from vllm_neuron.backends.verified_copy import check_verified
 
+from .job_dirs import PreparedJob, owned_job_dir
 from .outcomes import CacheResult
 from .tier_health import tier_dir, unwritable_cause, why_unwritable
 from .toolchains.base import CompiledArtifact, Toolchain, ToolchainError
@@ -256,9 +259,11 @@ def load_entry(toolchain: Toolchain, store: Store, result: CacheResult,
     path, package = result.path, toolchain.package_of(artifact)
     if path is None:
         raise RuntimeError(f"{store.url} is not on local disk: {result.key} cannot be loaded")
-    source = None if package is None else result.record.files.get(package)
-    if package is None or source is None or not result.prefix or store.url in _NO_ROOM:
-        return toolchain.load(path, artifact)  # no package, a scratch compile, or no room
+    if package is None:
+        return toolchain.load(path, artifact)  # a toolchain whose artifact is no package
+    source = result.record.files.get(package)
+    if source is None or not result.prefix or store.url in _NO_ROOM:
+        return _load_package(toolchain, path, package, artifact)  # a scratch compile, no room
     try:
         directory = unpacked_dir(store, result.key, result.prefix, package, source, made=grew)
     except PackageMismatch as exc:
@@ -266,33 +271,66 @@ def load_entry(toolchain: Toolchain, store: Store, result: CacheResult,
     except Exception as exc:  # noqa: BLE001 - the copy is an optimisation; load as before
         fault = unwritable_cause(exc, tier_dir(store))
         if fault is None:
-            return _package_instead(toolchain, path, artifact, "unpack", f"{type(exc).__name__}"
-                                    f": {exc}")  # fmt: skip
+            return _package_instead(toolchain, path, package, artifact, "unpack",
+                                    f"{type(exc).__name__}: {exc}")  # fmt: skip
         _NO_ROOM.add(store.url)
         where = tier_dir(store) or store.url
         logger.warning(
             "vllm_neuron: the local compile cache %s cannot take unpacked packages (%s); its "
-            "graphs load from their packages in this process: torch unpacks each into %s "
-            "on every load", where,
+            "graphs load from their packages in this process, each unpacked into %s on "
+            "every load (removed once loaded)", where,
             why_unwritable(fault, where) or fault, tempfile.gettempdir())  # fmt: skip
-        return toolchain.load(path, artifact)
+        return _load_package(toolchain, path, package, artifact)
     try:
         return toolchain.load_unpacked(directory, artifact)
     except ToolchainError as exc:
         if isinstance(exc.__cause__, MissingOpLibrary):
             raise  # this Python lacks a kernel library: the package would not load either
-        return _package_instead(toolchain, path, artifact, "load", str(exc))
+        return _package_instead(toolchain, path, package, artifact, "load", str(exc))
 
 
-def _package_instead(toolchain: Toolchain, path: str, artifact: CompiledArtifact, step: str,
-                     why: str) -> Callable[..., Any]:  # fmt: skip
-    """`toolchain.load` of the package itself, after its copy failed at `step`. When the
-    package loads, this code could not use a good package: one warning per step and
-    process; when it does not either, its error is the one raised (the entry's fault)."""
-    loaded = toolchain.load(path, artifact)
+def _package_instead(toolchain: Toolchain, path: str, package: str, artifact: CompiledArtifact,
+                     step: str, why: str) -> Callable[..., Any]:  # fmt: skip
+    """The package itself loaded, after its copy failed at `step`. When the package loads,
+    this code could not use a good package: one warning per step and process; when it does
+    not either, its error is the one raised (the entry's fault)."""
+    loaded = _load_package(toolchain, path, package, artifact)
     if step not in _WARNED:
         _WARNED.add(step)
         logger.warning("vllm_neuron: %s loads from its package, not from an unpacked copy "
-                       "(%s); torch unpacks it into %s on every load", path, why,
-                       tempfile.gettempdir())  # fmt: skip
+                       "(%s); it is unpacked into %s on every load (removed once loaded)",
+                       path, why, tempfile.gettempdir())  # fmt: skip
     return loaded
+
+
+def _load_package(toolchain: Toolchain, path: str, package: str,
+                  artifact: CompiledArtifact) -> Callable[..., Any]:  # fmt: skip
+    """The entry's `package` loaded without a copy in the tier, and without what torch's own
+    loader leaves: handed a package, it unpacks it into a new ``$TMPDIR/aotinductor_*`` that
+    it removes only when the model is destroyed (never, in a server). Here the members are
+    unpacked into a job directory of this process (swept if the process dies mid-way),
+    loaded from there and removed at once: the opened shared object needs no file.
+
+    `toolchain.load` as it is when no job directory can be had (a full temporary file
+    system: its own error says so) or the members do not load from it (its error is then
+    the package's own: the entry's fault)."""
+    try:
+        job_dir, owner = owned_job_dir()
+    except OSError:
+        return toolchain.load(path, artifact)
+    job = PreparedJob(job_dir, owner)
+    try:
+        members = os.path.join(job_dir, "package")
+        try:
+            with zipfile.ZipFile(os.path.join(path, package)) as archive:
+                archive.extractall(members)  # names outside `members` are made inside it
+        except (OSError, zipfile.BadZipFile):
+            return toolchain.load(path, artifact)  # no room, or the entry's fault: it says
+        try:
+            return toolchain.load_unpacked(members, artifact)
+        except ToolchainError as exc:
+            if isinstance(exc.__cause__, MissingOpLibrary):
+                raise
+            return toolchain.load(path, artifact)
+    finally:
+        job.discard()
