@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+from vllm_neuron.compile.toolchains.aoti_wrapper import compile_and_package
 from vllm_neuron.compile.toolchains.base import (
     CompiledArtifact,
     Toolchain,
@@ -99,7 +100,6 @@ class HostToolchain(Toolchain):
 
     def compile(self, gm: Any, example_inputs: Sequence[Any], out_dir: str) -> CompiledArtifact:
         # Lazy: torch is heavy and optional; only this path needs it.
-        import torch
         import torch.utils._pytree as pytree
 
         inputs = tuple(example_inputs)
@@ -108,11 +108,7 @@ class HostToolchain(Toolchain):
         package_path = os.path.join(out_dir, ARTIFACT_NAME)
         try:
             with _outside_tracing():
-                torch._inductor.aoti_compile_and_package(
-                    ep,
-                    package_path=package_path,
-                    inductor_configs=dict(self._inductor_configs) or None,
-                )
+                compile_and_package(ep, package_path, self._inductor_configs)
         except Exception as exc:
             raise ToolchainError(f"AOTInductor failed to compile the graph: {exc}") from exc
         return CompiledArtifact(

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from vllm_neuron.compile.toolchains.aoti_wrapper import compile_and_package
 from vllm_neuron.compile.toolchains.base import CompiledArtifact, ToolchainError
 from vllm_neuron.compile.toolchains.host import (
     ARTIFACT_NAME,
@@ -90,9 +91,7 @@ def compile_job(job_dir: str, out_dir: str) -> CompiledArtifact:
         ep = torch.export.load(path)
     os.makedirs(out_dir, exist_ok=True)
     try:
-        torch._inductor.aoti_compile_and_package(
-            ep, package_path=os.path.join(out_dir, ARTIFACT_NAME),
-            inductor_configs=dict(job.inductor_configs) or None)
+        compile_and_package(ep, os.path.join(out_dir, ARTIFACT_NAME), job.inductor_configs)
     except Exception as exc:
         raise ToolchainError(f"AOTInductor failed to compile the graph: {exc}") from exc
     return CompiledArtifact(toolchain=HostToolchain.name, target="cpu-inductor",
