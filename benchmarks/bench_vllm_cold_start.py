@@ -5,7 +5,8 @@ by the vLLM environment of ``.ci/vllm_env.py``, one start per run, at TP=1 and a
 (vLLM's multiprocessing executor, one core per rank). Each TP runs, one after another:
 
 * stock cold: the plugin installed, host mode off (vLLM's own CPU platform and compile), a
-  fresh VLLM_CACHE_ROOT and TORCHINDUCTOR_CACHE_DIR;
+  fresh VLLM_CACHE_ROOT, TORCHINDUCTOR_CACHE_DIR and TMPDIR (where torch keeps
+  AOTInductor's precompiled headers: a new node has none; each warm start keeps its side's);
 * plugin cold: VLLM_NEURON_HOST_MODE=1, fresh roots: every piece compiled through this
   package's cache (with deferral, a TP=2 engine's ranks share the pieces out);
 * stock warm: stock cold's roots again (vLLM's own caches);
@@ -206,11 +207,17 @@ def run_tp(tp: int, python: str, model: str, workdir: Path, ready_timeout: float
     stock, plugin = workdir / f"stock-tp{tp}", workdir / f"plugin-tp{tp}"
     extra = TP2_ENV if tp == 2 else {}
     compile_cache = plugin / "cache" / "neuron" / "compile_cache"
-    stock_env = {"VLLM_CACHE_ROOT": str(stock / "cache"),
+    # Each side's temporary directory starts empty, as a new node's does, and is kept for
+    # its warm start, as a restarted node's is: torch keeps AOTInductor's precompiled headers
+    # (and this package its wrapper runtimes) under it, whatever TORCHINDUCTOR_CACHE_DIR says.
+    for side in (stock, plugin):
+        (side / "tmp").mkdir(parents=True, exist_ok=True)
+    stock_env = {"VLLM_CACHE_ROOT": str(stock / "cache"), "TMPDIR": str(stock / "tmp"),
                  "TORCHINDUCTOR_CACHE_DIR": str(stock / "inductor"), **extra}
 
     def plugin_env(run: str) -> dict[str, str]:
         return {"VLLM_NEURON_HOST_MODE": "1", "VLLM_CACHE_ROOT": str(plugin / "cache"),
+                "TMPDIR": str(plugin / "tmp"),
                 "TORCHINDUCTOR_CACHE_DIR": str(plugin / f"inductor-{run}"), **extra}
 
     runs = []
