@@ -12,6 +12,7 @@ from cache_workers import SAFETY
 
 from vllm_neuron.compile.cache import TwoTierCache
 from vllm_neuron.compile.head_start import holds_entries, start_cpu_probe_if_cold
+from vllm_neuron.compile.toolchains.aoti_wrapper import RUNTIME_DIR
 from vllm_neuron.envs import CompileCacheSettings
 from vllm_neuron.envs.host_mode import VLLM_NEURON_CPU_PROBE_STARTED
 
@@ -46,6 +47,9 @@ def test_a_cold_node_probes_the_cpu_ahead_once_per_start(tmp_path, first_process
     # the workers: built, not to be built again.
     assert list(first_process.rglob("*.so")), sorted(first_process.rglob("*"))
     assert list((tmp_path / "tmp").rglob("precompiled_headers/*.gch")), sorted(
+        (tmp_path / "tmp").rglob("*"))
+    # ... and the runtime part of AOTInductor's wrapper, compiled once (aoti_wrapper.py).
+    assert len(list((tmp_path / "tmp").rglob(f"{RUNTIME_DIR}/*.o"))) == 1, sorted(
         (tmp_path / "tmp").rglob("*"))
     assert not list((tmp_path / "tmp").glob("vllm_neuron_compile_job_*"))  # its throwaway
 
