@@ -165,16 +165,21 @@ def _split_build(cmd_line: str, cwd: str) -> bool:
         return False
     runtime_text, model_text = parts
     flags = [t for t in cmd if t not in (source, out)]
+    model_src = source[: -len(".wrapper.cpp")] + ".wrapper_model.cpp"
+    model_o = out[: -len(".o")] + "_model.o"
     try:
-        runtime_o = _runtime_object(cmd, source, out, runtime_text, flags)
-        if runtime_o is None:
+        directory = _private_runtime_dir()
+        if directory is None:
             return False
-        model_src = source[: -len(".wrapper.cpp")] + ".wrapper_model.cpp"
-        model_o = out[: -len(".o")] + "_model.o"
         try:
+            # The model part first: it overlaps another process making the runtime part
+            # (a cold start's probe), which this one may then wait for.
             with open(model_src, "w", encoding="utf-8") as f:
                 f.write(model_text)
             if not _compile(_swap(cmd, source, model_src, out, model_o), model_src, cwd):
+                return False
+            runtime_o = _runtime_object(directory, cmd, source, out, runtime_text, flags)
+            if runtime_o is None:
                 return False
             if not _run([cmd[0], "-r", "-nostdlib", "-o", out, model_o, runtime_o], cwd):
                 logger.debug("compile cache: the kept AOTInductor runtime %s did not link; "
@@ -195,10 +200,21 @@ def _split_build(cmd_line: str, cwd: str) -> bool:
     return True
 
 
-def _runtime_object(cmd: list[str], source: str, out: str, text: str,
+def _private_runtime_dir() -> str | None:
+    """`runtime_objects_dir`, made if needed; None when it is not private to this user."""
+    directory = runtime_objects_dir()
+    os.makedirs(directory, mode=0o700, exist_ok=True)
+    if not _private(directory):
+        logger.debug("compile cache: %s is not private to this user; wrappers compile whole",
+                     directory)  # fmt: skip
+        return None
+    return directory
+
+
+def _runtime_object(directory: str, cmd: list[str], source: str, out: str, text: str,
                     flags: list[str]) -> str | None:  # fmt: skip
-    """The kept object of runtime part `text` compiled with `flags`, made if needed; None
-    when it cannot be had (torch's own command is run instead)."""
+    """The object of runtime part `text` compiled with `flags`, kept in `directory`, made
+    if needed; None when it cannot be had (torch's own command is run instead)."""
     from filelock import FileLock, Timeout
 
     digest = hashlib.sha256()
@@ -206,12 +222,6 @@ def _runtime_object(cmd: list[str], source: str, out: str, text: str,
         digest.update(piece.encode())
         digest.update(b"\0")
     name = digest.hexdigest()[:40]
-    directory = runtime_objects_dir()
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    if not _private(directory):
-        logger.debug("compile cache: %s is not private to this user; wrappers compile whole",
-                     directory)  # fmt: skip
-        return None
     kept = _sound_object(directory, name)
     if kept is not None:
         return kept
