@@ -222,6 +222,23 @@ def test_the_compile_worker_path_splits_the_wrapper_too(
     assert torch.allclose(outputs[0], module(*inputs)[0], atol=1e-5)
 
 
+def test_preparing_keeps_the_runtime_part_and_compiles_nothing_else(
+    runtime_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from vllm_neuron.compile.toolchains.host_jobs import prepare_host_compiles
+
+    for kept in kept_objects(runtime_dir):
+        kept.unlink()
+    (tmp_path / "scratch").mkdir()
+    assert prepare_host_compiles(str(tmp_path / "scratch"))
+    (kept,) = kept_objects(runtime_dir)
+    assert list((tmp_path / "scratch").iterdir()) == []  # no package: the graph's code not built
+    made = kept.stat()
+    assert prepare_host_compiles(str(tmp_path / "scratch"))  # kept: nothing made again
+    assert kept.stat().st_mtime_ns == made.st_mtime_ns
+    assert compile_graph(tmp_path, caplog)[0]  # and a graph then links it
+
+
 # ---------------------------------------------------------------------------- the text
 PREAMBLE = "\n#include <a.h>\n#include <b.h>\n\n"
 RUNTIME = ('static int x;\nextern "C" {\nint AOTInductorModelContainerCreate() { return 0; }\n'

@@ -159,12 +159,13 @@ def serve(parent: int, preload: Sequence[str]) -> int:
 def probe(parent: int) -> int:
     """``python -m vllm_neuron.compile.worker_process --probe PARENT_PID``: what a cold
     start's first worker compile would pay once per Inductor cache directory, paid ahead
-    (head_start.py): Inductor's CPU probe, then a tiny graph compiled with the host toolchain,
-    which builds the precompiled headers of AOTInductor's wrapper and kernels. Both stay in
-    Inductor's cache directory (the headers under the temporary directory's
-    ``torchinductor_<user>``) for the workers to find. At a lower priority (nice 10), on the
-    node's cores: it takes mostly what vLLM's own start-up leaves idle, yet is not starved
-    on a busy host while it holds the Inductor file locks a worker may wait on."""
+    (head_start.py): Inductor's CPU probe, then a tiny graph compiled with the host toolchain
+    as far as the precompiled headers of AOTInductor's wrapper and kernels and the wrapper's
+    runtime part. They stay in Inductor's cache directory (the headers and the runtime part
+    under the temporary directory's ``torchinductor_<user>``) for the workers to find. At a
+    lower priority (nice 10), on the node's cores: it takes mostly what vLLM's own start-up
+    leaves idle, yet is not starved on a busy host while it holds the Inductor file locks a
+    worker may wait on (measured: nice 0 made the engine's start no faster)."""
     _exit_with_parent(parent)
     with contextlib.suppress(AttributeError, OSError, ValueError):
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
@@ -172,12 +173,12 @@ def probe(parent: int) -> int:
         os.nice(10)
     _probe_cpu()
     from .job_dirs import owned_job_dir
-    from .toolchains.host_jobs import compile_tiny_graph
+    from .toolchains.host_jobs import prepare_host_compiles
 
     # Its throwaway output in a job directory: swept like any job's if this process is killed.
     job_dir, owner = owned_job_dir()
     try:
-        compile_tiny_graph(job_dir)
+        prepare_host_compiles(job_dir)
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
         owner.close()

@@ -29,6 +29,11 @@ How: while `split_wrapper_builds` is active in a thread, torch's compile of a
    always. The package is what torch would build (the same code, in two translation units)
    and loads with torch's loader.
 
+The runtime part is made first when no other process is making it (others may be waiting
+for it); when one is, the model part is compiled while it does. `prepare_runtime` compiles
+a graph only as far as the runtime part: a cold start's probe (head_start.py) makes it
+before the first graph needs it.
+
 Anything unexpected runs torch's own command instead: a wrapper without the layout this
 relies on (another torch, another kind of wrapper), a part that does not compile, a lock
 not had within `LOCK_SECONDS`, a cache directory that cannot be written (full, read-only),
@@ -50,8 +55,8 @@ from typing import Any
 
 from vllm_neuron.backends.digests import file_digest
 
-__all__ = ["LOCK_SECONDS", "RUNTIME_DIR", "compile_and_package", "runtime_objects_dir",
-           "split_wrapper_builds", "split_wrapper_source"]  # fmt: skip
+__all__ = ["LOCK_SECONDS", "RUNTIME_DIR", "compile_and_package", "prepare_runtime",
+           "runtime_objects_dir", "split_wrapper_builds", "split_wrapper_source"]  # fmt: skip
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -85,16 +90,52 @@ def compile_and_package(program: Any, package_path: str,
             program, package_path=package_path, inductor_configs=dict(inductor_configs) or None)
 
 
+def prepare_runtime(program: Any, package_path: str,
+                    inductor_configs: Mapping[str, Any]) -> bool:  # fmt: skip
+    """Compile `program` only as far as its wrapper's runtime part: what AOTInductor builds
+    once per node (precompiled headers, then that part) is then kept for later compiles;
+    the graph's own code is not compiled. True when the runtime part is kept (else the
+    graph was compiled whole, or not at all: its error is raised)."""
+    # Lazy: torch is heavy and optional; only this path needs it.
+    import torch
+
+    try:
+        with split_wrapper_builds(stop_after_runtime=True):
+            torch._inductor.aoti_compile_and_package(
+                program, package_path=package_path,
+                inductor_configs=dict(inductor_configs) or None)  # fmt: skip
+    except Exception as exc:  # torch wraps what its compile raises (InductorError)
+        if not _caused_by_kept(exc):
+            raise
+        return True
+    return False
+
+
+def _caused_by_kept(exc: BaseException | None) -> bool:
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, _RuntimeKept):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+class _RuntimeKept(Exception):
+    """Raised through torch's compile once the runtime part is kept (`prepare_runtime`)."""
+
+
 @contextlib.contextmanager
-def split_wrapper_builds() -> Iterator[None]:
-    """Within this block, in this thread, AOTInductor wrappers compile in two parts."""
+def split_wrapper_builds(*, stop_after_runtime: bool = False) -> Iterator[None]:
+    """Within this block, in this thread, AOTInductor wrappers compile in two parts (with
+    `stop_after_runtime`, only the runtime part, then `_RuntimeKept` is raised)."""
     _install()
-    depth = getattr(_active, "depth", 0)
-    _active.depth = depth + 1
+    saved = getattr(_active, "depth", 0), getattr(_active, "stop", False)
+    _active.depth, _active.stop = saved[0] + 1, stop_after_runtime
     try:
         yield
     finally:
-        _active.depth = depth
+        _active.depth, _active.stop = saved
 
 
 def split_wrapper_source(source: str) -> tuple[str, str] | None:
@@ -164,21 +205,30 @@ def _split_build(cmd_line: str, cwd: str) -> bool:
         logger.debug("compile cache: %s is not laid out as expected; compiled whole", source)
         return False
     runtime_text, model_text = parts
-    flags = [t for t in cmd if t not in (source, out)]
+    runtime = _Runtime(runtime_text, [t for t in cmd if t not in (source, out)], cmd,
+                       source, out)  # fmt: skip
     model_src = source[: -len(".wrapper.cpp")] + ".wrapper_model.cpp"
     model_o = out[: -len(".o")] + "_model.o"
     try:
         directory = _private_runtime_dir()
         if directory is None:
             return False
+        # The runtime part first when no other process is making it (others may wait for
+        # it); else the model part first, which overlaps the wait.
+        runtime_o = runtime.kept_or_made(directory, wait=0.0)
+        if getattr(_active, "stop", False):
+            if runtime_o is None:
+                runtime_o = runtime.kept_or_made(directory, wait=LOCK_SECONDS)
+            if runtime_o is None:
+                return False
+            raise _RuntimeKept(runtime_o)
         try:
-            # The model part first: it overlaps another process making the runtime part
-            # (a cold start's probe), which this one may then wait for.
             with open(model_src, "w", encoding="utf-8") as f:
                 f.write(model_text)
             if not _compile(_swap(cmd, source, model_src, out, model_o), model_src, cwd):
                 return False
-            runtime_o = _runtime_object(directory, cmd, source, out, runtime_text, flags)
+            if runtime_o is None:
+                runtime_o = runtime.kept_or_made(directory, wait=LOCK_SECONDS)
             if runtime_o is None:
                 return False
             if not _run([cmd[0], "-r", "-nostdlib", "-o", out, model_o, runtime_o], cwd):
@@ -193,6 +243,8 @@ def _split_build(cmd_line: str, cwd: str) -> bool:
             for leftover in (model_src, model_o):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(leftover)
+    except _Unbuildable:
+        return False
     except OSError as exc:  # a full or read-only disk: torch's own command says what it can
         logger.debug("compile cache: the AOTInductor wrapper could not be split (%s)", exc)
         return False
@@ -211,46 +263,56 @@ def _private_runtime_dir() -> str | None:
     return directory
 
 
-def _runtime_object(directory: str, cmd: list[str], source: str, out: str, text: str,
-                    flags: list[str]) -> str | None:  # fmt: skip
-    """The object of runtime part `text` compiled with `flags`, kept in `directory`, made
-    if needed; None when it cannot be had (torch's own command is run instead)."""
-    from filelock import FileLock, Timeout
+class _Unbuildable(Exception):
+    """The runtime part does not compile on its own: the wrapper is compiled whole."""
 
-    digest = hashlib.sha256()
-    for piece in (text, *flags):
-        digest.update(piece.encode())
-        digest.update(b"\0")
-    name = digest.hexdigest()[:40]
-    kept = _sound_object(directory, name)
-    if kept is not None:
-        return kept
-    try:
-        with FileLock(os.path.join(directory, f"{name}.lock"), timeout=LOCK_SECONDS):
-            kept = _sound_object(directory, name)
-            if kept is not None:
-                return kept  # made by another process while this one waited
-            # Names of their own under the lock, the same for every build: the object's
-            # debug information names its source, and the same source makes the same bytes.
-            runtime_src = os.path.join(directory, f"{name}.cpp")
-            staged = os.path.join(directory, f"{name}.tmp")
-            try:
-                with open(runtime_src, "w", encoding="utf-8") as f:
-                    f.write(text)
-                # From the directory itself, not torch's build directory (a new one per
-                # compile, which the debug information would record).
-                if not _compile(_swap(cmd, source, runtime_src, out, staged), runtime_src,
-                                directory):
-                    return None
-                kept = os.path.join(directory, f"{name}.{_content_digest(staged)}.o")
-                os.replace(staged, kept)  # whole, or not at all
-            finally:
-                for leftover in (runtime_src, staged):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(leftover)
-    except Timeout:
-        return None
-    return kept
+
+class _Runtime:
+    """A wrapper's runtime part (`text`, compiled with `flags`) and where its object is."""
+
+    def __init__(self, text: str, flags: list[str], cmd: list[str], source: str,
+                 out: str) -> None:  # fmt: skip
+        digest = hashlib.sha256()
+        for piece in (text, *flags):
+            digest.update(piece.encode())
+            digest.update(b"\0")
+        self.name = digest.hexdigest()[:40]
+        self.text, self.cmd, self.source, self.out = text, cmd, source, out
+
+    def kept_or_made(self, directory: str, *, wait: float) -> str | None:
+        """The kept object, made now if needed; None when another process holds its lock
+        for longer than `wait` seconds. `_Unbuildable` when it does not compile."""
+        from filelock import FileLock, Timeout
+
+        kept = _sound_object(directory, self.name)
+        if kept is not None:
+            return kept
+        try:
+            with FileLock(os.path.join(directory, f"{self.name}.lock"), timeout=wait):
+                return _sound_object(directory, self.name) or self._make(directory)
+        except Timeout:
+            return None
+
+    def _make(self, directory: str) -> str:
+        # Names of their own under the lock, the same for every build: the object's debug
+        # information names its source, and the same source makes the same bytes.
+        runtime_src = os.path.join(directory, f"{self.name}.cpp")
+        staged = os.path.join(directory, f"{self.name}.tmp")
+        try:
+            with open(runtime_src, "w", encoding="utf-8") as f:
+                f.write(self.text)
+            # From the directory itself, not torch's build directory (a new one per
+            # compile, which the debug information would record).
+            command = _swap(self.cmd, self.source, runtime_src, self.out, staged)
+            if not _compile(command, runtime_src, directory):
+                raise _Unbuildable(runtime_src)
+            kept = os.path.join(directory, f"{self.name}.{_content_digest(staged)}.o")
+            os.replace(staged, kept)  # whole, or not at all
+            return kept
+        finally:
+            for leftover in (runtime_src, staged):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
 
 
 def _private(directory: str) -> bool:

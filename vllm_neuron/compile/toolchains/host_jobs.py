@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.compile.toolchains.aoti_wrapper import compile_and_package
+from vllm_neuron.compile.toolchains.aoti_wrapper import compile_and_package, prepare_runtime
 from vllm_neuron.compile.toolchains.base import CompiledArtifact, ToolchainError
 from vllm_neuron.compile.toolchains.host import (
     ARTIFACT_NAME,
@@ -28,7 +28,7 @@ from vllm_neuron.compile.toolchains.host import (
 )
 from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema, load_namespaces
 
-__all__ = ["JOB_PROGRAM", "JOB_RECORD", "HostJob", "compile_job", "compile_tiny_graph",
+__all__ = ["JOB_PROGRAM", "JOB_RECORD", "HostJob", "compile_job", "prepare_host_compiles",
            "export_job"]
 
 JOB_PROGRAM = "program.pt2"
@@ -100,11 +100,12 @@ def compile_job(job_dir: str, out_dir: str) -> CompiledArtifact:
                             derived_inputs=job.derived_inputs)  # fmt: skip
 
 
-def compile_tiny_graph(out_dir: str) -> None:
-    """Compile a two-op graph into `out_dir` as the host toolchain does (the caller throws it
-    away): what a first compile builds once per Inductor cache directory (the precompiled
-    headers of AOTInductor's wrapper and kernels, keyed by the same flags as every later
-    compile's) is then there for the compiles that count."""
+def prepare_host_compiles(out_dir: str) -> bool:
+    """What a node's first host compile builds once, built now: a tiny graph is compiled
+    (its scratch files in `out_dir`, which the caller throws away) only as far as the
+    precompiled headers of AOTInductor's wrapper and kernels and the wrapper's runtime part
+    (`aoti_wrapper.prepare_runtime`), all keyed by the same flags as every later compile's.
+    True when the runtime part is kept."""
     # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
@@ -112,7 +113,9 @@ def compile_tiny_graph(out_dir: str) -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.gelu(x) * 2.0
 
-    HostToolchain().compile(torch.fx.symbolic_trace(Tiny()), [torch.randn(4, 8)], out_dir)
+    _, program, _, _ = export_program(torch.fx.symbolic_trace(Tiny()), (torch.randn(4, 8),))
+    with _outside_tracing():
+        return prepare_runtime(program, os.path.join(out_dir, ARTIFACT_NAME), {})
 
 
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional",
