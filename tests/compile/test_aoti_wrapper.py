@@ -1,9 +1,10 @@
-"""AOTInductor's wrapper compiled in two parts (toolchains/aoti_wrapper.py): real compiles.
+"""AOTInductor's wrapper compiled in two parts (toolchains/aoti_wrapper.py and
+aoti_runtime_store.py): real compiles.
 
 Each test compiles a graph of its own (a constant no other test uses), so neither Inductor's
 cache nor the dynamic loader hands back another test's build. The runtime objects are kept
-under a private temporary directory of this module; torch keeps its precompiled headers
-there too, built once by the first test.
+under a private temporary directory of this module; each test starts as a new process would
+(no split remembered as failed).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import contextlib
 import hashlib
 import itertools
 import logging
+import os
 import subprocess
 import sys
 import tempfile
@@ -23,6 +25,7 @@ import torch
 import torch.fx
 
 from vllm_neuron.compile.toolchains import aoti_wrapper
+from vllm_neuron.compile.toolchains.aoti_runtime_store import FAILED
 from vllm_neuron.compile.toolchains.aoti_wrapper import (
     runtime_objects_dir,
     split_wrapper_source,
@@ -56,8 +59,10 @@ def private_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 
 @pytest.fixture
-def runtime_dir(private_tmp: Path) -> Path:
-    return Path(runtime_objects_dir())
+def runtime_dir(private_tmp: Path) -> Iterator[Path]:
+    FAILED.clear()
+    yield Path(runtime_objects_dir())
+    FAILED.clear()
 
 
 def compile_graph(tmp_path: Path, caplog: pytest.LogCaptureFixture, *, scale: float | None = None,
@@ -144,7 +149,10 @@ def test_a_kept_object_that_does_not_link_is_removed_and_the_wrapper_compiled_wh
     assert not split and not forged.exists()
     _, whole = compile_graph(tmp_path, caplog, scale=2.75, split=False)
     assert all(torch.equal(a, b) for a, b in zip(outputs, whole, strict=True))
-    assert compile_graph(tmp_path, caplog)[0]  # made again by the next compile
+    # Failed once in this process: not tried again at every graph ...
+    assert not compile_graph(tmp_path, caplog)[0] and kept_objects(runtime_dir) == []
+    FAILED.clear()  # ... but a new process makes it again
+    assert compile_graph(tmp_path, caplog)[0]
     assert [p.name for p in kept_objects(runtime_dir)] == [kept.name]
 
 
@@ -159,6 +167,37 @@ def test_a_runtime_dir_another_user_could_write_is_never_used(
     finally:
         runtime_dir.chmod(0o700)
     assert not split and kept_objects(runtime_dir) == kept
+    assert any("not private to this user" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize("above", ["group-writable", "world-writable"])
+def test_a_runtime_dir_under_a_directory_another_user_could_change_is_never_used(
+    runtime_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch, above: str,
+) -> None:
+    """Another user who can write a directory above it could put another in its place."""
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    loose.chmod(0o775 if above == "group-writable" else 0o777)  # and not sticky
+    monkeypatch.setattr(tempfile, "tempdir", str(loose))
+    split, _ = compile_graph(tmp_path, caplog)
+    assert not split
+    assert kept_objects(Path(runtime_objects_dir())) == []
+
+
+def test_a_runtime_dir_made_under_a_permissive_umask_is_private_and_used(
+    runtime_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    (tmp_path / "fresh").mkdir(mode=0o755)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "fresh"))
+    before = os.umask(0o002)
+    try:
+        split, _ = compile_graph(tmp_path, caplog)
+    finally:
+        os.umask(before)
+    assert split
+    assert Path(runtime_objects_dir()).stat().st_mode & 0o777 == 0o700
 
 
 def test_a_runtime_dir_that_cannot_be_made_compiles_the_wrapper_whole(

@@ -10,6 +10,7 @@ compared with those of the same graph loaded from a pristine copy.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -22,10 +23,11 @@ import msgspec
 import pytest
 import serve_worker  # tests/compile/serve_worker.py
 import torch
-from tmpfs_mounts import remount  # tests/tmpfs_mounts.py (its `tmpfs` fixture: conftest)
+from tmpfs_mounts import fill, remount  # tests/tmpfs_mounts.py (its `tmpfs` fixture: conftest)
 
 from vllm_neuron.backends import encode, join, open_store
 from vllm_neuron.backends.faults import arm
+from vllm_neuron.backends.writable import unwritable_cause
 from vllm_neuron.compile import unpacked
 from vllm_neuron.compile.cache import TwoTierCache
 from vllm_neuron.compile.entry import ENTRY_RECORD, read_record
@@ -33,6 +35,7 @@ from vllm_neuron.compile.eviction import withdraw
 from vllm_neuron.compile.gc import plan_gc
 from vllm_neuron.compile.inventory import list_entries
 from vllm_neuron.compile.quarantine import quarantine_entry
+from vllm_neuron.compile.runtime import _entry_at_fault
 from vllm_neuron.compile.toolchains.base import ARTIFACTS, ToolchainError
 from vllm_neuron.compile.toolchains.host import HostToolchain
 from vllm_neuron.compile.unpacked import (
@@ -137,7 +140,8 @@ def test_a_copy_killed_half_made_is_made_again_by_the_next_process(
 def test_a_full_tier_loads_the_package_with_one_warning(
     built: tuple[Path, str], tmp_path: Path, tmpfs: Path
 ) -> None:
-    """Room for the entry, not for its copy: served as before (torch unpacks into TMPDIR)."""
+    """Room for the entry, not for its copy: served from the package, unpacked into TMPDIR
+    for the load and removed."""
     tier = copy_of(built, tmpfs, with_copy=False)
     remount(tmpfs, f"size={shutil.disk_usage(tmpfs).used // 1024 + 512}k")
     tmpdir = tmp_path / "tmp"
@@ -310,6 +314,23 @@ def test_a_package_that_cannot_be_unpacked_here_loads_as_a_package_with_one_warn
     (said,) = cache_warnings()
     assert "loads from its package, not from an unpacked copy" in said, said
     assert os.listdir(tmp_path / "torch-tmp") == []  # unpacked for the load, then removed
+
+
+def test_a_full_temporary_directory_is_this_nodes_fault_never_the_entrys(
+    hit: Hit, tmpfs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No copy in the tier, and no room to unpack the package in TMPDIR either: the load
+    fails with the disk's error chained, so the runtime does not withdraw a good entry."""
+    shutil.rmtree(hit.tier / UNPACKED_DIR)
+    monkeypatch.setattr(unpacked, "_NO_ROOM", {hit.store.url})  # the tier took no copy
+    monkeypatch.setenv("TMPDIR", str(tmpfs))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpfs))
+    fill(tmpfs)
+    with pytest.raises(ToolchainError) as raised:
+        hit.load()
+    fault = unwritable_cause(raised.value)
+    assert fault is not None and fault.errno == errno.ENOSPC, raised.value
+    assert not _entry_at_fault(hit.result, raised.value)
 
 
 # Collected with the entry -----------------------------------------------------------------------

@@ -311,26 +311,40 @@ def _load_package(toolchain: Toolchain, path: str, package: str,
     unpacked into a job directory of this process (swept if the process dies mid-way),
     loaded from there and removed at once: the opened shared object needs no file.
 
-    `toolchain.load` as it is when no job directory can be had (a full temporary file
-    system: its own error says so) or the members do not load from it (its error is then
-    the package's own: the entry's fault)."""
+    `toolchain.load` as it is when that cannot be: no job directory (a temporary file system
+    below its floor), members that do not unpack or do not load from there. Its error is
+    then the package's own (the entry's fault), unless unpacking met a full or read-only
+    disk: that error is chained to it, so the entry is not blamed for this node's disk."""
     try:
         job_dir, owner = owned_job_dir()
-    except OSError:
-        return toolchain.load(path, artifact)
+    except OSError as exc:
+        return _torch_load(toolchain, path, artifact, exc)
     job = PreparedJob(job_dir, owner)
     try:
         members = os.path.join(job_dir, "package")
         try:
             with zipfile.ZipFile(os.path.join(path, package)) as archive:
                 archive.extractall(members)  # names outside `members` are made inside it
-        except (OSError, zipfile.BadZipFile):
-            return toolchain.load(path, artifact)  # no room, or the entry's fault: it says
+        except Exception as exc:  # noqa: BLE001 - no room, or the entry's fault: torch says
+            return _torch_load(toolchain, path, artifact, exc)
         try:
             return toolchain.load_unpacked(members, artifact)
         except ToolchainError as exc:
             if isinstance(exc.__cause__, MissingOpLibrary):
                 raise
-            return toolchain.load(path, artifact)
+            return _torch_load(toolchain, path, artifact, None)
     finally:
         job.discard()
+
+
+def _torch_load(toolchain: Toolchain, path: str, artifact: CompiledArtifact,
+                unpacking: BaseException | None) -> Callable[..., Any]:  # fmt: skip
+    """`toolchain.load`; when it fails after `unpacking` met a full or read-only disk, its
+    error chained to that one (`runtime._entry_at_fault` then spares the entry)."""
+    try:
+        return toolchain.load(path, artifact)
+    except ToolchainError as exc:
+        fault = None if unpacking is None else unwritable_cause(unpacking)
+        if fault is None:
+            raise
+        raise ToolchainError(f"{exc} (unpacking it first met: {fault})") from fault

@@ -14,15 +14,9 @@ How: while `split_wrapper_builds` is active in a thread, torch's compile of a
 ``*.wrapper.cpp`` into ``*.wrapper.o`` (``cpp_builder._run_compile_cmd``) is done as
 
 1. the *runtime part*: the wrapper's text up to the end of its ``extern "C"`` interface,
-   plus an explicit instantiation of the base class. Its object is kept in torch's own
-   per-user cache directory (where AOTInductor keeps its precompiled headers), named by the
-   SHA-256 of its text and of the compile command (so only a wrapper with byte-identical
-   runtime text, compiled with identical flags, reuses it) and by the SHA-256 of its own
-   bytes, checked before each use (a torn or changed object is removed and made again).
-   Made under a file lock and renamed into place whole: a process killed mid-way leaves no
-   object, and concurrent compiles on a node make it once. Used only from a directory that
-   this user owns and no one else can write (`_private`): the object is linked into every
-   artifact the node compiles, and those are published to the fleet.
+   plus an explicit instantiation of the base class, compiled once per node and kept
+   (aoti_runtime_store.py: named by all its bytes depend on and by its bytes' digest, made
+   under a lock, used only from a place no other user can change).
 2. the *model part*: the wrapper's ``#include`` lines, the ``extern template`` declaration,
    and the rest of the wrapper, compiled with the original command.
 3. ``g++ -r`` of both into the ``*.wrapper.o`` torch expects; torch links the package as
@@ -36,32 +30,38 @@ before the first graph needs it.
 
 Anything unexpected runs torch's own command instead: a wrapper without the layout this
 relies on (another torch, another kind of wrapper), a part that does not compile, a lock
-not had within `LOCK_SECONDS`, a cache directory that cannot be written (full, read-only),
-a kept runtime object that does not link (it is then removed, and made again next time).
-The split never makes a compile fail that would otherwise succeed.
+not had within `LOCK_SECONDS`, a directory that cannot be written (full, read-only) or that
+another user could change, a kept runtime object that does not link (removed, unless this
+process just made it), any other error. A part that failed once is not split again in that
+process. The split never makes a compile fail that would otherwise succeed.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import shlex
-import subprocess
+import shutil
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from vllm_neuron.backends.digests import file_digest
+from vllm_neuron.compile.toolchains.aoti_runtime_store import (
+    FAILED,
+    RUNTIME_DIR,
+    KeptRuntime,
+    private_runtime_dir,
+    run,
+    runtime_objects_dir,
+    swap,
+)
 
 __all__ = ["LOCK_SECONDS", "RUNTIME_DIR", "compile_and_package", "prepare_runtime",
            "runtime_objects_dir", "split_wrapper_builds", "split_wrapper_source"]  # fmt: skip
 
 logger = logging.getLogger("vllm_neuron.compile")
 
-RUNTIME_DIR = "vllm_neuron_aoti_runtime"
-"""Under torch's per-user cache directory: the runtime parts' objects, by digest."""
 LOCK_SECONDS = 300.0
 """How long a compile waits for another process making the same runtime object."""
 
@@ -73,7 +73,6 @@ _INSTANTIATE = f"namespace torch::aot_inductor {{ template class {_BASE}; }}\n"
 
 _active = threading.local()
 _install_lock = threading.Lock()
-_installed = False
 
 RunCmd = Callable[[str, str], None]
 
@@ -117,7 +116,8 @@ def _caused_by_kept(exc: BaseException | None) -> bool:
         if isinstance(exc, _RuntimeKept):
             return True
         seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
+        inner = getattr(exc, "inner_exception", None)  # torch's InductorError
+        exc = inner if isinstance(inner, BaseException) else exc.__cause__ or exc.__context__
     return False
 
 
@@ -157,23 +157,16 @@ def split_wrapper_source(source: str) -> tuple[str, str] | None:
     return runtime + _INSTANTIATE, preamble + _DECLARE + model
 
 
-def runtime_objects_dir() -> str:
-    """Where the runtime parts' objects are kept: beside AOTInductor's precompiled headers."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    return os.path.join(default_cache_dir(), RUNTIME_DIR)
-
-
 # ------------------------------------------------------------------------------- the hook
 def _install() -> None:
-    """Put `_run` in front of torch's compile-command runner, once per process. Only threads
-    inside `split_wrapper_builds` are affected; every other command runs as before."""
-    global _installed
-    with _install_lock:
-        if _installed:
-            return
-        from torch._inductor import cpp_builder
+    """Put `run` in front of torch's compile-command runner (again if something replaced
+    it since). Only threads inside `split_wrapper_builds` are affected; every other command
+    runs as before."""
+    from torch._inductor import cpp_builder
 
+    with _install_lock:
+        if getattr(cpp_builder._run_compile_cmd, "_vllm_neuron_split", False):
+            return
         original: RunCmd = cpp_builder._run_compile_cmd
 
         def run(cmd_line: str, cwd: str) -> None:
@@ -181,183 +174,78 @@ def _install() -> None:
                 return
             original(cmd_line, cwd)
 
+        run._vllm_neuron_split = True  # type: ignore[attr-defined]
         cpp_builder._run_compile_cmd = run
-        _installed = True
 
 
 def _split_build(cmd_line: str, cwd: str) -> bool:
     """Build the wrapper object of `cmd_line` in two parts; False (nothing built) when the
-    command is not a wrapper compile or the split cannot be done: run it as it is."""
+    command is not a wrapper compile or the split cannot be done: run it as it is. Never
+    raises, but `_RuntimeKept` (the runtime part is kept, as `prepare_runtime` asked)."""
+    try:
+        return _split(cmd_line, cwd)
+    except _RuntimeKept:
+        if os.path.basename(cwd).endswith("_CxxBuild"):  # torch's, which it would remove
+            shutil.rmtree(cwd, ignore_errors=True)
+        raise
+    except Exception as exc:  # noqa: BLE001 - the split is an optimisation: compile whole
+        logger.debug("compile cache: the AOTInductor wrapper could not be split (%s: %s); "
+                     "compiled whole", type(exc).__name__, exc)  # fmt: skip
+        return False
+
+
+def _split(cmd_line: str, cwd: str) -> bool:
     cmd = shlex.split(cmd_line)
     sources = [t for t in cmd if t.endswith(".wrapper.cpp")]
-    if len(sources) != 1 or "-c" not in cmd or cmd.count("-o") != 1:
+    if len(sources) != 1 or "-c" not in cmd or cmd.count("-o") != 1 or cmd[-1] == "-o":
         return False
-    out = cmd[cmd.index("-o") + 1]
+    source, out = sources[0], cmd[cmd.index("-o") + 1]
     if not out.endswith(".wrapper.o"):
         return False
-    source = sources[0]
-    try:
-        with open(source, encoding="utf-8") as f:
-            parts = split_wrapper_source(f.read())
-    except (OSError, UnicodeDecodeError):
-        return False
+    with open(source, encoding="utf-8") as f:
+        parts = split_wrapper_source(f.read())
     if parts is None:
         logger.debug("compile cache: %s is not laid out as expected; compiled whole", source)
         return False
     runtime_text, model_text = parts
-    runtime = _Runtime(runtime_text, [t for t in cmd if t not in (source, out)], cmd,
-                       source, out)  # fmt: skip
+    runtime = KeptRuntime(runtime_text, cmd, source, out)
+    if runtime.name in FAILED:
+        return False  # it failed once in this process: not again at every graph
+    directory = private_runtime_dir()
+    if directory is None:
+        return False
+    # The runtime part first when no other process is making it (others may be waiting for
+    # it); else the model part first, which overlaps the wait.
+    runtime_o = runtime.kept_or_made(directory, wait=0.0)
+    if getattr(_active, "stop", False):
+        if runtime_o is None:
+            runtime_o = runtime.kept_or_made(directory, wait=LOCK_SECONDS)
+        if runtime_o is None:
+            return False
+        raise _RuntimeKept(runtime_o)
     model_src = source[: -len(".wrapper.cpp")] + ".wrapper_model.cpp"
     model_o = out[: -len(".o")] + "_model.o"
     try:
-        directory = _private_runtime_dir()
-        if directory is None:
+        with open(model_src, "w", encoding="utf-8") as f:
+            f.write(model_text)
+        if not run(swap(cmd, source, model_src, out, model_o), cwd):
+            FAILED.add(runtime.name)
             return False
-        # The runtime part first when no other process is making it (others may wait for
-        # it); else the model part first, which overlaps the wait.
-        runtime_o = runtime.kept_or_made(directory, wait=0.0)
-        if getattr(_active, "stop", False):
-            if runtime_o is None:
-                runtime_o = runtime.kept_or_made(directory, wait=LOCK_SECONDS)
-            if runtime_o is None:
-                return False
-            raise _RuntimeKept(runtime_o)
-        try:
-            with open(model_src, "w", encoding="utf-8") as f:
-                f.write(model_text)
-            if not _compile(_swap(cmd, source, model_src, out, model_o), model_src, cwd):
-                return False
-            if runtime_o is None:
-                runtime_o = runtime.kept_or_made(directory, wait=LOCK_SECONDS)
-            if runtime_o is None:
-                return False
-            if not _run([cmd[0], "-r", "-nostdlib", "-o", out, model_o, runtime_o], cwd):
-                logger.debug("compile cache: the kept AOTInductor runtime %s did not link; "
-                             "removed", runtime_o)  # fmt: skip
+        if runtime_o is None:
+            runtime_o = runtime.kept_or_made(directory, wait=LOCK_SECONDS)
+        if runtime_o is None:
+            return False
+        if not run([cmd[0], "-r", "-nostdlib", "-o", out, model_o, runtime_o], cwd):
+            FAILED.add(runtime.name)
+            if runtime.made is None:  # kept from before: it may be what is wrong
                 with contextlib.suppress(OSError):
                     os.unlink(runtime_o)
-                with contextlib.suppress(OSError):
-                    os.unlink(out)  # what the failed link may have left: torch writes it anew
-                return False
-        finally:
-            for leftover in (model_src, model_o):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(leftover)
-    except _Unbuildable:
-        return False
-    except OSError as exc:  # a full or read-only disk: torch's own command says what it can
-        logger.debug("compile cache: the AOTInductor wrapper could not be split (%s)", exc)
-        return False
+            with contextlib.suppress(OSError):
+                os.unlink(out)  # what the failed link may have left: torch writes it anew
+            return False
+    finally:
+        for leftover in (model_src, model_o):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(leftover)
     logger.debug("compile cache: %s compiled in two parts (runtime %s)", source, runtime_o)
     return True
-
-
-def _private_runtime_dir() -> str | None:
-    """`runtime_objects_dir`, made if needed; None when it is not private to this user."""
-    directory = runtime_objects_dir()
-    os.makedirs(directory, mode=0o700, exist_ok=True)
-    if not _private(directory):
-        logger.debug("compile cache: %s is not private to this user; wrappers compile whole",
-                     directory)  # fmt: skip
-        return None
-    return directory
-
-
-class _Unbuildable(Exception):
-    """The runtime part does not compile on its own: the wrapper is compiled whole."""
-
-
-class _Runtime:
-    """A wrapper's runtime part (`text`, compiled with `flags`) and where its object is."""
-
-    def __init__(self, text: str, flags: list[str], cmd: list[str], source: str,
-                 out: str) -> None:  # fmt: skip
-        digest = hashlib.sha256()
-        for piece in (text, *flags):
-            digest.update(piece.encode())
-            digest.update(b"\0")
-        self.name = digest.hexdigest()[:40]
-        self.text, self.cmd, self.source, self.out = text, cmd, source, out
-
-    def kept_or_made(self, directory: str, *, wait: float) -> str | None:
-        """The kept object, made now if needed; None when another process holds its lock
-        for longer than `wait` seconds. `_Unbuildable` when it does not compile."""
-        from filelock import FileLock, Timeout
-
-        kept = _sound_object(directory, self.name)
-        if kept is not None:
-            return kept
-        try:
-            with FileLock(os.path.join(directory, f"{self.name}.lock"), timeout=wait):
-                return _sound_object(directory, self.name) or self._make(directory)
-        except Timeout:
-            return None
-
-    def _make(self, directory: str) -> str:
-        # Names of their own under the lock, the same for every build: the object's debug
-        # information names its source, and the same source makes the same bytes.
-        runtime_src = os.path.join(directory, f"{self.name}.cpp")
-        staged = os.path.join(directory, f"{self.name}.tmp")
-        try:
-            with open(runtime_src, "w", encoding="utf-8") as f:
-                f.write(self.text)
-            # From the directory itself, not torch's build directory (a new one per
-            # compile, which the debug information would record).
-            command = _swap(self.cmd, self.source, runtime_src, self.out, staged)
-            if not _compile(command, runtime_src, directory):
-                raise _Unbuildable(runtime_src)
-            kept = os.path.join(directory, f"{self.name}.{_content_digest(staged)}.o")
-            os.replace(staged, kept)  # whole, or not at all
-            return kept
-        finally:
-            for leftover in (runtime_src, staged):
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(leftover)
-
-
-def _private(directory: str) -> bool:
-    """Whether `directory` and its parent belong to this user and no one else can write
-    them: what is kept there is linked into every artifact this node compiles (and may
-    publish to the fleet), so another user's object must never be picked up."""
-    for path in (directory, os.path.dirname(directory)):
-        st = os.stat(path)
-        if st.st_uid != os.getuid() or st.st_mode & 0o022:
-            return False
-    return True
-
-
-def _sound_object(directory: str, name: str) -> str | None:
-    """The kept object `name` whose bytes match the digest in its file name; any other file
-    of that name (torn, changed) is removed."""
-    prefix = f"{name}."
-    for entry in os.listdir(directory):
-        if not (entry.startswith(prefix) and entry.endswith(".o")):
-            continue
-        path = os.path.join(directory, entry)
-        if entry == f"{name}.{_content_digest(path)}.o":
-            return path
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-    return None
-
-
-def _content_digest(path: str) -> str:
-    return file_digest(path).sha256[:32]
-
-
-def _swap(cmd: list[str], source: str, new_source: str, out: str, new_out: str) -> list[str]:
-    return [new_source if t == source else new_out if t == out else t for t in cmd]
-
-
-def _compile(cmd: list[str], what: str, cwd: str) -> bool:
-    if _run(cmd, cwd):
-        return True
-    logger.debug("compile cache: %s did not compile on its own; the wrapper is compiled whole",
-                 what)  # fmt: skip
-    return False
-
-
-def _run(cmd: list[str], cwd: str) -> bool:
-    done = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          check=False)  # fmt: skip
-    return done.returncode == 0

@@ -1,0 +1,215 @@
+"""The kept runtime parts of AOTInductor wrappers (aoti_wrapper.py): where, under what name,
+made once, and only ever from a place no other user can change.
+
+An object is kept in a directory of this user's own in the temporary directory
+(`runtime_objects_dir`), named by the SHA-256 of everything its bytes depend on (the part's
+text, the compile command, torch's version and AOTInductor runtime headers, the compiler's
+version) and by the SHA-256 of its own bytes, checked before each use: a torn or changed
+object is removed and made again. It is made under a kernel lock (dropped if its maker
+dies) from a source and a staging file of that attempt's own, and renamed into place whole.
+It is used only from a directory this user owns and no one else can write, under
+directories no one else can replace (`_trusted`): it is linked into every artifact the node
+compiles, and those are published to the fleet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import os
+import stat
+import subprocess
+import tempfile
+import time
+
+from vllm_neuron.backends import KernelLock, LockTimeout
+from vllm_neuron.backends.digests import file_digest
+
+__all__ = ["FAILED", "RUNTIME_DIR", "KeptRuntime", "private_runtime_dir", "run",
+           "runtime_objects_dir", "swap"]  # fmt: skip
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+RUNTIME_DIR = "vllm_neuron_aoti_runtime"
+"""In the temporary directory, with the user id: the runtime parts' objects, by digest."""
+DEBRIS_SECONDS = 3600.0
+"""After this, what a killed maker left (its source, its staged object) is removed."""
+
+FAILED: set[str] = set()
+"""Runtime parts (and directories) whose split failed in this process: their wrappers
+compile whole from then on, not failing again at every graph."""
+
+
+def runtime_objects_dir() -> str:
+    """Where the runtime parts' objects are kept: a directory of this user's own in the
+    temporary directory (`RUNTIME_DIR` and the user id), its path without symlinks."""
+    return os.path.join(os.path.realpath(tempfile.gettempdir()), f"{RUNTIME_DIR}_{os.getuid()}")
+
+
+def private_runtime_dir() -> str | None:
+    """`runtime_objects_dir`, made if needed; None (said once) when another user could
+    change what it holds."""
+    directory = runtime_objects_dir()
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(directory, 0o700)
+    if _trusted(directory):
+        return directory
+    if directory not in FAILED:
+        FAILED.add(directory)
+        logger.info("vllm_neuron: %s is not private to this user (or a directory above it "
+                    "can be changed by another); AOTInductor wrappers compile whole",
+                    directory)  # fmt: skip
+    return None
+
+
+def _trusted(directory: str) -> bool:
+    """Whether no other user can change what `directory` holds: it is this user's, a
+    directory (no symlink), writable by no one else; and every directory above it belongs
+    to root or this user and is writable by no one else, or is sticky (as ``/tmp`` is), so
+    no one else can put another directory in its place. What is kept there is linked into
+    every artifact this node compiles, and those are published to the fleet."""
+    uid = os.getuid()
+    st = os.lstat(directory)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
+        return False
+    parent = os.path.dirname(directory)
+    while True:
+        st = os.stat(parent)
+        if st.st_uid not in (0, uid):
+            return False
+        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
+            return False
+        if os.path.dirname(parent) == parent:
+            return True
+        parent = os.path.dirname(parent)
+
+
+class KeptRuntime:
+    """A wrapper's runtime part and where its object is kept. Its name covers everything
+    the object's bytes depend on: the part's text, the compile command (flags, the
+    precompiled header's path, which torch names by compiler and headers), torch's version
+    and its AOTInductor runtime headers, and the compiler's version."""
+
+    def __init__(self, text: str, cmd: list[str], source: str, out: str) -> None:
+        digest = hashlib.sha256()
+        flags = [t for t in cmd if t not in (source, out)]
+        for piece in (text, *flags, *_build_identity(cmd[0])):
+            digest.update(piece.encode("utf-8", "surrogateescape"))
+            digest.update(b"\0")
+        self.name = digest.hexdigest()[:40]
+        self.text, self.cmd, self.source, self.out = text, cmd, source, out
+        self.made: str | None = None  # the object this process made, if it did
+
+    def kept_or_made(self, directory: str, *, wait: float) -> str | None:
+        """The kept object, made now if needed; None when another process holds its lock
+        for longer than `wait` seconds, or it does not compile (then never again here)."""
+        kept = _sound_object(directory, self.name)
+        if kept is not None:
+            return kept
+        lock = KernelLock(os.path.join(directory, f"{self.name}.lock"),
+                          name=f"AOTInductor runtime {self.name}")  # fmt: skip
+        try:
+            lock.acquire(timeout=wait)
+        except LockTimeout:
+            return None
+        try:
+            kept = _sound_object(directory, self.name)
+            if kept is None:
+                kept = self._make(directory)
+            if kept is None:
+                FAILED.add(self.name)
+            return kept
+        finally:
+            lock.release()
+
+    def _make(self, directory: str) -> str | None:
+        _sweep_debris(directory)
+        # Names of this attempt's own (a killed maker's compiler may still write its own);
+        # its debug information names the source as one fixed path, so the same source makes
+        # the same bytes, and it compiles from the directory itself, not from torch's build
+        # directory (a new one per compile, which the debug information would record).
+        runtime_src = os.path.join(directory, f"{self.name}.{os.getpid()}.cpp")
+        staged = os.path.join(directory, f"{self.name}.{os.getpid()}.tmp")
+        fixed = os.path.join(directory, f"{self.name}.cpp")
+        try:
+            with open(runtime_src, "w", encoding="utf-8") as f:
+                f.write(self.text)
+            command = [*swap(self.cmd, self.source, runtime_src, self.out, staged),
+                       f"-ffile-prefix-map={runtime_src}={fixed}"]  # fmt: skip
+            if not run(command, directory):
+                return None
+            kept = os.path.join(directory, f"{self.name}.{_content_digest(staged)}.o")
+            os.replace(staged, kept)  # whole, or not at all
+            self.made = kept
+            return kept
+        finally:
+            for leftover in (runtime_src, staged):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+
+
+def _sweep_debris(directory: str) -> None:
+    """Remove what makers killed mid-way left (their source and staged object), once they
+    are an hour old: a maker's compiler may outlive it, writing its own files only."""
+    now = time.time()
+    for entry in os.listdir(directory):
+        if entry.endswith((".cpp", ".tmp")):
+            path = os.path.join(directory, entry)
+            with contextlib.suppress(OSError):
+                if now - os.stat(path).st_mtime > DEBRIS_SECONDS:
+                    os.unlink(path)
+
+
+@functools.lru_cache(maxsize=8)
+def _build_identity(compiler: str) -> tuple[str, ...]:
+    """What the runtime object's bytes depend on beyond its text and flags: torch's version,
+    its AOTInductor runtime headers, the compiler's version."""
+    import torch
+
+    headers = hashlib.sha256()
+    include = os.path.join(os.path.dirname(torch.__file__), "include", "torch", "csrc",
+                           "inductor")  # fmt: skip
+    for sub in ("aoti_runtime", "aoti_include"):
+        folder = os.path.join(include, sub)
+        for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
+            with open(os.path.join(folder, name), "rb") as f:
+                headers.update(name.encode() + b"\0" + f.read())
+    done = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
+    return (torch.__version__, str(getattr(torch.version, "git_version", "")),
+            headers.hexdigest(), done.stdout)
+
+
+def _sound_object(directory: str, name: str) -> str | None:
+    """The kept object `name` whose bytes match the digest in its file name; any other file
+    of that name (torn, changed) is removed."""
+    prefix = f"{name}."
+    for entry in os.listdir(directory):
+        if not (entry.startswith(prefix) and entry.endswith(".o")):
+            continue
+        path = os.path.join(directory, entry)
+        if entry == f"{name}.{_content_digest(path)}.o":
+            return path
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+    return None
+
+
+def _content_digest(path: str) -> str:
+    return file_digest(path).sha256[:32]
+
+
+def run(cmd: list[str], cwd: str) -> bool:
+    """Run a compiler command; whether it succeeded (its output logged when not)."""
+    done = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          check=False)  # fmt: skip
+    if done.returncode != 0:
+        logger.debug("compile cache: %s failed (exit %d): %s", " ".join(cmd[:2]),
+                     done.returncode, done.stdout[-2000:].decode(errors="replace"))  # fmt: skip
+    return done.returncode == 0
+
+
+def swap(cmd: list[str], source: str, new_source: str, out: str, new_out: str) -> list[str]:
+    """`cmd` compiling `new_source` into `new_out` instead of `source` into `out`."""
+    return [new_source if t == source else new_out if t == out else t for t in cmd]
