@@ -145,3 +145,25 @@ def test_replay_passes_then_a_perturbed_input_fails(
     assert main(["snapshot", "replay", str(bundle_dir)]) == 0
 
 
+
+
+@pytest.mark.slow
+def test_the_cache_runner_loads_as_a_serving_process_and_leaves_nothing_in_tmpdir(
+    decode_run: Run, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the entry's verified unpacked copy, as a hit loads: torch's own loader would
+    leave an ``aotinductor_*`` directory in TMPDIR for every replay."""
+    import tempfile
+
+    from vllm_neuron.snapshot.runners import _cache_runner
+
+    (tmp_path / "tmp").mkdir()
+    monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    store = open_snapshot_root(str(decode_run.root))
+    (info,) = list_bundles(store).bundles
+    bundle = load_bundle(store, info.prefix)
+    tier = decode_run.cache_root / "neuron" / "compile_cache"
+    run = _cache_runner(bundle.meta.compilation_hash, str(tier))  # kept alive, as a server's
+    assert callable(run)
+    assert os.listdir(tmp_path / "tmp") == []
