@@ -67,6 +67,15 @@ class HostCompile:
     inductor_cache: Path
 
 
+@pytest.fixture(autouse=True)
+def loads_unpack_into_the_tests_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`HostToolchain.load` hands torch's loader the package, which unpacks it into a new
+    ``$TMPDIR/aotinductor_*`` kept until the model is destroyed (a process that exits first
+    never removes it): here, the test's own directory. (The cache loads entries from an
+    unpacked copy: compile/unpacked.py.)"""
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+
+
 @pytest.fixture(scope="session")
 def host_compile(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HostCompile]:
     """One real AOTInductor compile per session, with a private Inductor cache so the
