@@ -156,6 +156,34 @@ def test_a_kept_object_that_does_not_link_is_removed_and_the_wrapper_compiled_wh
     assert [p.name for p in kept_objects(runtime_dir)] == [kept.name]
 
 
+def test_a_runtime_part_that_does_not_compile_is_tried_once_then_wrappers_compile_whole(
+    runtime_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Another torch whose runtime part will not compile on its own: one try in the
+    process, never a second one (nor the model part) before the whole compile."""
+    from vllm_neuron.compile.toolchains import aoti_runtime_store
+
+    monkeypatch.setattr(aoti_wrapper, "_INSTANTIATE", "this is not C++;\n")
+    commands: list[list[str]] = []
+
+    def counted(cmd: list[str], cwd: str) -> bool:
+        commands.append(cmd)
+        return real_run(cmd, cwd)
+
+    real_run = aoti_runtime_store.run
+    before = kept_objects(runtime_dir)
+    monkeypatch.setattr(aoti_runtime_store, "run", counted)
+    monkeypatch.setattr(aoti_wrapper, "run", counted)
+    for scale in (4.25, 4.5):
+        split, outputs = compile_graph(tmp_path, caplog, scale=scale)
+        _, whole = compile_graph(tmp_path, caplog, scale=scale, split=False)
+        assert not split
+        assert all(torch.equal(a, b) for a, b in zip(outputs, whole, strict=True))
+    assert len(commands) == 1  # the runtime part, once: no model part, no second graph's try
+    assert kept_objects(runtime_dir) == before
+
+
 def test_a_runtime_dir_another_user_could_write_is_never_used(
     runtime_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

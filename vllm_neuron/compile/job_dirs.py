@@ -114,7 +114,7 @@ ORPHAN_AGE = 3600.0  # seconds after which a job directory without its owner fil
 _swept = False
 
 
-def owned_job_dir() -> tuple[str, IO[bytes]]:
+def owned_job_dir(*, keep_free: bool = True) -> tuple[str, IO[bytes]]:
     """A new job directory and its owner file, locked for as long as this process keeps it
     open: the kernel drops the lock when the process dies, which is how `sweep_dead_jobs`
     tells a dead job from a live one (in any process, container or PID namespace that
@@ -124,13 +124,15 @@ def owned_job_dir() -> tuple[str, IO[bytes]]:
     `job_space_floor`: every deferred graph's job waits there until a slot comes (a Neuron
     job holds the graph's weights), so a model's worth of them could fill the file system the
     whole node uses. The graph is then compiled in place, one at a time, as without deferral.
+    Not with `keep_free=False`: a directory held for a moment only (a package unpacked to
+    be loaded, then removed), where the alternative would leave its bytes for good.
     """
     root = tempfile.gettempdir()
     try:
         usage = shutil.disk_usage(root)
     except OSError:
         usage = None  # nothing to judge by: the write says it if there is no room
-    if usage is not None and usage.free < job_space_floor(usage.total):
+    if keep_free and usage is not None and usage.free < job_space_floor(usage.total):
         raise OSError(errno.ENOSPC, f"{usage.free / GIB:.1f} GiB free, below the "
                       f"{job_space_floor(usage.total) / GIB:.1f} GiB that compile jobs leave "
                       "free", root)  # fmt: skip

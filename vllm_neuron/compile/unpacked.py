@@ -316,25 +316,24 @@ def _load_package(toolchain: Toolchain, path: str, package: str,
     then the package's own (the entry's fault), unless unpacking met a full or read-only
     disk: that error is chained to it, so the entry is not blamed for this node's disk."""
     try:
-        job_dir, owner = owned_job_dir()
+        job_dir, owner = owned_job_dir(keep_free=False)  # held for a moment only
     except OSError as exc:
         return _torch_load(toolchain, path, artifact, exc)
-    job = PreparedJob(job_dir, owner)
+    job, why = PreparedJob(job_dir, owner), None
     try:
         members = os.path.join(job_dir, "package")
         try:
             with zipfile.ZipFile(os.path.join(path, package)) as archive:
                 archive.extractall(members)  # names outside `members` are made inside it
-        except Exception as exc:  # noqa: BLE001 - no room, or the entry's fault: torch says
-            return _torch_load(toolchain, path, artifact, exc)
-        try:
             return toolchain.load_unpacked(members, artifact)
         except ToolchainError as exc:
             if isinstance(exc.__cause__, MissingOpLibrary):
                 raise
-            return _torch_load(toolchain, path, artifact, None)
+        except Exception as exc:  # noqa: BLE001 - no room, or the entry's fault: torch says
+            why = exc
     finally:
-        job.discard()
+        job.discard()  # before torch's loader unpacks its own copy into the same place
+    return _torch_load(toolchain, path, artifact, why)
 
 
 def _torch_load(toolchain: Toolchain, path: str, artifact: CompiledArtifact,
@@ -344,7 +343,8 @@ def _torch_load(toolchain: Toolchain, path: str, artifact: CompiledArtifact,
     try:
         return toolchain.load(path, artifact)
     except ToolchainError as exc:
-        fault = None if unpacking is None else unwritable_cause(unpacking)
-        if fault is None:
+        where = tempfile.gettempdir()
+        fault = None if unpacking is None else unwritable_cause(unpacking, where)
+        if fault is None or isinstance(exc.__cause__, MissingOpLibrary):
             raise
         raise ToolchainError(f"{exc} (unpacking it first met: {fault})") from fault

@@ -136,8 +136,9 @@ class KeptRuntime:
         try:
             with open(runtime_src, "w", encoding="utf-8") as f:
                 f.write(self.text)
-            command = [*swap(self.cmd, self.source, runtime_src, self.out, staged),
-                       f"-ffile-prefix-map={runtime_src}={fixed}"]  # fmt: skip
+            command = swap(self.cmd, self.source, runtime_src, self.out, staged)
+            if _maps_file_prefixes(self.cmd[0]):  # gcc < 8 cannot: its bytes name the source
+                command.append(f"-ffile-prefix-map={runtime_src}={fixed}")
             if not run(command, directory):
                 return None
             kept = os.path.join(directory, f"{self.name}.{_content_digest(staged)}.o")
@@ -174,11 +175,25 @@ def _build_identity(compiler: str) -> tuple[str, ...]:
     for sub in ("aoti_runtime", "aoti_include"):
         folder = os.path.join(include, sub)
         for name in sorted(os.listdir(folder)) if os.path.isdir(folder) else ():
-            with open(os.path.join(folder, name), "rb") as f:
-                headers.update(name.encode() + b"\0" + f.read())
-    done = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False)
+            path = os.path.join(folder, name)
+            if os.path.isfile(path):
+                with open(path, "rb") as f:
+                    headers.update(name.encode() + b"\0" + f.read())
+    done = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                          check=False, timeout=60)  # fmt: skip
     return (torch.__version__, str(getattr(torch.version, "git_version", "")),
-            headers.hexdigest(), done.stdout)
+            headers.hexdigest(), done.stdout + done.stderr)
+
+
+@functools.lru_cache(maxsize=8)
+def _maps_file_prefixes(compiler: str) -> bool:
+    """Whether `compiler` takes ``-ffile-prefix-map`` (gcc 8, clang 10 and later)."""
+    try:
+        done = subprocess.run([compiler, "-ffile-prefix-map=/a=/b", "-x", "c++", "-fsyntax-only",
+                               os.devnull], capture_output=True, check=False, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
 
 
 def _sound_object(directory: str, name: str) -> str | None:

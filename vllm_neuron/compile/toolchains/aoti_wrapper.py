@@ -217,9 +217,10 @@ def _split(cmd_line: str, cwd: str) -> bool:
     # The runtime part first when no other process is making it (others may be waiting for
     # it); else the model part first, which overlaps the wait.
     runtime_o = runtime.kept_or_made(directory, wait=0.0)
+    if runtime.name in FAILED:
+        return False  # it did not compile just now
     if getattr(_active, "stop", False):
-        if runtime_o is None:
-            runtime_o = runtime.kept_or_made(directory, wait=LOCK_SECONDS)
+        runtime_o = runtime_o or _waited_for(runtime, directory)
         if runtime_o is None:
             return False
         raise _RuntimeKept(runtime_o)
@@ -231,8 +232,7 @@ def _split(cmd_line: str, cwd: str) -> bool:
         if not run(swap(cmd, source, model_src, out, model_o), cwd):
             FAILED.add(runtime.name)
             return False
-        if runtime_o is None:
-            runtime_o = runtime.kept_or_made(directory, wait=LOCK_SECONDS)
+        runtime_o = runtime_o or _waited_for(runtime, directory)
         if runtime_o is None:
             return False
         if not run([cmd[0], "-r", "-nostdlib", "-o", out, model_o, runtime_o], cwd):
@@ -249,3 +249,12 @@ def _split(cmd_line: str, cwd: str) -> bool:
                 os.unlink(leftover)
     logger.debug("compile cache: %s compiled in two parts (runtime %s)", source, runtime_o)
     return True
+
+
+def _waited_for(runtime: KeptRuntime, directory: str) -> str | None:
+    """The runtime object another process is making, waited for up to `LOCK_SECONDS`; one
+    not had by then (a maker that stalls) is not waited for again in this process."""
+    kept = runtime.kept_or_made(directory, wait=LOCK_SECONDS)
+    if kept is None:
+        FAILED.add(runtime.name)
+    return kept
