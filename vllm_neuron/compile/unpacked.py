@@ -311,8 +311,8 @@ def _load_package(toolchain: Toolchain, path: str, package: str,
     unpacked into a job directory of this process (swept if the process dies mid-way),
     loaded from there and removed at once: the opened shared object needs no file.
 
-    `toolchain.load` as it is when that cannot be: no job directory (a temporary file system
-    below its floor), members that do not unpack or do not load from there. Its error is
+    `toolchain.load` as it is when that cannot be: no job directory can be made, members
+    that do not unpack or do not load from there. Its error is
     then the package's own (the entry's fault), unless unpacking met a full or read-only
     disk: that error is chained to it, so the entry is not blamed for this node's disk."""
     try:
