@@ -23,6 +23,11 @@ The protocol (one ``SOCK_SEQPACKET`` exchange per worker):
   stop it without the races of a pid; or answers why it refused, and the asker starts its
   worker as a new interpreter, as it would without a server.
 
+The server runs no torch operation, ever: a process forked after OpenMP's thread pool exists
+hangs at its first parallel operation (measured: a matmul in the parent, then one in the
+child). It only imports, as a process that `import torch`-ed and forks DataLoader workers
+does.
+
 Linux only (abstract sockets, pidfds); anywhere else, or with anything unexpected, workers
 start as new interpreters. The server exits with the process that started it, or when no one
 has asked for a while (`FIRST_IDLE_SECONDS`, then `IDLE_SECONDS`).
