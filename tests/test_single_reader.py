@@ -40,15 +40,6 @@ WHOLE_ENVIRONMENT_USES: dict[tuple[str, str], str] = {
     ("vllm_neuron/cli/demo.py", "run_worker"):
         "the demo's worker processes get a copy of the environment with their own "
         "VLLM_CACHE_ROOT and remote tier: settings handed to children, not read",
-    ("vllm_neuron/compile/fork_server.py", "serve_forks"):
-        "the fork server keeps its own environment to compare an asker's with where torch "
-        "read it at import; it interprets no setting",
-    ("vllm_neuron/compile/fork_server.py", "_fork"):
-        "a forked worker takes the environment of the process it serves, as a worker that "
-        "process started would inherit it",
-    ("vllm_neuron/compile/fork_server.py", "fork_worker"):
-        "hands this process's environment to the worker forked for it, as a worker it "
-        "started would inherit it",
     ("vllm_neuron/profiling/run_spec.py", "snapshot_model_env"):
         "records the launch-time values of the variables a recipe declares in run_spec.json "
         "(a secret's value redacted when written); it interprets none of them",
@@ -229,7 +220,6 @@ def test_read_variables_are_exactly_what_the_groups_read() -> None:
     envs.check_snapshot_root("memory://reader", env)
     envs.load_host_mode_settings(env)
     envs.load_cpu_probe_marker(env)
-    envs.load_fork_server_address(env)
     envs.load_profiling_settings(env)
     envs.load_identity_settings(env)
     envs.load_fault_settings(env)

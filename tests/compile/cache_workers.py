@@ -367,18 +367,7 @@ def run_pieces(args: Mapping[str, Any]) -> dict[str, Any]:
     return {"ok": True, "matches": matches, "keys": [g[3] for g in graphs],
             "sources": [g.result.source for g in runtime.history],
             "writer": f"{socket.gethostname()}-{os.getpid()}", "worker_pids": POOL.started,
-            "workers_lost": POOL.lost, "workers_retired": POOL.retired,
-            "workers_forked": POOL.forked,
-            "worker_parents": {pid: _parent_of(pid) for pid in POOL.started}}
-
-
-def _parent_of(pid: int) -> int | None:
-    """The parent of live process `pid` (its workers are alive until this process exits)."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return int(stat.read().rsplit(b")", 1)[1].split()[1])
-    except (OSError, IndexError, ValueError):
-        return None
+            "workers_lost": POOL.lost, "workers_retired": POOL.retired}
 
 
 def run_promote(args: Mapping[str, Any]) -> dict[str, Any]:

@@ -11,17 +11,10 @@ import pytest
 from cache_workers import SAFETY
 
 from vllm_neuron.compile.cache import TwoTierCache
-from vllm_neuron.compile.head_start import (
-    holds_entries,
-    start_cpu_probe_if_cold,
-    start_fork_server_if_started_probe,
-)
+from vllm_neuron.compile.head_start import holds_entries, start_cpu_probe_if_cold
 from vllm_neuron.compile.toolchains.aoti_wrapper import RUNTIME_DIR
 from vllm_neuron.envs import CompileCacheSettings
-from vllm_neuron.envs.host_mode import (
-    VLLM_NEURON_COMPILE_FORK_SERVER,
-    VLLM_NEURON_CPU_PROBE_STARTED,
-)
+from vllm_neuron.envs.host_mode import VLLM_NEURON_CPU_PROBE_STARTED
 
 
 @pytest.fixture
@@ -29,9 +22,8 @@ def first_process(monkeypatch, tmp_path):
     """This process as vLLM's first one on a new machine: no probe looked at yet, a private
     Inductor cache and temporary directory (AOTInductor keeps its precompiled headers under
     the temporary directory, whatever TORCHINDUCTOR_CACHE_DIR says)."""
-    for marker in (VLLM_NEURON_CPU_PROBE_STARTED, VLLM_NEURON_COMPILE_FORK_SERVER):
-        monkeypatch.setenv(marker, "restored after the test")
-        monkeypatch.delenv(marker)
+    monkeypatch.setenv(VLLM_NEURON_CPU_PROBE_STARTED, "restored after the test")
+    monkeypatch.delenv(VLLM_NEURON_CPU_PROBE_STARTED)
     inductor = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
     (tmp_path / "tmp").mkdir()
@@ -50,14 +42,6 @@ def test_a_cold_node_probes_the_cpu_ahead_once_per_start(tmp_path, first_process
     assert probe is not None
     assert os.environ[VLLM_NEURON_CPU_PROBE_STARTED] == str(os.getpid())  # its children's
     assert start_cpu_probe_if_cold(settings) is None  # once per start
-    # Once vLLM has configured the engine: the fork server, its address for the engine.
-    server = start_fork_server_if_started_probe()
-    assert server is not None
-    try:
-        assert os.environ[VLLM_NEURON_COMPILE_FORK_SERVER].startswith("vllm-neuron-fork-")
-        assert start_fork_server_if_started_probe() is None  # once per start
-    finally:
-        server.kill()
     assert probe.wait(timeout=SAFETY) == 0
     # Its CPU test programs and AOTInductor's precompiled headers are in Inductor's cache for
     # the workers: built, not to be built again.
@@ -81,8 +65,6 @@ def test_a_node_that_would_not_compile_in_workers_starts_no_probe(tmp_path, firs
                                                                    change):
     settings = CompileCacheSettings(cache_root=str(tmp_path / "root"), **change)
     assert start_cpu_probe_if_cold(settings) is None
-    assert start_fork_server_if_started_probe() is None  # nor a fork server
-    assert VLLM_NEURON_COMPILE_FORK_SERVER not in os.environ
     assert not first_process.exists() and not any((tmp_path / "tmp").iterdir())
 
 

@@ -53,7 +53,6 @@ from typing import IO, Any
 
 import msgspec
 
-from .fork_server import ForkedProcess, fork_worker
 from .job_dirs import PreparedJob, lowered_job, owned_job_dir, sweep_dead_jobs, warn_once
 from .outcomes import CompileWorkerLost
 from .toolchains.base import ARTIFACTS, CompiledArtifact, Toolchain, ToolchainError
@@ -107,13 +106,10 @@ class _Worker:
     def __init__(self, preload: Sequence[str]) -> None:
         # Nameless: nothing is left in the temporary directory by a server that is killed.
         self.log = tempfile.TemporaryFile(prefix="vllm_neuron_compile_worker_")  # noqa: SIM115
-        # Forked ready by this start's fork server when there is one; else a new interpreter.
-        self.process: subprocess.Popen[str] | ForkedProcess = (
-            fork_worker(preload, self.log) or subprocess.Popen(
-                [sys.executable, "-m", "vllm_neuron.compile.worker_process", "--serve",
-                 str(os.getpid()), *preload],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True))
-        self.forked = isinstance(self.process, ForkedProcess)
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "vllm_neuron.compile.worker_process", "--serve",
+             str(os.getpid()), *preload],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
         self.idle_since = 0.0
 
     def run(self, job_dir: str, out_dir: str) -> int:
@@ -135,9 +131,8 @@ class _Worker:
         said = self.log.read()[-2000:].decode(errors="replace").strip()
         job_said = _tail(os.path.join(job_dir, OUTPUT))
         self.close()
-        status = "" if code is None else f" with status {code}"  # a forked one's is not ours
-        raise CompileWorkerLost(f"the compile worker exited{status} without a result: "
-                                f"{job_said or said or '(no output)'}")  # fmt: skip
+        raise CompileWorkerLost(f"the compile worker exited with status {code} without a "
+                                f"result: {job_said or said or '(no output)'}")  # fmt: skip
 
     def close(self, wait: float = 0.0) -> int | None:
         """Its standard input closed: the worker exits (at once when idle); waited for up
@@ -169,7 +164,6 @@ class WorkerPool:
         self.started: list[int] = []  # the process ids of the workers it started
         self.lost: list[int] = []  # ... of those that died or could not answer
         self.retired: list[int] = []  # ... of those retired when idle
-        self.forked: list[int] = []  # ... of those forked by the start's fork server
         # The op namespaces a new worker loads before its first job: those of the jobs so
         # far, and vLLM's kernels when this process has them (its graphs call them).
         self.namespaces: set[str] = set()
@@ -223,8 +217,6 @@ class WorkerPool:
             raise CompileWorkerLost(f"cannot start a compile worker: {exc}") from exc
         self._live += 1
         self.started.append(worker.process.pid)
-        if worker.forked:
-            self.forked.append(worker.process.pid)
         return worker
 
     def _start_one(self, wanted: Callable[[], bool], idle_seconds: float) -> bool:

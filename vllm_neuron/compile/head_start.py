@@ -11,12 +11,9 @@ the first answer, once per worker. Two head starts move them off it:
   exists) runs the probe and a tiny compile in a process of its own
   (`start_cpu_probe_if_cold`). What they build lands in Inductor's caches, which the engine
   processes and their workers share, while vLLM itself is still importing on one core.
-  Once vLLM has configured the engine, the same process starts the start's fork server
-  (Linux, `start_fork_server_if_started_probe`, fork_server.py): having imported torch and
-  vLLM's kernels once, it forks the engine's compile workers ready to compile.
 * the process that will trace starts up to two compile workers once vLLM has set up its
-  device (`CompileRuntime.start_compile_worker_if_cold`), so their start-up (none, when
-  forked) overlaps the model's loading.
+  device (`CompileRuntime.start_compile_worker_if_cold`), so their start-up overlaps the
+  model's loading.
 
 Both only on a node that is likely to compile: host mode, deferred compiles, a cache that
 compiles (not disabled, not pre-compiled-only), and a local tier that holds no entry at all
@@ -39,14 +36,11 @@ from vllm_neuron.envs import (
     ConfigError,
     load_cpu_probe_marker,
     mark_cpu_probe_started,
-    mark_fork_server,
 )
 
-from . import fork_server
 from .local_tier import get_neuron_compile_cache_dir
 
-__all__ = ["holds_entries", "likely_to_compile", "start_cpu_probe_if_cold",
-           "start_fork_server_if_started_probe"]
+__all__ = ["holds_entries", "likely_to_compile", "start_cpu_probe_if_cold"]
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -83,7 +77,6 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings) -> subprocess.Popen[
     probe's process when it was started (reaped by a thread of this process)."""
     if _started_by_an_ancestor(load_cpu_probe_marker()):
         return None
-    _HEAD_START.clear()  # this start's decision, whatever an earlier one was
     mark_cpu_probe_started()
     try:
         local_dir = get_neuron_compile_cache_dir(settings)
@@ -93,48 +86,20 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings) -> subprocess.Popen[
     if not likely_to_compile(settings, local_dir, toolchain):
         return None
     try:
-        probe = _start("--probe", str(os.getpid()))
+        probe = subprocess.Popen(
+            [sys.executable, "-m", "vllm_neuron.compile.worker_process", "--probe",
+             str(os.getpid())],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError as exc:  # no process left: the workers probe for themselves
         logger.warning("vllm_neuron: Inductor's CPU probe not started ahead: %s", exc)
         return None
-    _HEAD_START["probe"] = probe.pid
-    return probe
-
-
-def start_fork_server_if_started_probe() -> subprocess.Popen[bytes] | None:
-    """In the process that started this start's CPU probe (a cold node), once vLLM has
-    configured the engine - its environment as the engine's processes will inherit it, which
-    vLLM's CPU platform changes (LD_PRELOAD, Inductor's variables) - and before any engine
-    process exists: start the compile workers' fork server (fork_server.py) and hand its
-    address to the processes this one starts. Once per process; None when not started."""
-    if set(_HEAD_START) != {"probe"} or not fork_server.available():
-        return None  # no probe here (a warm node, another process), or one already started
-    address = fork_server.new_address()
-    try:
-        server = _start("--fork-server", str(os.getpid()), address)
-    except OSError as exc:  # no process left: workers start as new interpreters
-        logger.warning("vllm_neuron: no fork server for compile workers: %s", exc)
-        return None
-    _HEAD_START["server"] = server.pid
-    mark_fork_server(address)
-    return server
-
-
-_HEAD_START: dict[str, int] = {}  # the head start's processes this process started, by role
-
-
-def _start(*args: str) -> subprocess.Popen[bytes]:
-    """``python -m vllm_neuron.compile.worker_process ARGS``, reaped when it ends."""
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vllm_neuron.compile.worker_process", *args],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     # Reaped when it ends, so no zombie is left in a server that runs for weeks (without a
     # thread - a pids limit reached - `subprocess` reaps it at this process's next start of
     # one).
     with contextlib.suppress(RuntimeError):
-        threading.Thread(target=_reap, args=(process,), daemon=True,
-                         name="vllm-neuron-head-start").start()  # fmt: skip
-    return process
+        threading.Thread(target=_reap, args=(probe,), daemon=True,
+                         name="vllm-neuron-cpu-probe").start()  # fmt: skip
+    return probe
 
 
 def _started_by_an_ancestor(marker: int | None) -> bool:

@@ -1,8 +1,6 @@
 """A compile worker's process: ``python -m vllm_neuron.compile.worker_process --serve PID
-[NAMESPACE...]`` (started by `compile_workers.WorkerPool`, which is the other end of it,
-or forked for it by this start's fork server); with ``--probe PID``, a cold start's head
-start (head_start.py); with ``--fork-server PID ADDRESS``, the start's fork server
-(fork_server.py).
+[NAMESPACE...]`` (started by `compile_workers.WorkerPool`, which is the other end of it);
+or, with ``--probe PID``, only a worker's CPU probe, run ahead of a cold start (head_start.py).
 
 It pays its start-up once - torch, the op libraries its graphs call, Inductor's CPU probe -
 then compiles one job after another, each named on its standard input and answered with a
@@ -14,7 +12,6 @@ closes (its process retired it, or died) or, mid-compile, when its parent is gon
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import platform
 import shutil
@@ -31,7 +28,6 @@ from vllm_neuron.backends import fault_point
 from vllm_neuron.backends.records import encode
 from vllm_neuron.backends.writable import unwritable_cause
 
-from . import fork_server
 from .compile_workers import ARTIFACT, ERROR, GRAPH_FAILED, NO_ROOM, OUTPUT
 from .toolchains.base import ToolchainError
 
@@ -40,19 +36,13 @@ __all__ = ["main", "probe", "serve"]
 PARENT_POLL = 0.5  # seconds between a worker's looks at whether its parent is alive
 
 
-def _exit_with_parent(parent: int, parent_fd: int | None = None) -> None:
-    """Exit when the process this worker serves is gone, even mid-compile: nobody would
-    publish what it compiles, and a killed server must not leave compilers behind. Its
-    parent by default; a worker forked by the fork server watches a pidfd of the process it
-    serves (`parent_fd`), which is not its parent."""
+def _exit_with_parent(parent: int) -> None:
+    """Exit when the process that started this worker is gone, even mid-compile: nobody
+    would publish what it compiles, and a killed server must not leave compilers behind."""
 
     def watch() -> None:
-        if parent_fd is not None:
-            with contextlib.suppress(OSError, ValueError):
-                fork_server.exited(parent_fd, None)  # returns once that process has exited
-        else:
-            while os.getppid() == parent:
-                time.sleep(PARENT_POLL)
+        while os.getppid() == parent:
+            time.sleep(PARENT_POLL)
         os._exit(70)
 
     threading.Thread(target=watch, daemon=True, name="vllm-neuron-parent-watch").start()
@@ -130,32 +120,28 @@ def _probe_cpu() -> None:
     cpu_vec_isa.pick_vec_isa()
 
 
-def _load_worker_modules(preload: Sequence[str]) -> None:
-    """What a worker loads before its first job: torch and the host toolchain, the
-    collectives a graph may call, the op libraries of `preload`'s namespaces."""
+def serve(parent: int, preload: Sequence[str]) -> int:
+    """``python -m vllm_neuron.compile.worker_process --serve PARENT_PID [NAMESPACE...]``:
+    load the op libraries of the namespaces, compile the jobs named on standard input
+    (``JOB_DIR NUL OUT_DIR`` lines), answer each with its status line on what was standard
+    output; exit when the input closes or the parent is gone."""
+    _exit_with_parent(parent)
+    answers = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # whatever torch or the compiler prints must not corrupt the answers
+    # The node's cores: vLLM pins a CPU rank to its own, and the worker inherits them (not
+    # Linux, or a cpuset that forbids it: it keeps its parent's).
+    with contextlib.suppress(AttributeError, OSError, ValueError):
+        os.sched_setaffinity(0, range(os.cpu_count() or 1))
+    from vllm_neuron.envs import fault_settings
+
     from .toolchains import host_jobs  # noqa: F401 - torch's import, paid before the first job
     from .toolchains.host_collectives import register_collective_ops
     from .toolchains.op_libraries import MissingOpLibrary, load_namespaces
 
+    fault_settings()  # VLLM_NEURON_FAULT, inherited from the serving process (crash tests)
     register_collective_ops()  # what a graph with collectives calls
     with contextlib.suppress(MissingOpLibrary):  # a job that needs it says so itself
         load_namespaces(preload, "a compile worker")  # paid before the first job comes
-
-
-def serve(parent: int, preload: Sequence[str], parent_fd: int | None = None) -> int:
-    """``python -m vllm_neuron.compile.worker_process --serve PARENT_PID [NAMESPACE...]``:
-    load the op libraries of the namespaces, compile the jobs named on standard input
-    (``JOB_DIR NUL OUT_DIR`` lines), answer each with its status line on what was standard
-    output; exit when the input closes or the parent is gone (`parent_fd`: a pidfd of the
-    process served, for a worker forked by the fork server)."""
-    _exit_with_parent(parent, parent_fd)
-    answers = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # whatever torch or the compiler prints must not corrupt the answers
-    _use_all_cores()
-    from vllm_neuron.envs import fault_settings
-
-    fault_settings()  # VLLM_NEURON_FAULT, inherited from the serving process (crash tests)
-    _load_worker_modules(preload)
     with contextlib.suppress(Exception):  # the first job would pay it (and say what failed)
         _probe_cpu()
     for line in sys.stdin:
@@ -170,22 +156,19 @@ def serve(parent: int, preload: Sequence[str], parent_fd: int | None = None) -> 
     return 0
 
 
-def _use_all_cores() -> None:
-    """The node's cores: vLLM pins a CPU rank to its own, and a worker inherits them (not
-    Linux, or a cpuset that forbids it: it keeps its parent's)."""
+def probe(parent: int) -> int:
+    """``python -m vllm_neuron.compile.worker_process --probe PARENT_PID``: what a cold
+    start's first worker compile would pay once per Inductor cache directory, paid ahead
+    (head_start.py): Inductor's CPU probe, then a tiny graph compiled with the host toolchain
+    as far as the precompiled headers of AOTInductor's wrapper and kernels and the wrapper's
+    runtime part. They stay in Inductor's cache directory (the headers and the runtime part
+    under the temporary directory's ``torchinductor_<user>``) for the workers to find. At a
+    lower priority (nice 10), on the node's cores: it takes mostly what vLLM's own start-up
+    leaves idle, yet is not starved on a busy host while it holds the Inductor file locks a
+    worker may wait on (measured: nice 0 made the engine's start no faster)."""
+    _exit_with_parent(parent)
     with contextlib.suppress(AttributeError, OSError, ValueError):
         os.sched_setaffinity(0, range(os.cpu_count() or 1))
-
-
-def _head_start() -> None:
-    """What a cold start's first worker compile would pay once per Inductor cache
-    directory, paid ahead: Inductor's CPU probe, then a tiny graph compiled with the host
-    toolchain as far as the precompiled headers of AOTInductor's wrapper and kernels and the
-    wrapper's runtime part. They stay in Inductor's cache directory (the headers and the
-    runtime part under the temporary directory's ``torchinductor_<user>``) for the workers to
-    find. At a lower priority (nice 10): it takes mostly what vLLM's own start-up leaves
-    idle, yet is not starved on a busy host while it holds the Inductor file locks a worker
-    may wait on (measured: nice 0 made the engine's start no faster)."""
     with contextlib.suppress(OSError):
         os.nice(10)
     _probe_cpu()
@@ -199,53 +182,16 @@ def _head_start() -> None:
     finally:
         shutil.rmtree(job_dir, ignore_errors=True)
         owner.close()
-
-
-def probe(parent: int) -> int:
-    """``python -m vllm_neuron.compile.worker_process --probe PARENT_PID``: a cold start's
-    head start (`_head_start`), exiting with its parent."""
-    _exit_with_parent(parent)
-    _use_all_cores()
-    _head_start()
     return 0
 
 
-def serve_forks(parent: int, address: str) -> int:
-    """``python -m vllm_neuron.compile.worker_process --fork-server PARENT_PID ADDRESS``:
-    this start's fork server (fork_server.py). It loads what a worker loads (torch, the host
-    toolchain, vLLM's kernels when vLLM is there), then forks a ready worker for each tracing
-    process that asks, until its parent is gone or no one has asked for a while."""
-    _use_all_cores()
-    try:
-        listener = fork_server.listen(address)  # before the imports: askers queue
-    except OSError:
-        return 0  # a name taken, sockets refused: workers start as new interpreters
-    preload = ("_C",) if importlib.util.find_spec("vllm") is not None else ()
-    with contextlib.suppress(Exception):  # a worker that needs one says what failed
-        _load_worker_modules(preload)
-    # Not Inductor's CPU probe: the head start runs it at nice 10, and a second one here
-    # would take the engine's cores to build the same programs; each worker reads its
-    # verdicts from Inductor's cache (about 1 s).
-    return fork_server.serve_forks(listener, parent, _serve_forked)
-
-
-def _serve_forked(asker: int, preload: Sequence[str], asker_fd: int) -> int:
-    """A worker forked by the fork server for the process `asker`."""
-    return serve(asker, preload, parent_fd=asker_fd)
-
-
 def main(argv: list[str]) -> int:
-    modes = ("--serve", "--probe", "--fork-server")
-    if (len(argv) < 2 or argv[0] not in modes or not argv[1].isdigit()
-            or (argv[0] == "--fork-server" and len(argv) != 3)):  # fmt: skip
+    if len(argv) < 2 or argv[0] not in ("--serve", "--probe") or not argv[1].isdigit():
         print("usage: python -m vllm_neuron.compile.worker_process --serve PARENT_PID "
-              "[NAMESPACE...] | --probe PARENT_PID | --fork-server PARENT_PID ADDRESS",
-              file=sys.stderr)  # fmt: skip
+              "[NAMESPACE...] | --probe PARENT_PID", file=sys.stderr)
         return 2
     if argv[0] == "--probe":
         return probe(int(argv[1]))
-    if argv[0] == "--fork-server":
-        return serve_forks(int(argv[1]), argv[2])
     return serve(int(argv[1]), argv[2:])
 
 

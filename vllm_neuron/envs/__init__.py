@@ -70,10 +70,8 @@ from .host_mode import (
     HostModeSettings,
     host_mode_settings,
     load_cpu_probe_marker,
-    load_fork_server_address,
     load_host_mode_settings,
     mark_cpu_probe_started,
-    mark_fork_server,
 )
 from .identity import IdentitySettings, load_identity_settings
 from .manifest import ManifestSettings, load_manifest_settings, manifest_settings
@@ -128,10 +126,8 @@ __all__ = [
     "host_mode_settings",
     "is_secret_name",
     "mark_cpu_probe_started",
-    "mark_fork_server",
     "load_compile_cache_settings",
     "load_cpu_probe_marker",
-    "load_fork_server_address",
     "load_fault_settings",
     "load_host_mode_settings",
     "load_identity_settings",

@@ -11,7 +11,6 @@ from .compile_cache import VLLM_NEURON_TOOLCHAIN
 
 __all__ = [
     "VARIABLES",
-    "VLLM_NEURON_COMPILE_FORK_SERVER",
     "VLLM_NEURON_CPU_PROBE_STARTED",
     "VLLM_NEURON_HOST_MODE",
     "VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING",
@@ -19,16 +18,13 @@ __all__ = [
     "HostModeSettings",
     "host_mode_settings",
     "load_cpu_probe_marker",
-    "load_fork_server_address",
     "load_host_mode_settings",
     "mark_cpu_probe_started",
-    "mark_fork_server",
 ]
 
 VLLM_NEURON_HOST_MODE = "VLLM_NEURON_HOST_MODE"
 VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING = "VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING"
 VLLM_NEURON_CPU_PROBE_STARTED = "VLLM_NEURON_CPU_PROBE_STARTED"
-VLLM_NEURON_COMPILE_FORK_SERVER = "VLLM_NEURON_COMPILE_FORK_SERVER"
 # vLLM's own variable; read here because host mode must turn it off (see the plugin).
 VLLM_USE_AOT_COMPILE = "VLLM_USE_AOT_COMPILE"
 
@@ -55,14 +51,6 @@ VARIABLES: tuple[EnvVar, ...] = (
         "The process id of the process that looked at whether to run Inductor's CPU probe "
         "ahead of a cold start (vllm_neuron/compile/head_start.py); the processes it starts "
         "inherit it and do not look again. Not a setting: leave it unset.",
-    ),
-    EnvVar(
-        VLLM_NEURON_COMPILE_FORK_SERVER,
-        "(set by the first process of a host-mode start, inherited by the others)",
-        "vllm-plugin",
-        "Where the processes of a cold host-mode start ask for compile workers forked from "
-        "one that has imported torch already (vllm_neuron/compile/fork_server.py): a Linux "
-        "abstract socket's name. Not a setting: leave it unset.",
     ),
 )
 
@@ -126,16 +114,3 @@ def load_cpu_probe_marker(environ: Mapping[str, str] | None = None) -> int | Non
 def mark_cpu_probe_started() -> None:
     """Set VLLM_NEURON_CPU_PROBE_STARTED to this process's id, for the processes it starts."""
     os.environ[VLLM_NEURON_CPU_PROBE_STARTED] = str(os.getpid())
-
-
-def load_fork_server_address(environ: Mapping[str, str] | None = None) -> str | None:
-    """VLLM_NEURON_COMPILE_FORK_SERVER: the abstract socket name of this start's compile
-    worker fork server (vllm_neuron/compile/fork_server.py), or None when unset. Read at each
-    use; a value of another shape is no address (None), never an error: it is no setting."""
-    value = raw(environ_or_default(environ), VLLM_NEURON_COMPILE_FORK_SERVER)
-    return value if value is not None and value.startswith("vllm-neuron-fork-") else None
-
-
-def mark_fork_server(address: str) -> None:
-    """Set VLLM_NEURON_COMPILE_FORK_SERVER to `address`, for the processes this one starts."""
-    os.environ[VLLM_NEURON_COMPILE_FORK_SERVER] = address

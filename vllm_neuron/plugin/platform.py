@@ -16,12 +16,9 @@ current platform is a circular import.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 from vllm.platforms.cpu import CpuPlatform
-
-from vllm_neuron.compile.head_start import start_fork_server_if_started_probe
 
 from .hooks import COMPILER_ADAPTOR, configure_engine
 
@@ -29,8 +26,6 @@ __all__ = ["CPU_WORKER", "HOST_WORKER", "NeuronHostPlatform"]
 
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 HOST_WORKER = "vllm_neuron.plugin.worker.NeuronHostWorker"
-
-logger = logging.getLogger("vllm_neuron.plugin")
 
 
 class NeuronHostPlatform(CpuPlatform):
@@ -51,9 +46,4 @@ class NeuronHostPlatform(CpuPlatform):
             worker=HOST_WORKER,
             backend=cls.get_compile_backend(),
         )
-        # The engine's environment is final now, before any engine process exists.
-        try:
-            start_fork_server_if_started_probe()
-        except Exception as exc:  # noqa: BLE001 - a head start never stops a server
-            logger.warning("vllm_neuron: no fork server for compile workers: %s", exc)
 
