@@ -86,6 +86,33 @@ def server_argv(python: str, model: str, port: int, tp: int) -> list[str]:
             *(TP2_ARGS if tp == 2 else ())]  # fmt: skip
 
 
+def tree_cpu_seconds(root: int) -> float:
+    """The CPU time (user + system, every core) that process `root` and its descendants
+    have used, the exited ones their parents reaped included (a reaped child's time is in
+    its parent's ``cutime``/``cstime``): what a start cost the machine, whatever ran
+    beside it. Linux's /proc; 0.0 where there is none."""
+    parents: dict[int, int] = {}
+    times: dict[int, int] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        # After "pid (comm)": state ppid ... utime(12) stime(13) cutime(14) cstime(15).
+        parents[int(entry)] = int(fields[1])
+        times[int(entry)] = sum(int(x) for x in fields[11:15])
+    tree, frontier = {root}, [root]
+    while frontier:
+        parent = frontier.pop()
+        children = [pid for pid, ppid in parents.items() if ppid == parent and pid not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(times.get(pid, 0) for pid in tree) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -109,6 +136,7 @@ class Run:
     tp: int
     design: str
     ready: float = 0.0  # spawn -> /v1/models answers, seconds
+    cpu: float = 0.0  # CPU seconds the server's processes had used by then (all cores)
     chat_seconds: float = 0.0
     answer: str = ""
     tokens: int = 0
@@ -178,6 +206,7 @@ def start(run: Run, python: str, model: str, workdir: Path, env: dict[str, str],
     try:
         server.wait_ready(f"http://127.0.0.1:{port}/v1/models", timeout=ready_timeout)
         run.ready = time.monotonic() - spawned
+        run.cpu = tree_cpu_seconds(server.proc.pid)
         asked = time.monotonic()
         run.answer, run.tokens = chat(port)
         run.chat_seconds = time.monotonic() - asked
@@ -197,7 +226,8 @@ def start(run: Run, python: str, model: str, workdir: Path, env: dict[str, str],
         for pid in sorted(set(after) - set(before)):
             label = f"rank {ranks[pid]}" if pid in ranks else f"pid {pid}"
             run.by_rank[label] = after[pid]
-    print(f"  {run.name:<16} ready {run.ready:6.1f} s (spawn -> /v1/models); chat "
+    print(f"  {run.name:<16} ready {run.ready:6.1f} s (spawn -> /v1/models), CPU "
+          f"{run.cpu:5.1f} s by then; chat "
           f"{run.chat_seconds:4.1f} s, {run.tokens} tokens; adaptor calls "
           f"{dict(run.sources) or '-'}; cache {run.cache or '-'}  ({run.load})", flush=True)
     return run
@@ -281,7 +311,8 @@ def verdicts(runs: list[Run]) -> bool:
             ok = ratio <= target and ours.tokens > 0 and base.tokens > 0
             met &= ok
             print(f"  TP={tp} plugin {which} / stock {which}: {ratio:.2f}x ({ours.ready:.1f} s /"
-                  f" {base.ready:.1f} s); target <= {target:.1f}x: {'met' if ok else 'NOT MET'}")
+                  f" {base.ready:.1f} s); target <= {target:.1f}x: {'met' if ok else 'NOT MET'}"
+                  f"; CPU to start {ours.cpu:.0f} s / {base.cpu:.0f} s (not judged)")
     return met
 
 
