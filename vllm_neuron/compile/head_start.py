@@ -1,11 +1,12 @@
 """What a cold start begins before its first graph is traced.
 
 A host-mode compile worker spends its first seconds on start-up, not on the graph: torch,
-vLLM's kernel library, and Inductor's CPU probe, which builds and loads a test program per
-vector ISA the CPU claims (about 7 s on a fresh Inductor cache, 1 s once its programs are
-there); a node's first AOTInductor compile also builds precompiled headers (about 5 s). On a
-cold start those seconds used to come after the engine had traced its model, on the path to
-the first answer, once per worker. Two head starts move them off it:
+vLLM's kernel library, and Inductor's CPU probe, which builds and loads test programs for
+the vector ISA its kernels will use (about 2.5 s on an AMX host with a fresh Inductor cache,
+0.3 s once its programs are there: toolchains/vector_isa.py); a node's first AOTInductor
+compile also builds precompiled headers (about 5 s). On a cold start those seconds used to
+come after the engine had traced its model, on the path to the first answer, once per
+worker. Two head starts move them off it:
 
 * vLLM's first process (the API server: its general plugin runs before any engine process
   exists) runs the probe and a tiny compile in a process of its own

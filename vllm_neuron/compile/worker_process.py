@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import platform
 import shutil
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 
@@ -103,21 +101,11 @@ def _flush() -> None:
 
 
 def _probe_cpu() -> None:
-    """Inductor's CPU probe, paid before the first job. Inductor builds and loads a test
-    program for each vector ISA the CPU claims, one after another (seconds each, four on an
-    AVX-512 host); here each builds in a thread of its own, side by side on the node's cores,
-    and `pick_vec_isa` then reads their verdicts from Inductor's own caches."""
-    from torch._inductor import cpu_vec_isa
+    """Inductor's CPU probe, paid before the first job: only the vector ISA its kernels
+    will use is tested (`vector_isa`), not every one the CPU claims."""
+    from .toolchains.vector_isa import pick_vector_isa
 
-    if platform.machine() in ("x86_64", "AMD64"):
-        with contextlib.suppress(Exception):  # a torch without them: probed one by one
-            flags = cpu_vec_isa.x86_isa_checker()
-            claimed = [isa for isa in cpu_vec_isa.supported_vec_isa_list
-                       if all(flag in flags for flag in str(isa).split())]  # fmt: skip
-            if len(claimed) > 1:
-                with ThreadPoolExecutor(len(claimed), "vllm-neuron-cpu-probe") as probes:
-                    list(probes.map(bool, claimed))
-    cpu_vec_isa.pick_vec_isa()
+    pick_vector_isa()
 
 
 def serve(parent: int, preload: Sequence[str]) -> int:
