@@ -19,6 +19,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import stat
 import subprocess
 import tempfile
@@ -26,6 +27,7 @@ import time
 
 from vllm_neuron.backends import KernelLock, LockTimeout
 from vllm_neuron.backends.digests import file_digest
+from vllm_neuron.compile.toolchains.torn_headers import run_healing_torn_headers
 
 __all__ = ["FAILED", "RUNTIME_DIR", "KeptRuntime", "private_runtime_dir", "run",
            "runtime_objects_dir", "swap"]  # fmt: skip
@@ -216,13 +218,27 @@ def _content_digest(path: str) -> str:
 
 
 def run(cmd: list[str], cwd: str) -> bool:
-    """Run a compiler command; whether it succeeded (its output logged when not)."""
-    done = subprocess.run(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          check=False)  # fmt: skip
+    """Run a compiler command, healing a torn precompiled header of torch's that it reads
+    (torn_headers.py: not the split's failure); whether it succeeded (its output logged when
+    not)."""
+    try:
+        run_healing_torn_headers(_run_checked, shlex.join(cmd), cwd)
+    except _CompileFailed as exc:
+        logger.debug("compile cache: %s failed: %s", " ".join(cmd[:2]), exc)
+        return False
+    return True
+
+
+class _CompileFailed(Exception):
+    """A compiler command's failure; its message ends with the compiler's output."""
+
+
+def _run_checked(cmd_line: str, cwd: str) -> None:
+    done = subprocess.run(shlex.split(cmd_line), cwd=cwd, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, check=False)  # fmt: skip
     if done.returncode != 0:
-        logger.debug("compile cache: %s failed (exit %d): %s", " ".join(cmd[:2]),
-                     done.returncode, done.stdout[-2000:].decode(errors="replace"))  # fmt: skip
-    return done.returncode == 0
+        raise _CompileFailed(f"exit {done.returncode}: "
+                             f"{done.stdout[-2000:].decode(errors='replace')}")  # fmt: skip
 
 
 def swap(cmd: list[str], source: str, new_source: str, out: str, new_out: str) -> list[str]:

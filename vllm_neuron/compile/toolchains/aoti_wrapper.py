@@ -56,6 +56,8 @@ from vllm_neuron.compile.toolchains.aoti_runtime_store import (
     runtime_objects_dir,
     swap,
 )
+from vllm_neuron.compile.toolchains.torn_headers import run_healing_torn_headers
+from vllm_neuron.compile.toolchains.vector_isa import ask_first_valid_only
 
 __all__ = ["LOCK_SECONDS", "RUNTIME_DIR", "compile_and_package", "prepare_runtime",
            "runtime_objects_dir", "split_wrapper_builds", "split_wrapper_source"]  # fmt: skip
@@ -84,6 +86,7 @@ def compile_and_package(program: Any, package_path: str,
     # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
+    ask_first_valid_only()  # Inductor's CPU probe tests only the ISA it will pick
     with split_wrapper_builds():
         torch._inductor.aoti_compile_and_package(
             program, package_path=package_path, inductor_configs=dict(inductor_configs) or None)
@@ -98,6 +101,7 @@ def prepare_runtime(program: Any, package_path: str,
     # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
+    ask_first_valid_only()
     try:
         with split_wrapper_builds(stop_after_runtime=True):
             torch._inductor.aoti_compile_and_package(
@@ -160,8 +164,8 @@ def split_wrapper_source(source: str) -> tuple[str, str] | None:
 # ------------------------------------------------------------------------------- the hook
 def _install() -> None:
     """Put `run` in front of torch's compile-command runner (again if something replaced
-    it since). Only threads inside `split_wrapper_builds` are affected; every other command
-    runs as before."""
+    it since). Only threads inside `split_wrapper_builds` are affected (wrappers split, a
+    torn precompiled header healed: torn_headers.py); every other command runs as before."""
     from torch._inductor import cpp_builder
 
     with _install_lock:
@@ -170,9 +174,10 @@ def _install() -> None:
         original: RunCmd = cpp_builder._run_compile_cmd
 
         def run(cmd_line: str, cwd: str) -> None:
-            if getattr(_active, "depth", 0) and _split_build(cmd_line, cwd):
-                return
-            original(cmd_line, cwd)
+            if not getattr(_active, "depth", 0):
+                original(cmd_line, cwd)
+            elif not _split_build(cmd_line, cwd):
+                run_healing_torn_headers(original, cmd_line, cwd)
 
         run._vllm_neuron_split = True  # type: ignore[attr-defined]
         cpp_builder._run_compile_cmd = run
