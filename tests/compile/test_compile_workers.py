@@ -6,7 +6,7 @@ was handed to a worker (`deferred`, reason ``worker``) before the first compile 
 and the compiles ran at once; workers persist (a third job takes a worker already started)
 and exit with their process, or when idle; a worker that dies (SIGKILL at a fault point) is
 no failure of the graph: it is compiled in the process at its first call, and no failure
-note is left.
+note is left. A process whose share of the node's slots is one compiles in place instead.
 """
 
 from __future__ import annotations
@@ -79,8 +79,25 @@ def test_a_process_compiles_its_own_pieces_in_workers_at_once(tmp_path):
 
 
 @pytest.mark.timeout(2 * SAFETY)
+def test_a_process_with_one_slot_compiles_its_pieces_in_place(tmp_path):
+    # Its share of the node's slots is one (here the whole node's; a TP=2 rank's on a
+    # 2-core node): a worker would compile one piece at a time too, after an interpreter's
+    # start-up, so each piece is compiled in the tracing process, one after another.
+    result, events, _ = _run(tmp_path, [16, 24, 32], VLLM_NEURON_COMPILE_WORKERS="1")
+
+    assert result["matches"] == [True, True, True], result
+    assert result["sources"] == ["compiled", "compiled", "compiled"]
+    assert result["worker_pids"] == [], result  # no interpreter started
+    assert not [e for e in events if isinstance(e, Deferred)], events  # nothing to wait for
+    compiled = sorted((e.at - e.seconds, e.at) for e in events if isinstance(e, Compiled))
+    assert len(compiled) == 3, events
+    assert all(end <= start for (_, end), (start, _) in zip(compiled, compiled[1:], strict=False)), compiled
+
+
+@pytest.mark.timeout(2 * SAFETY)
 def test_a_worker_that_dies_is_not_the_graphs_failure(tmp_path):
-    result, events, tier = _run(tmp_path, [16], VLLM_NEURON_FAULT="worker.started")
+    result, events, tier = _run(tmp_path, [16], VLLM_NEURON_FAULT="worker.started",
+                                VLLM_NEURON_COMPILE_WORKERS="2")
 
     assert result["matches"] == [True], result
     assert result["sources"] == ["compiled"]  # in the process, at the first call
@@ -132,6 +149,8 @@ def test_a_node_with_an_empty_local_tier_starts_a_worker_before_any_graph(tmp_pa
     local = str(tmp_path / "local")
     assert started(TwoTierCache(local, compile_workers=2)) == 2  # a new node: its share ...
     assert started(TwoTierCache(local, compile_workers=8)) == 2  # ... up to two ahead
+    # A share of one slot: its pieces are compiled in place (runtime.compiles_in_workers).
+    assert started(TwoTierCache(local, compile_workers=1)) == 0
     # Nothing to gain: waiting in place, or no graph compiled here.
     assert started(TwoTierCache(local, compile_workers=2, defer_compiles=False)) == 0
     assert started(TwoTierCache(local, compile_workers=2, precompiled_only=True)) == 0

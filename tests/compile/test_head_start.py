@@ -4,11 +4,14 @@ test programs in a private Inductor cache directory."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
-from cache_workers import SAFETY
+from cache_workers import SAFETY, worker_env
 
 from vllm_neuron.compile.cache import TwoTierCache
 from vllm_neuron.compile.head_start import holds_entries, start_cpu_probe_if_cold
@@ -91,3 +94,48 @@ def test_a_marker_from_a_process_that_is_no_ancestor_stops_no_probe(tmp_path, fi
         monkeypatch.setenv(VLLM_NEURON_CPU_PROBE_STARTED, marker)
         assert start_cpu_probe_if_cold(settings) is None  # the neuron toolchain: no probe
         assert os.environ[VLLM_NEURON_CPU_PROBE_STARTED] == str(os.getpid())
+
+
+_ENTRY_POINTS = """
+import json, os, select, sys
+from vllm_neuron import plugin
+
+# vLLM asks for its platform first (seconds before it loads the general plugins), more
+# than once, then runs the general plugin: the probe starts at the first ask, once.
+assert plugin.platform_plugin() == plugin.HOST_PLATFORM
+assert os.environ["VLLM_NEURON_CPU_PROBE_STARTED"] == str(os.getpid())
+assert plugin.platform_plugin() == plugin.HOST_PLATFORM
+plugin.register()
+probes = []
+for pid in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            command = f.read().split(b"\\0")
+    except (OSError, IndexError, ValueError):
+        continue
+    if parent == os.getpid() and b"--probe" in command:
+        probes.append(int(pid))
+for pid in probes:  # its work done, it exits: waited on through a pidfd, bounded
+    fd = os.pidfd_open(pid)
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    assert poller.poll(float(sys.argv[1]) * 1000), "the probe did not finish"
+print(json.dumps(probes))
+"""
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_the_platform_plugin_starts_the_probe_before_the_general_plugin(tmp_path,
+                                                                         first_process):
+    env = worker_env(VLLM_NEURON_HOST_MODE="1", VLLM_CACHE_ROOT=str(tmp_path / "root"))
+    done = subprocess.run([sys.executable, "-c", _ENTRY_POINTS, str(SAFETY)], env=env,
+                          capture_output=True, text=True, timeout=2 * SAFETY, check=False)
+    assert done.returncode == 0, done.stderr
+    (probe,) = json.loads(done.stdout.splitlines()[-1])  # one probe, not one per entry point
+    said = [line for line in done.stderr.splitlines() if "CPU probe runs ahead" in line]
+    assert len(said) == 1 and f"in pid {probe}" in said[0], done.stderr
+    # A real probe: the runtime part of AOTInductor's wrapper is made (aoti_wrapper.py).
+    assert len(list((tmp_path / "tmp").glob(f"{RUNTIME_DIR}_*/*.o"))) == 1, sorted(
+        (tmp_path / "tmp").rglob("*"))

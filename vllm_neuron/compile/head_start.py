@@ -8,13 +8,15 @@ compile also builds precompiled headers (about 5 s). On a cold start those secon
 come after the engine had traced its model, on the path to the first answer, once per
 worker. Two head starts move them off it:
 
-* vLLM's first process (the API server: its general plugin runs before any engine process
+* vLLM's first process (the API server, when vLLM first asks the platform plugin for its
+  platform - seconds before it loads the general plugins, and before any engine process
   exists) runs the probe and a tiny compile in a process of its own
   (`start_cpu_probe_if_cold`). What they build lands in Inductor's caches, which the engine
   processes and their workers share, while vLLM itself is still importing on one core.
 * the process that will trace starts up to two compile workers once vLLM has set up its
   device (`CompileRuntime.start_compile_worker_if_cold`), so their start-up overlaps the
-  model's loading.
+  model's loading - if it compiles in workers at all (a share of one slot compiles in
+  place: `CompileRuntime.compiles_in_workers`).
 
 Both only on a node that is likely to compile: host mode, deferred compiles, a cache that
 compiles (not disabled, not pre-compiled-only), and a local tier that holds no entry at all

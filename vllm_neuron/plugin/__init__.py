@@ -11,7 +11,9 @@ vLLM discovers this package through two entry-point groups (pyproject.toml):
     vLLM's ``/metrics`` (:mod:`vllm_neuron.metrics`); makes this package's log lines visible.
 ``vllm.platform_plugins`` -> :func:`platform_plugin`
     Returns the host platform when ``VLLM_NEURON_HOST_MODE=1``, otherwise ``None``: vLLM
-    then picks its platform as if this package were not installed.
+    then picks its platform as if this package were not installed. In host mode it also
+    starts Inductor's CPU probe of a cold start (:mod:`vllm_neuron.compile.head_start`):
+    vLLM asks for its platform seconds before it loads the general plugins.
 
 Why the platform plugin claims nothing on a Neuron host: the device side of Trainium (the
 worker and model runner that execute NEFFs) is the Neuron runtime integration's, not this
@@ -94,6 +96,9 @@ def platform_plugin(dev_dir: str | None = None) -> str | None:
     except ConfigError:
         return None
     if host_mode:
+        # vLLM asks for its platform about 3 s before it loads the general plugins (on a
+        # 2-core host: half its first process's imports): the probe starts at the first ask.
+        _start_cpu_probe_ahead()
         return HOST_PLATFORM
     if neuron_devices_present(dev_dir):
         _log_stepping_aside(dev_dir or DEVICE_DIR)
@@ -159,6 +164,28 @@ def _show_logs() -> None:
     pkg.propagate = False
 
 
+def _start_cpu_probe_ahead() -> None:
+    """Inductor's CPU probe, started now in vLLM's first process when this node is likely
+    to compile (head_start.py): on a core vLLM's imports leave idle, before any engine
+    process exists. Once per start, whichever entry point asks first; settings that do
+    not resolve start none (`register` names them). Never raises: a head start never stops
+    a server."""
+    try:
+        settings = compile_cache_settings()
+    except ConfigError:
+        return
+    try:
+        probe = start_cpu_probe_if_cold(settings)
+    except Exception as exc:  # noqa: BLE001 - a head start never stops a server
+        _show_logs()
+        logger.warning("vllm_neuron: Inductor's CPU probe not started ahead: %s", exc)
+        return
+    if probe is not None:
+        _show_logs()
+        logger.info("vllm_neuron: this node's local tier holds no entry: Inductor's CPU "
+                    "probe runs ahead, in pid %d", probe.pid)
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point (idempotent per process)."""
     global _registered
@@ -187,16 +214,8 @@ def register() -> None:
         # Handed to vLLM (and the engine processes it starts) through the environment,
         # which is where vLLM reads it; an explicit choice of the user is kept.
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
-        # Before vLLM starts any engine process: Inductor's CPU probe runs now, on a core
-        # vLLM's imports leave idle, when this node is likely to compile (head_start.py).
-        try:
-            probe = start_cpu_probe_if_cold(compile_cache_settings())
-        except Exception as exc:  # noqa: BLE001 - a head start never stops a server
-            logger.warning("vllm_neuron: Inductor's CPU probe not started ahead: %s", exc)
-            probe = None
-        if probe is not None:
-            logger.info("vllm_neuron: this node's local tier holds no entry: Inductor's CPU "
-                        "probe runs ahead, in pid %d", probe.pid)
+        # Before vLLM starts any engine process, if the platform plugin did not already.
+        _start_cpu_probe_ahead()
     try:
         register_backend()
     except ImportError as exc:  # torch missing: vLLM itself cannot run either
