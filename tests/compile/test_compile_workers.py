@@ -91,7 +91,8 @@ def test_a_process_with_one_slot_compiles_its_pieces_in_place(tmp_path):
     assert not [e for e in events if isinstance(e, Deferred)], events  # nothing to wait for
     compiled = sorted((e.at - e.seconds, e.at) for e in events if isinstance(e, Compiled))
     assert len(compiled) == 3, events
-    assert all(end <= start for (_, end), (start, _) in zip(compiled, compiled[1:], strict=False)), compiled
+    ends, starts = [end for _, end in compiled[:-1]], [start for start, _ in compiled[1:]]
+    assert all(end <= start for end, start in zip(ends, starts, strict=True)), compiled
 
 
 @pytest.mark.timeout(2 * SAFETY)
