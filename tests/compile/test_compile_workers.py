@@ -150,7 +150,7 @@ def test_a_node_with_an_empty_local_tier_starts_a_worker_before_any_graph(tmp_pa
     local = str(tmp_path / "local")
     assert started(TwoTierCache(local, compile_workers=2)) == 2  # a new node: its share ...
     assert started(TwoTierCache(local, compile_workers=8)) == 2  # ... up to two ahead
-    # A share of one slot: its pieces are compiled in place (runtime.compiles_in_workers).
+    # A share of one slot: its pieces are compiled in place (runtime.compiles_in_background).
     assert started(TwoTierCache(local, compile_workers=1)) == 0
     # Nothing to gain: waiting in place, or no graph compiled here.
     assert started(TwoTierCache(local, compile_workers=2, defer_compiles=False)) == 0

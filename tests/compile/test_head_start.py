@@ -139,3 +139,23 @@ def test_the_platform_plugin_starts_the_probe_before_the_general_plugin(tmp_path
     # A real probe: the runtime part of AOTInductor's wrapper is made (aoti_wrapper.py).
     assert len(list((tmp_path / "tmp").glob(f"{RUNTIME_DIR}_*/*.o"))) == 1, sorted(
         (tmp_path / "tmp").rglob("*"))
+
+
+def test_a_process_of_ours_that_loads_vllms_kernels_starts_no_probe(tmp_path, first_process):
+    # A snapshot replay's rank or `debug env` loads vLLM's kernels, which has vLLM ask the
+    # platform plugin for its platform: no vLLM start, so no probe, here or in its children.
+    code = ("import os\n"
+            "from vllm_neuron import plugin\n"
+            "from vllm_neuron.compile.toolchains.op_libraries import import_vllm_kernels\n"
+            "try:\n"
+            "    import_vllm_kernels()\n"
+            "except ImportError:\n"
+            "    pass  # no vLLM in this Python: what vLLM would ask, asked below\n"
+            "assert os.environ['VLLM_NEURON_CPU_PROBE_STARTED'] == str(os.getpid())\n"
+            "assert plugin.platform_plugin() == plugin.HOST_PLATFORM\n")
+    env = worker_env(VLLM_NEURON_HOST_MODE="1", VLLM_CACHE_ROOT=str(tmp_path / "root"))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=2 * SAFETY, check=False)
+    assert done.returncode == 0, done.stderr
+    assert "CPU probe runs ahead" not in done.stderr
+    assert not first_process.exists() and not any((tmp_path / "tmp").iterdir())

@@ -157,7 +157,10 @@ def stock(vllm_python: Path, tiny_model: str, work: Path) -> ServerRun:
 
 @pytest.fixture(scope="module")
 def cold(vllm_python: Path, tiny_model: str, work: Path, node_a: Node) -> ServerRun:
-    env = node_a.env("cold", VLLM_NEURON_MANIFEST_DIR=str(work / "manifests"), **CAPTURE)
+    # Two compile slots, whatever this machine's CPUs and memory would give: the pieces go to
+    # compile workers (a share of one slot compiles in place: test_vllm_serve_tp.py's ranks).
+    env = node_a.env("cold", VLLM_NEURON_MANIFEST_DIR=str(work / "manifests"),
+                     VLLM_NEURON_COMPILE_WORKERS="2", **CAPTURE)
     run = run_server("cold", vllm_python, tiny_model, work, env, extra_args=DTYPE,
                      requests=REQUESTS, scrape=("/metrics",))
     run.extra["stats"] = delta(node_a.stats(), CacheStats())

@@ -13,7 +13,7 @@ named on its standard input and answered with a status line. A worker is started
 job is being prepared and none is idle, so its imports overlap the export; an idle worker
 exits when idle for `WorkerPool.idle_seconds` (a server keeps no compiler in memory once its
 graphs are done). A process whose share of the node's slots is one has none: it compiles
-in place (`CompileRuntime.compiles_in_workers`).
+in place (`CompileRuntime.compiles_in_background`).
 On a host where a graph compiles in seconds, a fresh interpreter per graph cost as much as
 the compile; on Trainium (minutes per graph) it is noise either way.
 

@@ -16,7 +16,7 @@ worker. Two head starts move them off it:
 * the process that will trace starts up to two compile workers once vLLM has set up its
   device (`CompileRuntime.start_compile_worker_if_cold`), so their start-up overlaps the
   model's loading - if it compiles in workers at all (a share of one slot compiles in
-  place: `CompileRuntime.compiles_in_workers`).
+  place: `CompileRuntime.compiles_in_background`).
 
 Both only on a node that is likely to compile: host mode, deferred compiles, a cache that
 compiles (not disabled, not pre-compiled-only), and a local tier that holds no entry at all

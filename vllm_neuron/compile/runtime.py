@@ -98,26 +98,29 @@ class CompileRuntime:
         """Start compile workers now (up to two of this process's share), before the engine
         traces its model, when this process is likely to compile its own graphs in workers
         (head_start.py: the host toolchain, deferred compiles, a cache that compiles, a
-        local tier that holds no entry at all; `compiles_in_workers`), so their start-up
+        local tier that holds no entry at all; `compiles_in_background`), so their start-up
         overlaps the model's loading. True when any was started."""
         cache = self.cache
         if cache.disabled or cache.precompiled_only or not cache.defer_compiles:
             return False
-        if holds_entries(cache.local_dir) or not self.compiles_in_workers:
+        if holds_entries(cache.local_dir) or not self.compiles_in_background:
             return False
         return start_worker_early(self.toolchain, workers=cache.compile_share, pool=pool)
 
     @property
-    def compiles_in_workers(self) -> bool:
-        """Whether this process's pieces go to compile workers: only when it may run more
-        than one compile at once (its share of the node's slots, `slots.py`). With a share of
-        one - the ranks of a tensor-parallel engine that fill a small node's slots between
-        them - a worker would compile its pieces one after another too, and would cost an
+    def compiles_in_background(self) -> bool:
+        """Whether this process's pieces compile off its tracing thread (`begin`'s
+        ``worker``): the Neuron toolchain's always (``neuronx-cc`` is a process of its own,
+        run from a thread of the cache: minutes a graph, during which tracing goes on); the
+        host toolchain's in compile workers only when this process may run more than one
+        compile at once (its share of the node's slots, `slots.py`). With a share of one -
+        the ranks of a tensor-parallel engine that fill a small node's slots between them - a
+        worker would compile its pieces one after another too, and would cost an
         interpreter's start-up (torch, vLLM's kernels: about 5 core-seconds, beside the
-        engine's own start-up) and each graph's export to a file; the rank compiles them in
-        place, taking turns with its peers as before (measured: a 2-core TP=2 cold start
-        46 s with workers, 41 s in place)."""
-        return self.cache.compile_share > 1
+        engine's own start-up) and each graph's export to a file: the rank compiles them in
+        place, on the cores vLLM gave it (as stock vLLM does), taking turns with its peers
+        as before (measured: a 2-core TP=2 cold start 46 s with workers, 41 s in place)."""
+        return self.toolchain.name != "host" or self.cache.compile_share > 1
 
     def compile_graph(self, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Artifacts for `gm` from the cache (compiling on a miss), loaded as a callable."""
@@ -177,9 +180,9 @@ class CompileRuntime:
 
         # A named piece comes from vLLM's piecewise backend, which compiles every piece
         # before it calls any: its own compiles go to workers too, when it may run several
-        # at once (`compiles_in_workers`). A plain torch.compile calls each graph at once,
+        # at once (`compiles_in_background`). A plain torch.compile calls each graph at once,
         # and a worker would only add its start-up.
-        in_workers = piece is not None and self.compiles_in_workers
+        in_workers = piece is not None and self.compiles_in_background
         outcome = self.cache.begin(key.key, compile_into, components=key.components,
                                    piece=piece, worker=to_worker if in_workers else None)
         if isinstance(outcome, PendingCompile):

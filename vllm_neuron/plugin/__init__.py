@@ -44,6 +44,7 @@ from vllm_neuron.envs import (
     compile_cache_settings,
     fault_settings,
     host_mode_settings,
+    load_compile_cache_settings,
     load_host_mode_settings,
     load_run_id,
     manifest_settings,
@@ -170,8 +171,8 @@ def _start_cpu_probe_ahead() -> None:
     process exists. Once per start, whichever entry point asks first; settings that do
     not resolve start none (`register` names them). Never raises: a head start never stops
     a server."""
-    try:
-        settings = compile_cache_settings()
+    try:  # read now, not kept: vLLM may ask for its platform before a script sets them
+        settings = load_compile_cache_settings()
     except ConfigError:
         return
     try:

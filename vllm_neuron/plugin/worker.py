@@ -23,7 +23,8 @@ class NeuronHostWorker(ArtifactWorkerHooks, CPUWorker):
     piece is one graph on every tensor-parallel rank (`vocab_embedding.py`), unless
     VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING=0; and, once its device is set up (its
     tensor-parallel group known, so its share of the node's compile slots is), on a node whose
-    local tier is empty it starts its compile workers, whose start-up then runs while the
+    local tier is empty it starts its compile workers (when it has any: a share of more than
+    one slot, `CompileRuntime.compiles_in_background`), whose start-up then runs while the
     model loads.
     """
 

@@ -23,6 +23,8 @@ import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from vllm_neuron.envs import mark_cpu_probe_started
+
 __all__ = [
     "KNOWN_OP_LIBRARIES",
     "MissingOpLibrary",
@@ -56,6 +58,10 @@ def import_vllm_kernels() -> str:
     the CPU's AVX-512 and AVX-512-BF16 support), and vLLM's Python-side op registrations.
     Returns the library's file name, for messages. Raises ImportError without vLLM, or
     when vLLM's CPU platform loaded none of its kernel libraries."""
+    # A process of this package's that loads vLLM's kernels (a snapshot replay's rank, a
+    # compile worker, `debug env`) is no vLLM start: vLLM's platform detection, which this
+    # triggers, must not start Inductor's CPU probe (head_start.py) here or in its children.
+    mark_cpu_probe_started()
     # vLLM is optional and heavy: imported only when a graph needs its kernels.
     from vllm.platforms import current_platform
 
