@@ -95,6 +95,21 @@ def test_a_neuron_engine_compiles_its_graphs_two_at_a_time_while_it_traces_on(tm
 
 
 @pytest.mark.timeout(2 * SAFETY)
+def test_with_one_slot_neuron_compiles_still_run_while_the_engine_traces_on(tmp_path):
+    # A share of one slot compiles host pieces in place (no worker's start-up to save here:
+    # neuronx-cc is a process of its own, minutes a graph): Neuron's stay in the background.
+    result, events = _engine(tmp_path, [16, 24], VLLM_NEURON_COMPILE_WORKERS="1")
+
+    graphs = result["graphs"]
+    assert all(g["deferred"] and "error" not in g for g in graphs), graphs
+    handed = {e.key for e in events if isinstance(e, Deferred) and e.reason == "worker"}
+    assert handed == {g["key"] for g in graphs}, events
+    for g in graphs:
+        entry = Path(result["entries"][g["key"]])
+        assert g["output"] == _neff_of((entry / HLO_NAME).read_bytes())
+
+
+@pytest.mark.timeout(2 * SAFETY)
 def test_a_graph_the_neuron_compiler_rejects_fails_at_its_first_call_and_no_other(tmp_path):
     result, events = _engine(tmp_path, [16, 24, 32], VLLM_NEURON_COMPILE_WORKERS="2",
                              FAKE_NEURONX_CC_REJECT="inputs 4x24")
