@@ -121,7 +121,7 @@ for pid in probes:  # its work done, it exits: waited on through a pidfd, bounde
     fd = os.pidfd_open(pid)
     poller = select.poll()
     poller.register(fd, select.POLLIN)
-    assert poller.poll(float(sys.argv[1]) * 1000), "the probe did not finish"
+    assert poller.poll(float(os.environ["PROBE_PATIENCE"]) * 1000), "the probe did not finish"
 print(json.dumps(probes))
 """
 
@@ -129,8 +129,13 @@ print(json.dumps(probes))
 @pytest.mark.timeout(2 * SAFETY)
 def test_the_platform_plugin_starts_the_probe_before_the_general_plugin(tmp_path,
                                                                          first_process):
-    env = worker_env(VLLM_NEURON_HOST_MODE="1", VLLM_CACHE_ROOT=str(tmp_path / "root"))
-    done = subprocess.run([sys.executable, "-c", _ENTRY_POINTS, str(SAFETY)], env=env,
+    # As `vllm serve` runs: a console script named vllm, its first argument serve.
+    script = tmp_path / "bin" / "vllm"
+    script.parent.mkdir()
+    script.write_text(_ENTRY_POINTS)
+    env = worker_env(VLLM_NEURON_HOST_MODE="1", VLLM_CACHE_ROOT=str(tmp_path / "root"),
+                     PROBE_PATIENCE=str(SAFETY))
+    done = subprocess.run([sys.executable, str(script), "serve", "tiny"], env=env,
                           capture_output=True, text=True, timeout=2 * SAFETY, check=False)
     assert done.returncode == 0, done.stderr
     (probe,) = json.loads(done.stdout.splitlines()[-1])  # one probe, not one per entry point
@@ -139,6 +144,22 @@ def test_the_platform_plugin_starts_the_probe_before_the_general_plugin(tmp_path
     # A real probe: the runtime part of AOTInductor's wrapper is made (aoti_wrapper.py).
     assert len(list((tmp_path / "tmp").glob(f"{RUNTIME_DIR}_*/*.o"))) == 1, sorted(
         (tmp_path / "tmp").rglob("*"))
+
+
+@pytest.mark.parametrize(("argv", "server"), [
+    (["/venv/bin/vllm", "serve", "model"], True),
+    (["/venv/lib/python3.11/site-packages/vllm/entrypoints/openai/api_server.py", "--model",
+      "m"], True),
+    (["/venv/bin/vllm", "chat"], False),  # a client: vLLM's platform asked, nothing compiled
+    (["/venv/bin/vllm"], False),
+    (["-c"], False),  # LLM(...) in a script: the general plugin starts the probe
+    (["/venv/bin/vllm-neuron", "snapshot", "replay"], False),
+    ([], False),
+])
+def test_only_a_vllm_servers_first_process_probes_at_the_platform_ask(argv, server):
+    from vllm_neuron import plugin
+
+    assert plugin._starts_a_vllm_server(argv) is server
 
 
 def test_a_process_of_ours_that_loads_vllms_kernels_starts_no_probe(tmp_path, first_process):

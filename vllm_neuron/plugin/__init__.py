@@ -11,9 +11,10 @@ vLLM discovers this package through two entry-point groups (pyproject.toml):
     vLLM's ``/metrics`` (:mod:`vllm_neuron.metrics`); makes this package's log lines visible.
 ``vllm.platform_plugins`` -> :func:`platform_plugin`
     Returns the host platform when ``VLLM_NEURON_HOST_MODE=1``, otherwise ``None``: vLLM
-    then picks its platform as if this package were not installed. In host mode it also
-    starts Inductor's CPU probe of a cold start (:mod:`vllm_neuron.compile.head_start`):
-    vLLM asks for its platform seconds before it loads the general plugins.
+    then picks its platform as if this package were not installed. In host mode, in a vLLM
+    server's first process, it also starts Inductor's CPU probe of a cold start
+    (:mod:`vllm_neuron.compile.head_start`): vLLM asks for its platform seconds before it
+    loads the general plugins.
 
 Why the platform plugin claims nothing on a Neuron host: the device side of Trainium (the
 worker and model runner that execute NEFFs) is the Neuron runtime integration's, not this
@@ -98,8 +99,9 @@ def platform_plugin(dev_dir: str | None = None) -> str | None:
         return None
     if host_mode:
         # vLLM asks for its platform about 3 s before it loads the general plugins (on a
-        # 2-core host: half its first process's imports): the probe starts at the first ask.
-        _start_cpu_probe_ahead()
+        # 2-core host: half its first process's imports): a server's probe starts then.
+        if _starts_a_vllm_server():
+            _start_cpu_probe_ahead()
         return HOST_PLATFORM
     if neuron_devices_present(dev_dir):
         _log_stepping_aside(dev_dir or DEVICE_DIR)
@@ -163,6 +165,20 @@ def _show_logs() -> None:
     pkg.addHandler(handler)
     pkg.setLevel(logging.INFO)
     pkg.propagate = False
+
+
+def _starts_a_vllm_server(argv: list[str] | None = None) -> bool:
+    """Whether this process is a vLLM server's first: ``vllm serve ...`` or ``python -m
+    vllm.entrypoints.openai.api_server``. vLLM asks for its platform wherever anything of
+    it is imported (``vllm.config`` is enough: a snapshot replay's ranks, ``vllm chat``), and
+    none of those compiles; any other process that does - ``LLM(...)`` in a script - has its
+    probe started by the general plugin, as vLLM loads it."""
+    argv = sys.argv if argv is None else argv
+    if not argv:
+        return False
+    if os.path.basename(argv[0]) == "vllm":
+        return argv[1:2] == ["serve"]
+    return argv[0].endswith(os.path.join("vllm", "entrypoints", "openai", "api_server.py"))
 
 
 def _start_cpu_probe_ahead() -> None:
