@@ -1,8 +1,8 @@
 """What a store holds, from one walk: what is published, and what nobody will use again.
 
 `Store.survey` and `Store.remove_debris` are built from the functions here; a tier's
-garbage collector (`vllm_neuron/compile/gc.py`) plans with the first and removes with the
-second, and never names one of the layer's own names (`layout.py`).
+garbage collector (`vllm_neuron/compile/upkeep/collect.py`) plans with the first and
+removes with the second, and never names one of the layer's own names (`layout.py`).
 
 **One walk.** Everything is classified from one recursive listing of the store with sizes
 and modification times (`Store._walk`: one paginated LIST on S3, a `scandir` walk on local

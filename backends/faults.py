@@ -51,41 +51,41 @@ def _points(*points: FaultPoint) -> dict[str, FaultPoint]:
 POINTS: dict[str, FaultPoint] = _points(
     # Compile (the local tier)
     FaultPoint(
-        "compile.staging-written", "vllm_neuron/compile/building.py:compile_and_publish",
+        "compile.staging-written", "vllm_neuron/compile/tiers/build.py:compile_and_publish",
         "a compile's output is staged and digested; its entry record is not written"),
     FaultPoint(
-        "compile.record-written", "vllm_neuron/compile/building.py:compile_and_publish",
+        "compile.record-written", "vllm_neuron/compile/tiers/build.py:compile_and_publish",
         "the entry record is staged (last); the entry is not yet published"),
     FaultPoint(
-        "compile.published", "vllm_neuron/compile/building.py:compile_and_publish",
+        "compile.published", "vllm_neuron/compile/tiers/build.py:compile_and_publish",
         "the entry is published in the local tier; not yet logged or promoted"),
     # Promotion (local tier -> remote tier)
     FaultPoint(
         "promote.mid-upload", "backends/transfer.py:copy_file",
         "the first file of a promotion is in the remote's staging area, the rest not all"),
     FaultPoint(
-        "promote.uploaded", "vllm_neuron/compile/promote.py:promote_entry",
+        "promote.uploaded", "vllm_neuron/compile/tiers/promote.py:promote_entry",
         "every file of a promotion is uploaded; the remote publication is not committed"),
     FaultPoint(
-        "promote.committed", "vllm_neuron/compile/promote.py:promote_entry",
+        "promote.committed", "vllm_neuron/compile/tiers/promote.py:promote_entry",
         "the entry is published on the remote; the promotion event is not logged"),
     # Fetch (remote tier -> local tier)
     FaultPoint(
         "fetch.mid-copy", "backends/verified_copy.py:_copy_one",
         "the first file of a fetch is copied and verified into local staging, the rest not all"),
     FaultPoint(
-        "fetch.copied", "vllm_neuron/compile/remote_tier.py:fetch_entry",
+        "fetch.copied", "vllm_neuron/compile/tiers/remote.py:fetch_entry",
         "a fetch staged every file and the entry record locally; not yet published"),
-    # Unpacking a host entry's package beside it in the local tier (compile/unpacked.py)
+    # Unpacking a host entry's package beside it in the local tier (compile/tiers/unpacked.py)
     FaultPoint(
-        "unpack.mid-copy", "vllm_neuron/compile/unpacked.py:_unpack",
+        "unpack.mid-copy", "vllm_neuron/compile/tiers/unpacked.py:_unpack",
         "the first member of a package is unpacked into local staging, the rest not all"),
     FaultPoint(
-        "unpack.staged", "vllm_neuron/compile/unpacked.py:_unpack",
+        "unpack.staged", "vllm_neuron/compile/tiers/unpacked.py:_unpack",
         "every member of a package and the copy's record are staged; not yet published"),
-    # A compile worker process (vllm_neuron/compile/compile_workers.py)
+    # A compile worker process (vllm_neuron/compile/workers/pool.py)
     FaultPoint(
-        "worker.started", "vllm_neuron/compile/worker_process.py:_compile_one",
+        "worker.started", "vllm_neuron/compile/workers/process.py:_compile_one",
         "a compile worker started, read its job, has not compiled yet"),
     # Leases (stores without kernel locks: NFS, Lustre without flock, S3)
     FaultPoint(
@@ -113,10 +113,10 @@ POINTS: dict[str, FaultPoint] = _points(
         "every input and output tensor of a bundle is written; meta.json is not"),
     # Collection (cache gc; the size bound's eviction and cache prune)
     FaultPoint(
-        "gc.mid-delete", "vllm_neuron/compile/gc.py:GcPlan.execute",
+        "gc.mid-delete", "vllm_neuron/compile/upkeep/collect.py:GcPlan.execute",
         "cache gc removed the first item of its plan, not the rest"),
     FaultPoint(
-        "evict.mid-delete", "vllm_neuron/compile/eviction.py:withdraw_entries",
+        "evict.mid-delete", "vllm_neuron/compile/upkeep/eviction.py:withdraw_entries",
         "an eviction or prune withdrew its first entry, not the rest"),
 )
 

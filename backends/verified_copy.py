@@ -198,7 +198,7 @@ def check_verified(store: StoreBase, prefix: str, files: Mapping[str, Expected])
     """Check `files` (keys relative to `prefix`) as `copy_verified` checks what it copies -
     the size, then BLAKE3 when expected, else SHA-256 - without copying: one read of each.
     `IntegrityError` names the first that is missing, of the wrong size or corrupt. What a
-    load from a copy derived from an entry checks before each use (compile/unpacked.py)."""
+    load from a copy derived from an entry checks before each use (compile/tiers/unpacked.py)."""
     where = where_of(store, prefix)
     for rel, expected in files.items():
         hasher, digest, name = _hasher_for(expected, where, rel)

@@ -56,7 +56,7 @@ def _ratio(ours: Timing, base: Timing) -> tuple[float, float]:
 
 
 def bench(n: int, rounds: int, files: int, count: int) -> bool:
-    from vllm_neuron.compile.cache import TwoTierCache
+    from vllm_neuron.compile.flow.cache import TwoTierCache
 
     def never(out: str) -> dict[str, Any]:
         raise AssertionError("a hit never compiles")

@@ -52,7 +52,7 @@ def worker(barrier: str, warm_isa: bool) -> int:
 
     import vllm_neuron  # noqa: F401 - registers the backend
     from vllm_neuron.assembly import get_runtime
-    from vllm_neuron.compile import key as _key  # noqa: F401
+    from vllm_neuron.compile.key import cache_key as _key  # noqa: F401
 
     model, x = _model()
     get_runtime()  # settings, toolchain, cache: part of start-up
@@ -91,7 +91,7 @@ def run_group(workdir: str, name: str, processes: int, warm_isa: bool = True,
     smoke run does: its times mean nothing, so it pays Inductor's ISA probe once and
     compiles in-process, without Inductor's pool of compile workers).
     """
-    from vllm_neuron.compile.events import read_stats
+    from vllm_neuron.compile.entry.events import read_stats
 
     root = os.path.join(workdir, name)
     barrier = os.path.join(root, "barrier")

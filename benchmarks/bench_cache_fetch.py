@@ -40,7 +40,7 @@ MIB = 1 << 20
 
 def _make_remote(directory: str, files: int, total_mib: int, sha256_only: bool = False) -> str:
     from vllm_neuron.compile import save_cache
-    from vllm_neuron.compile.cache import TwoTierCache
+    from vllm_neuron.compile.flow.cache import TwoTierCache
 
     per_file = total_mib * MIB // files
     block = os.urandom(16 * MIB)
@@ -66,7 +66,7 @@ def _make_remote(directory: str, files: int, total_mib: int, sha256_only: bool =
     if sha256_only:  # as a record written before BLAKE3: the fetch streams and checks SHA-256
         import msgspec
 
-        from vllm_neuron.compile.entry import ENTRY_RECORD, decode_record, encode_record
+        from vllm_neuron.compile.entry.record import ENTRY_RECORD, decode_record, encode_record
 
         path = os.path.join(remote, KEY, ENTRY_RECORD)
         with open(path, "rb") as f:
@@ -109,7 +109,7 @@ def spare_core() -> float:
 
 def bench_layout(directory: str, files: int, total_mib: int, rounds: int,
                  sha256_only: bool = False) -> float:
-    from vllm_neuron.compile.cache import TwoTierCache
+    from vllm_neuron.compile.flow.cache import TwoTierCache
 
     remote = _make_remote(directory, files, total_mib, sha256_only)
     checksum = "SHA-256" if sha256_only else "BLAKE3"

@@ -63,8 +63,8 @@ def _entries(directory: str, files: int, count: int) -> tuple[list[str], list[st
     """
     import msgspec
 
-    from vllm_neuron.compile.cache import TwoTierCache
-    from vllm_neuron.compile.entry import ENTRY_RECORD, decode_record, encode_record
+    from vllm_neuron.compile.entry.record import ENTRY_RECORD, decode_record, encode_record
+    from vllm_neuron.compile.flow.cache import TwoTierCache
 
     def compile_into(out: str) -> dict[str, Any]:
         for i in range(files):
@@ -101,7 +101,7 @@ def _ratio_line(name: str, ours: Timing, base: Timing) -> float:
 
 def bench_hit(n: int, rounds: int, files: int, count: int) -> float:
     """`n` lookups per round and case: `count` keys, each looked up n/count times."""
-    from vllm_neuron.compile.cache import TwoTierCache
+    from vllm_neuron.compile.flow.cache import TwoTierCache
 
     with tempfile.TemporaryDirectory(prefix="bench-cache-hit-") as directory:
         local = os.path.join(directory, "cache")
@@ -190,7 +190,7 @@ def _graph_of(nodes: int) -> tuple[Any, list[Any]]:
 
 
 def bench_key(nodes: int, repeats: int) -> float:
-    from vllm_neuron.compile.key import compute_cache_key
+    from vllm_neuron.compile.key.cache_key import compute_cache_key
     from vllm_neuron.compile.toolchains.host import HostToolchain
 
     gm, inputs = _graph_of(nodes)

@@ -37,7 +37,7 @@ MIB = 1 << 20
 def make_remote(directory: str, entries: int, mib: int) -> tuple[str, list[str]]:
     """A folder remote of `entries` published entries of about `mib` MiB each."""
     from vllm_neuron.backends import open_store
-    from vllm_neuron.compile.building import compile_and_publish
+    from vllm_neuron.compile.tiers.build import compile_and_publish
 
     remote = os.path.join(directory, "remote")
     store = open_store(remote)
@@ -81,7 +81,7 @@ def _timed(prepare: Callable[[], None], op: Callable[[], None]) -> tuple[float, 
 
 def bench(directory: str, entries: int, mib: int, jobs: int, rounds: int) -> float:
     from vllm_neuron.backends import open_store
-    from vllm_neuron.compile.warm import warm_keys
+    from vllm_neuron.compile.commands.warm import warm_keys
 
     remote, keys = make_remote(directory, entries, mib)
     local = os.path.join(directory, "local")

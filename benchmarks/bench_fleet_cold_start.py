@@ -1,5 +1,5 @@
 """P7 - fleet cold start: N nodes start together on one remote; the fleet compiles each graph
-once (the fleet's single flight, `vllm_neuron/compile/fleet.py`) vs every node compiling
+once (the fleet's single flight, `vllm_neuron/compile/flow/fleet.py`) vs every node compiling
 (``remote_write="off"``, the node-alone design).
 
 Every simulated node is a local tier of its own (a directory) with R ranks, each a real
@@ -175,7 +175,7 @@ def run_group(workdir: str, remote_kind: str, endpoint: str | None, *, nodes: in
               worker_extra: dict[str, Any] | None = None) -> Group:
     """Start nodes x ranks workers, release them together, wait for the last; collect.
     `worker_extra` goes into every fake worker's arguments (``defer``, ``compile_workers``)."""
-    from vllm_neuron.compile.events import read_stats
+    from vllm_neuron.compile.entry.events import read_stats
 
     name = f"{remote_kind}-{nodes}x{ranks}-{design.replace(' ', '-')}-"
     root = tempfile.mkdtemp(dir=workdir, prefix=name)

@@ -1,4 +1,4 @@
-"""Garbage collection of a 10,000-entry remote (`vllm-neuron cache gc`, `compile/gc.py`)
+"""Garbage collection of a 10,000-entry remote (`vllm-neuron cache gc`, `compile/upkeep/collect.py`)
 against a plain recursive listing of the same tree, in the same process: a folder and S3
 on a moto server on loopback (started here; its requests counted with
 `moto_s3_server(on_request=...)`).
@@ -75,7 +75,7 @@ def lease_bytes(key: str) -> bytes:
 
 
 def note_bytes() -> bytes:
-    from vllm_neuron.compile.failures import FailureNote
+    from vllm_neuron.compile.entry.failure_notes import FailureNote
 
     return encode(FailureNote(at=time.time() - HOURS, error="ValueError: old", pid=1,
                               host="node"))
@@ -186,7 +186,7 @@ def timed(fn: Callable[[], Any], rounds: int) -> tuple[float, int, Any]:
 
 def measure(kind: str, store: Any, listing: Callable[[], int], entries: int, debris: int,
             rounds: int, *, count_requests: bool) -> bool:
-    from vllm_neuron.compile.gc import plan_gc
+    from vllm_neuron.compile.upkeep.collect import plan_gc
 
     keep = {key_for(i) for i in range(0, entries, 2)}
     base_s, base_req, files = timed(listing, rounds)

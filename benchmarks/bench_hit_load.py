@@ -2,7 +2,7 @@
 
 Ours: `CompileRuntime.compile(gm, inputs)` as ``torch.compile(backend="vllm_neuron")`` calls
 it in production - key the graph, `TwoTierCache` local hit, load the artifact from the
-verified unpacked copy of its package beside the entry (compile/unpacked.py) - then the
+verified unpacked copy of its package beside the entry (compile/tiers/unpacked.py) - then the
 first call. Baseline, in the same run: the same artifact loaded directly with torch's
 loader, ``torch._inductor.aoti_load_package(<entry>/graph.pt2)`` (what the host toolchain
 called before), then the first call. Beside it, for information: torch's package loader
@@ -94,8 +94,8 @@ def _warm_up() -> None:
     import torch._inductor.package  # noqa: F401
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    import vllm_neuron.compile.key  # noqa: F401 - ours
-    import vllm_neuron.compile.unpacked  # noqa: F401
+    import vllm_neuron.compile.key.cache_key  # noqa: F401 - ours
+    import vllm_neuron.compile.tiers.unpacked  # noqa: F401
     from vllm_neuron.compile.toolchains.host_collectives import register_collective_ops
 
     pick_vec_isa()  # Inductor's ISA probe: torch's loader checks the device's (lru-cached)

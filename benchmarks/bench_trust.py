@@ -36,8 +36,8 @@ HIT_TARGET = 1.1
 
 def _policies(directory: str) -> tuple[Any, Any, Any]:
     """(builder's policy, serving node's policy, the policy off)."""
-    from vllm_neuron.compile.signing import generate_key_pair
-    from vllm_neuron.compile.trust import TrustPolicy, load_trust_policy
+    from vllm_neuron.compile.trust.policy import TrustPolicy, load_trust_policy
+    from vllm_neuron.compile.trust.signing import generate_key_pair
     from vllm_neuron.envs import load_trust_settings
 
     private, public, _ = generate_key_pair(os.path.join(directory, "keys"), "builder")
@@ -49,9 +49,9 @@ def _policies(directory: str) -> tuple[Any, Any, Any]:
 
 def bench_fetch(directory: str, mib: int, rounds: int) -> float:
     from vllm_neuron.backends import join, open_store
-    from vllm_neuron.compile.cache import TwoTierCache
-    from vllm_neuron.compile.entry import ENTRY_RECORD
-    from vllm_neuron.compile.signing import SIGNATURE_FILE
+    from vllm_neuron.compile.entry.record import ENTRY_RECORD
+    from vllm_neuron.compile.flow.cache import TwoTierCache
+    from vllm_neuron.compile.trust.signing import SIGNATURE_FILE
 
     builder, serving, off = _policies(directory)
     key = "5eed5eed5eed5eed5eed5eed5eed5eed"
@@ -116,7 +116,7 @@ def bench_fetch(directory: str, mib: int, rounds: int) -> float:
 
 
 def bench_hit(directory: str, entries: int, rounds: int) -> float:
-    from vllm_neuron.compile.cache import TwoTierCache
+    from vllm_neuron.compile.flow.cache import TwoTierCache
 
     builder, serving, off = _policies(directory)
     remote = os.path.join(directory, "remote")

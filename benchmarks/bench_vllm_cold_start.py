@@ -166,7 +166,7 @@ def vllm_python(build: bool) -> str | None:
 def cache_counts(compile_cache: Path) -> dict[int, dict[str, int]]:
     """pid -> that process's compile-cache events by kind (its own segment of ``.events``)."""
     from vllm_neuron.backends import RecordCodec, open_store
-    from vllm_neuron.compile.events import CACHE_EVENTS, EVENTS_STREAM, CacheStats
+    from vllm_neuron.compile.entry.events import CACHE_EVENTS, EVENTS_STREAM, CacheStats
 
     if not compile_cache.is_dir():
         return {}

@@ -91,7 +91,7 @@ def warm_up(cache: Any) -> None:
 
 
 def run_fake(args: Mapping[str, Any]) -> dict[str, Any]:
-    from vllm_neuron.compile.cache import TwoTierCache
+    from vllm_neuron.compile.flow.cache import TwoTierCache
 
     compile_seconds = float(args["compile_seconds"])
     files, size = int(args["files"]), int(float(args["file_mib"]) * MIB)
@@ -128,7 +128,7 @@ def run_fake(args: Mapping[str, Any]) -> dict[str, Any]:
     released = wait_for_go(args["barrier_dir"])
     cpu = time.process_time()
     if args.get("defer"):  # traced as vLLM's piecewise backend does: every graph, then calls
-        from vllm_neuron.compile.outcomes import PendingCompile
+        from vllm_neuron.compile.entry.outcomes import PendingCompile
 
         traced = [cache.begin(key, compile_for(key)) for key in keys]
         results = [t.result() if isinstance(t, PendingCompile) else t for t in traced]

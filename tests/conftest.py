@@ -129,16 +129,16 @@ LONG_MODULES = (
     "tests/test_crash_matrix.py",  # no vLLM: runs while a fresh machine builds its environment
     "tests/plugin/test_vllm_serve_tp.py",
     "tests/profiling/test_real_vllm.py",
-    "tests/compile/test_fleet.py",
-    "tests/compile/test_cache_processes.py",
-    "tests/compile/test_tier_faults.py",
-    "tests/compile/test_host_collectives.py",
-    "tests/compile/test_trust_canary.py",
-    "tests/compile/test_cache_stateful.py",
-    "tests/compile/test_compile_workers.py",
-    "tests/compile/test_parallel_cold_start.py",
+    "tests/compile/flow/test_fleet.py",
+    "tests/compile/flow/test_cache_processes.py",
+    "tests/compile/tiers/test_tier_faults.py",
+    "tests/compile/toolchains/test_host_collectives.py",
+    "tests/compile/trust/test_trust_canary.py",
+    "tests/compile/flow/test_cache_stateful.py",
+    "tests/compile/workers/test_compile_workers.py",
+    "tests/compile/workers/test_parallel_cold_start.py",
     "tests/test_benchmarks_smoke.py",
-    "tests/compile/test_demo.py",
+    "tests/cli/test_demo.py",
 )
 
 

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, "compile"))
+sys.path.insert(0, os.path.join(HERE, "compile", "helpers"))
 
 from cache_workers import _hold_once, entry_is_right, fake_compile  # noqa: E402
 
@@ -68,7 +68,7 @@ def arm_from_settings() -> None:
 
 def run_get(args: Mapping[str, Any]) -> dict[str, Any]:
     from vllm_neuron.backends import open_store
-    from vllm_neuron.compile.cache import TwoTierCache
+    from vllm_neuron.compile.flow.cache import TwoTierCache
 
     arm_from_settings()
     key = args["key"]
@@ -84,7 +84,7 @@ def run_get(args: Mapping[str, Any]) -> dict[str, Any]:
         key, lambda out: fake_compile(out, key=key, hold_dir=args.get("hold_dir")))
     assert result.path is not None
     # What a serving process does in the background, done before this one exits: promote
-    # what an earlier, killed process owed the remote (compile/owed.py).
+    # what an earlier, killed process owed the remote (compile/upkeep/owed.py).
     assert cache.wait_for_upkeep(SAFETY)
     return {"source": result.source, "wrong": entry_is_right(result.path, key)}
 
@@ -158,7 +158,7 @@ def run_torch(args: Mapping[str, Any]) -> dict[str, Any]:
     import vllm_neuron  # noqa: F401 - registers the backend
     from vllm_neuron.assembly import get_runtime
 
-    sys.path.insert(0, os.path.join(HERE, "compile"))
+    sys.path.insert(0, os.path.join(HERE, "compile", "helpers"))
     from cache_workers import build_model
 
     if args.get("hold_dir"):

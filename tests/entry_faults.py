@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 
 from vllm_neuron.backends import encode, join, open_store
-from vllm_neuron.compile.entry import ENTRY_RECORD, read_record
+from vllm_neuron.compile.entry.record import ENTRY_RECORD, read_record
 
 
 def _forge_artifact(store_dir: Path, key: str, rewrite: Callable[[Path], None]) -> None:

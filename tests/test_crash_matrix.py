@@ -17,11 +17,11 @@ there by SIGKILL. Then:
 4. a fresh process with no fault finishes the same work, and 1-3 hold again;
 5. ``cache gc`` (`plan_gc(...).execute()`) then leaves only published work.
 
-The fake toolchain (tests/compile/cache_workers.py: deterministic bytes, four files, a
+The fake toolchain (tests/compile/helpers/cache_workers.py: deterministic bytes, four files, a
 compile that can stop half-way by handshake) stands in for the compiler; the points of the
 compile cache are also hit once each with a real Inductor compile through
 ``torch.compile(backend="vllm_neuron")`` (marked slow), and the points of unpacking a host
-entry's package (compile/unpacked.py) with a real entry loaded by a real process, whose
+entry's package (compile/tiers/unpacked.py) with a real entry loaded by a real process, whose
 private ``TMPDIR`` must hold no ``aotinductor_*`` directory once it loaded the copy (slow).
 A point that does not apply to a backend (a lease point where the store has kernel locks)
 is not generated for it. One worker script does every kind of work
@@ -48,12 +48,12 @@ import crash_matrix_worker as worker  # noqa: E402
 
 from vllm_neuron.backends import Store, open_store, router  # noqa: E402
 from vllm_neuron.backends.faults import DISK_FAULT_POINTS, POINTS  # noqa: E402
-from vllm_neuron.compile.events import EVENTS_STREAM  # noqa: E402
-from vllm_neuron.compile.eviction import PINS_DIR, pin  # noqa: E402
-from vllm_neuron.compile.gc import GcPlan, plan_gc  # noqa: E402
-from vllm_neuron.compile.inventory import verify_entries  # noqa: E402
-from vllm_neuron.compile.promote import promote_entry  # noqa: E402
-from vllm_neuron.compile.unpacked import UNPACKED_DIR, copy_key  # noqa: E402
+from vllm_neuron.compile.entry.events import EVENTS_STREAM  # noqa: E402
+from vllm_neuron.compile.tiers.inventory import verify_entries  # noqa: E402
+from vllm_neuron.compile.tiers.promote import promote_entry  # noqa: E402
+from vllm_neuron.compile.tiers.unpacked import UNPACKED_DIR, copy_key  # noqa: E402
+from vllm_neuron.compile.upkeep.collect import GcPlan, plan_gc  # noqa: E402
+from vllm_neuron.compile.upkeep.eviction import PINS_DIR, pin  # noqa: E402
 
 LEASE = 1.5  # seconds: how long a dead holder's lease keeps the healer waiting
 KEY = "c0ffee00c0ffee00c0ffee00c0ffee01"
@@ -113,7 +113,7 @@ MATRIX = [pytest.param(point, backend, id=f"{point}-{backend}", marks=_marks(poi
 ELSEWHERE = {
     # A compile worker (a child of the serving process) killed there: the graph is compiled
     # in the serving process at its first call, and no failure note is left.
-    "worker.started": "tests/compile/test_compile_workers.py",
+    "worker.started": "tests/compile/workers/test_compile_workers.py",
 }
 
 
@@ -380,7 +380,7 @@ class GetScenario(CacheScenario):
             assert result["matches"] and result["keys"] == [self.key], result
         # Whatever the crash, the fleet ends up with the entry: the fleet's flow promotes
         # what it compiles, and a process killed after its local publication owed the
-        # promotion, which the healing process paid (compile/owed.py).
+        # promotion, which the healing process paid (compile/upkeep/owed.py).
         assert self.remote.store().published(self.key) is not None
 
 
@@ -682,8 +682,8 @@ def test_a_disk_fault_degrades(point: str, kind: str, backend: Backend,
     """The local disk fills up (or turns read-only) at the point: the process still gets a
     right artifact, says nothing failed (no failure note for waiters, no remote outage),
     leaves nothing partial, and the next process finishes the work."""
-    from vllm_neuron.compile.events import RemoteUnavailable, read_stats
-    from vllm_neuron.compile.failures import recent_failure
+    from vllm_neuron.compile.entry.events import RemoteUnavailable, read_stats
+    from vllm_neuron.compile.entry.failure_notes import recent_failure
 
     scenario = scenario_for(point, backend, request)
     scenario.setup()

@@ -16,9 +16,9 @@ import os
 import threading
 from collections.abc import Callable
 
-from vllm_neuron.compile.cache import TwoTierCache
-from vllm_neuron.compile.local_tier import resolve_local_tier
+from vllm_neuron.compile.flow.cache import TwoTierCache
 from vllm_neuron.compile.runtime import CompileRuntime
+from vllm_neuron.compile.tiers.location import resolve_local_tier
 from vllm_neuron.compile.toolchains.select import select_toolchain
 from vllm_neuron.envs import (
     ConfigError,

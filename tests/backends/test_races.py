@@ -127,7 +127,7 @@ def test_a_forked_child_appends_although_a_parent_thread_held_the_log_at_the_for
     import os
     import threading
 
-    from vllm_neuron.compile.events import CacheMiss
+    from vllm_neuron.compile.entry.events import CacheMiss
 
     store = open_store(str(tmp_path / "store"))
     log = store.log("events")

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                "compile"))
+                                "compile", "helpers"))
 
 from cache_workers import fake_compile  # noqa: E402  (tests/compile's fake compiles)
 
 from vllm_neuron.cli import main  # noqa: E402
-from vllm_neuron.compile.cache import TwoTierCache  # noqa: E402
+from vllm_neuron.compile.flow.cache import TwoTierCache  # noqa: E402
 
 KEY_A = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa1"
 KEY_B = "bbbbbbbbbbbbbbbbbbbbbbbbbbbbbbb2"

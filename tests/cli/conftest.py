@@ -8,6 +8,10 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "compile", "helpers"))
+
+from compile_fixtures import cache_warnings, compile_fn, shared_remote  # noqa: E402, F401
 
 
 @pytest.fixture

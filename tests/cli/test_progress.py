@@ -19,10 +19,10 @@ from typing import Any
 import pytest
 
 from vllm_neuron.backends import copy_tree, copy_verified, open_store
-from vllm_neuron.compile.cache import TwoTierCache
-from vllm_neuron.compile.entry import read_record
-from vllm_neuron.compile.promote import save_cache
-from vllm_neuron.compile.warm import warm_keys
+from vllm_neuron.compile.commands.warm import warm_keys
+from vllm_neuron.compile.entry.record import read_record
+from vllm_neuron.compile.flow.cache import TwoTierCache
+from vllm_neuron.compile.tiers.promote import save_cache
 
 BIG = 40 << 20  # five 8 MiB chunks
 KEY = "c" * 32

@@ -1,55 +1,11 @@
-"""Fixtures of the compile-cache tests (the S3 server itself is in tests/conftest.py)."""
+"""Fixtures of the compile-cache tests (the S3 server itself is in tests/conftest.py); they
+live in helpers/compile_fixtures.py, which tests/cli uses too."""
 
 from __future__ import annotations
 
-import logging
 import os
 import sys
-from collections.abc import Callable
-from typing import Any
 
-import pytest
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from cache_workers import fake_compile  # noqa: E402
-
-from vllm_neuron.compile.cache import CompileFn  # noqa: E402
-
-
-@pytest.fixture
-def compile_fn() -> Callable[..., CompileFn]:
-    """``compile_fn(key, **options)``: a fake compile of `key` (see cache_workers)."""
-
-    def make(key: str, **options: Any) -> CompileFn:
-        return lambda out: fake_compile(out, key=key, **options)
-
-    return make
-
-
-@pytest.fixture
-def cache_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
-    """The WARNING-or-worse messages the compile cache logged so far in this test."""
-    caplog.set_level(logging.WARNING, logger="vllm_neuron.compile")
-
-    def messages() -> list[str]:
-        return [
-            r.getMessage()
-            for r in caplog.records
-            if r.name.startswith("vllm_neuron.compile") and r.levelno >= logging.WARNING
-        ]
-
-    return messages
-
-
-@pytest.fixture(params=["folder", "s3"])
-def shared_remote(request: pytest.FixtureRequest, tmp_path: Any) -> dict[str, Any]:
-    """A fleet's remote tier, for worker processes: where it is, and how a worker opens it.
-
-    The folder remote uses leases, not kernel locks, as on NFS or FSx: nodes share no
-    kernel there, and a lease is what expires when a holder dies.
-    """
-    if request.param == "folder":
-        return {"remote": str(tmp_path / "remote"), "remote_options": {"lock": "lease"}}
-    request.getfixturevalue("s3_env")  # AWS_ENDPOINT_URL for the workers
-    return {"remote": request.getfixturevalue("s3_store_url"), "remote_options": {}}
+from compile_fixtures import cache_warnings, compile_fn, shared_remote  # noqa: E402, F401

@@ -8,7 +8,7 @@ import uuid
 import pytest
 from manifest_fixtures import SEED_KEY, neuron_like_compile
 
-from vllm_neuron.compile.cache import TwoTierCache
+from vllm_neuron.compile.flow.cache import TwoTierCache
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from manifest_fixtures import neuron_like_compile
 
 from vllm_neuron.backends import encode_line, open_store
 from vllm_neuron.cli import main
-from vllm_neuron.compile.cache import TwoTierCache
+from vllm_neuron.compile.flow.cache import TwoTierCache
 from vllm_neuron.manifest import (
     LedgerEntry,
     LedgerWriter,

@@ -12,7 +12,7 @@ import os
 import sys
 from typing import Any
 
-from vllm_neuron.compile.cache import TwoTierCache
+from vllm_neuron.compile.flow.cache import TwoTierCache
 from vllm_neuron.metrics import install
 
 

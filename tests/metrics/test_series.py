@@ -11,8 +11,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from vllm_neuron.backends import Record
-from vllm_neuron.compile import events as ev
-from vllm_neuron.compile.events import CACHE_EVENTS, CacheStats
+from vllm_neuron.compile.entry import events as ev
+from vllm_neuron.compile.entry.events import CACHE_EVENTS, CacheStats
 from vllm_neuron.metrics import SERIES, SeriesTotals, samples_of
 from vllm_neuron.metrics import series as s
 

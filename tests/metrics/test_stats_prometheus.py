@@ -24,14 +24,14 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_neuron.backends import open_store
 from vllm_neuron.cli import main
-from vllm_neuron.compile.cache import TwoTierCache
-from vllm_neuron.compile.events import (
+from vllm_neuron.compile.entry.events import (
     EVENTS_STREAM,
     LeaseTakenOver,
     LeaseWaited,
     LockWaited,
     RemoteUnavailable,
 )
+from vllm_neuron.compile.flow.cache import TwoTierCache
 from vllm_neuron.metrics import SERIES
 
 KEYS = [f"{i:031x}a" for i in range(1, 4)]

@@ -57,7 +57,7 @@ from plugin_support import (
     server_env,
 )
 
-from vllm_neuron.compile.events import CacheStats, read_stats
+from vllm_neuron.compile.entry.events import CacheStats, read_stats
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 

@@ -1,6 +1,6 @@
 """A deployment to report on, built with the real writers of each artifact.
 
-- the compile cache: real processes (``tests/compile/cache_workers.py``, the workers of the
+- the compile cache: real processes (``tests/compile/helpers/cache_workers.py``, the workers of the
   multi-process cache tests) on two "nodes" sharing a remote tier: node A compiles two
   graphs (two ranks racing for one of them, lined up at a file barrier) and hits one, node
   B fetches both from the remote;
@@ -25,7 +25,7 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
-for extra in (TESTS / "compile", TESTS / "snapshot"):
+for extra in (TESTS / "compile" / "helpers", TESTS / "snapshot"):
     if str(extra) not in sys.path:
         sys.path.insert(0, str(extra))
 

@@ -199,9 +199,10 @@ def test_a_root_on_s3_reads_through_the_store(
 def test_a_tiers_load_failure_notes_are_shown(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A remote where a host could not load an entry (its note, compile/load_notes.py): the
-    report read on that tier names the entry, the host and the loader's error."""
-    from vllm_neuron.compile.load_notes import note_load_failure
+    """A remote where a host could not load an entry (its note,
+    compile/entry/load_failure_notes.py): the report read on that tier names the entry, the
+    host and the loader's error."""
+    from vllm_neuron.compile.entry.load_failure_notes import note_load_failure
 
     tier = tmp_path / "remote"
     store = open_store(str(tier))

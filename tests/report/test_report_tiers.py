@@ -2,7 +2,7 @@
 (entries, ``.locks``, ``.staging``, no event log) and an ``s3://`` tier are recognised by
 their entries and labelled remote; every tier lists its entries (key, piece, size, age,
 toolchain, signer, problems) under its totals. Each page is opened in headless chromium and
-read back from the DOM it built. (The demo's own output: tests/compile/test_demo.py, which
+read back from the DOM it built. (The demo's own output: tests/cli/test_demo.py, which
 runs the demo once for both.)
 
 The tiers are made with the real writers: a node's cache compiles five keys (two naming a
@@ -22,13 +22,13 @@ from report_browser import Element, descendants, load, parse, select
 from report_deployment import run_report
 
 from vllm_neuron.backends import join, open_store
-from vllm_neuron.compile.cache import TwoTierCache
-from vllm_neuron.compile.entry import read_record
-from vllm_neuron.compile.load_notes import note_load_failure
-from vllm_neuron.compile.promote import save_cache
-from vllm_neuron.compile.quarantine import quarantine_entry
-from vllm_neuron.compile.signing import generate_key_pair, load_signer
-from vllm_neuron.compile.trust import sign_tier
+from vllm_neuron.compile.entry.load_failure_notes import note_load_failure
+from vllm_neuron.compile.entry.record import read_record
+from vllm_neuron.compile.flow.cache import TwoTierCache
+from vllm_neuron.compile.tiers.promote import save_cache
+from vllm_neuron.compile.tiers.quarantine import quarantine_entry
+from vllm_neuron.compile.trust.policy import sign_tier
+from vllm_neuron.compile.trust.signing import generate_key_pair, load_signer
 from vllm_neuron.report.tier_table import ROW_CAP, render_entries
 from vllm_neuron.report.tiers import EntryRow, TierEntries
 

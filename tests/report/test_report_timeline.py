@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from report_browser import parse, select
 
-from vllm_neuron.compile.events import CacheHit, Compiled, Fetched, LockWaited, Promoted
+from vllm_neuron.compile.entry.events import CacheHit, Compiled, Fetched, LockWaited, Promoted
 from vllm_neuron.report.timeline import LABEL_W, PLOT_W, TimelineRow, render_timeline
 
 KEY = "ab" * 16

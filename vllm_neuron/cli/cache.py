@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from vllm_neuron.compile.events import read_stats
+from vllm_neuron.compile.entry.events import read_stats
 
 from . import cache_entries, cache_gc, cache_trust, cache_warm
 from .format import human_size, print_json, table

@@ -17,23 +17,23 @@ from dataclasses import asdict
 from typing import Any
 
 from vllm_neuron.backends import check_location, open_store, probe_store
-from vllm_neuron.compile.gc import STAGING_MAX_AGE, plan_gc
-from vllm_neuron.compile.inventory import (
+from vllm_neuron.compile.commands.load_check import LoadCheck, check_loads
+from vllm_neuron.compile.commands.prune import plan_prune
+from vllm_neuron.compile.entry.check import verify_entry
+from vllm_neuron.compile.entry.load_failure_notes import LoadFailureNote, read_load_failures
+from vllm_neuron.compile.tiers.inventory import (
     EntryInfo,
     explain_entries,
     list_entries,
     parse_duration,
     parse_size,
     verify_entries,
-    verify_entry,
 )
-from vllm_neuron.compile.load_check import LoadCheck, check_loads
-from vllm_neuron.compile.load_notes import LoadFailureNote, read_load_failures
-from vllm_neuron.compile.promote import save_cache
-from vllm_neuron.compile.prune import plan_prune
-from vllm_neuron.compile.quarantine import quarantine_entry
-from vllm_neuron.compile.trust import signer_of
-from vllm_neuron.compile.unpacked import unpacked_sizes
+from vllm_neuron.compile.tiers.promote import save_cache
+from vllm_neuron.compile.tiers.quarantine import quarantine_entry
+from vllm_neuron.compile.tiers.unpacked import unpacked_sizes
+from vllm_neuron.compile.trust.policy import signer_of
+from vllm_neuron.compile.upkeep.collect import STAGING_MAX_AGE, plan_gc
 from vllm_neuron.envs import compile_cache_settings, remote_cache_url
 
 from .cache_trust import load_policy, trust_check, trusted_keys_option

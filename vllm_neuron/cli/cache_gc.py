@@ -1,5 +1,5 @@
 """`vllm-neuron cache gc [URL] [--dry-run] [--json] [--older-than D] [--lease-grace D]
-[--keep-manifest M ...]`: remove what no process will use again (`compile/gc.py`).
+[--keep-manifest M ...]`: remove what no process will use again (`compile/upkeep/collect.py`).
 
 A plan table (what, where, age, size, why) first, then what was removed, what stayed
 because it changed since the plan (in use again), and what could not be removed. Exit
@@ -14,8 +14,8 @@ import argparse
 import sys
 from typing import Any
 
-from vllm_neuron.compile.gc import LEASE_GRACE, GcItem, GcOutcome, GcPlan, plan_gc
-from vllm_neuron.compile.inventory import parse_duration
+from vllm_neuron.compile.tiers.inventory import parse_duration
+from vllm_neuron.compile.upkeep.collect import LEASE_GRACE, GcItem, GcOutcome, GcPlan, plan_gc
 from vllm_neuron.envs import compile_cache_settings
 from vllm_neuron.manifest.inspect import load_manifest
 

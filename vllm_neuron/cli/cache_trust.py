@@ -14,7 +14,8 @@ import argparse
 import sys
 from typing import Any
 
-from vllm_neuron.compile.signing import (
+from vllm_neuron.compile.trust.policy import TrustPolicy, judge_tier, sign_tier, trust_policy
+from vllm_neuron.compile.trust.signing import (
     KeyProblem,
     TrustedKeys,
     Verdict,
@@ -22,7 +23,6 @@ from vllm_neuron.compile.signing import (
     load_public_keys,
     load_signer,
 )
-from vllm_neuron.compile.trust import TrustPolicy, judge_tier, sign_tier, trust_policy
 from vllm_neuron.envs import ConfigError
 from vllm_neuron.envs.trust import split_key_paths
 

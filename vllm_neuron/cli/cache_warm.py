@@ -1,13 +1,13 @@
 """`vllm-neuron cache warm|compat|pin|unpin`: readying a node, upgrading, keeping entries.
 
 * ``warm MANIFEST [--remote URL] [--jobs N] [--json]``: fetch every graph the manifest lists into
-  the local tier (`compile/warm.py`); exit 1 listing what the remote lacks (or holds
+  the local tier (`compile/commands/warm.py`); exit 1 listing what the remote lacks (or holds
   defective), 2 for a remote that is malformed, missing or unreachable.
 * ``compat [URL] [--json]``: per entry, would this environment hit it, and if not which
-  key component differs (`compile/compat.py`); exit 1 when any entry could never be hit.
+  key component differs (`compile/commands/compat.py`); exit 1 when any entry could never be hit.
 * ``pin [KEY ...] [--manifest M] [--note TEXT] [--json]``,
   ``unpin (KEY ... | --manifest M | --all) [--json]``:
-  entries that neither the size bound nor ``prune`` ever removes (`compile/eviction.py`);
+  entries that neither the size bound nor ``prune`` ever removes (`compile/upkeep/eviction.py`);
   ``pin`` alone lists the pins.
 
 Registered by `cli/cache.py` (`register`), whose helpers (`_tier`, `_cache_dir`) they use.
@@ -30,7 +30,7 @@ from vllm_neuron.backends import (
     open_store,
     probe_store,
 )
-from vllm_neuron.compile.events import EVENTS_STREAM
+from vllm_neuron.compile.entry.events import EVENTS_STREAM
 from vllm_neuron.envs import remote_cache_url
 
 from .format import human_size, print_json, table
@@ -112,7 +112,7 @@ def event_recorder(store: Store) -> Any:
 
 def evicted_event(record: Any) -> Any:
     """`PrunePlan.execute`'s callback: an ``evict`` event per entry withdrawn."""
-    from vllm_neuron.compile.events import Evicted
+    from vllm_neuron.compile.entry.events import Evicted
 
     def note(info: Any, last_used: float, reason: str) -> None:
         record(Evicted(key=info.key, at=time.time(), size=info.size, last_used=last_used,
@@ -123,15 +123,19 @@ def evicted_event(record: Any) -> Any:
 
 def incompatible_here(store: Store) -> dict[str, str]:
     """{key: why} of the entries of `store` this environment could never hit."""
-    from vllm_neuron.compile.compat import current_toolchain, environment_of, incompatible_entries
+    from vllm_neuron.compile.commands.compat import (
+        current_toolchain,
+        environment_of,
+        incompatible_entries,
+    )
 
     return incompatible_entries(store, environment_of(current_toolchain()))
 
 
 # ------------------------------------------------------------------- warm
 def cmd_warm(args: argparse.Namespace) -> int:
-    from vllm_neuron.compile.eviction import Evictor
-    from vllm_neuron.compile.warm import DEFAULT_JOBS, warm_keys
+    from vllm_neuron.compile.commands.warm import DEFAULT_JOBS, warm_keys
+    from vllm_neuron.compile.upkeep.eviction import Evictor
     from vllm_neuron.envs.compile_cache import cache_max_size
 
 
@@ -183,7 +187,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
 
 # ----------------------------------------------------------------- compat
 def cmd_compat(args: argparse.Namespace) -> int:
-    from vllm_neuron.compile.compat import check_compat, current_toolchain, environment_of
+    from vllm_neuron.compile.commands.compat import check_compat, current_toolchain, environment_of
 
 
     store = tier(args)
@@ -222,7 +226,7 @@ def _pin_tier(args: argparse.Namespace, *, create: bool) -> Store:
 
 
 def cmd_pin(args: argparse.Namespace) -> int:
-    from vllm_neuron.compile.eviction import pin, read_pins
+    from vllm_neuron.compile.upkeep.eviction import pin, read_pins
 
     keys = list(dict.fromkeys([*args.keys, *manifest_keys(args.manifest)]))
     store = _pin_tier(args, create=bool(keys))
@@ -252,7 +256,7 @@ def cmd_pin(args: argparse.Namespace) -> int:
 
 
 def cmd_unpin(args: argparse.Namespace) -> int:
-    from vllm_neuron.compile.eviction import pinned_keys, unpin
+    from vllm_neuron.compile.upkeep.eviction import pinned_keys, unpin
 
     store = _pin_tier(args, create=False)
     keys = list(dict.fromkeys([*args.keys, *manifest_keys(args.manifest)]))

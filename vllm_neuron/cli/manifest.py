@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
+from vllm_neuron.compile.tiers.location import get_neuron_compile_cache_dir
 from vllm_neuron.manifest.inspect import (
     check_manifest,
     check_startup,

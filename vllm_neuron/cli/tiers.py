@@ -16,7 +16,7 @@ from vllm_neuron.backends import (
     open_store,
     probe_store,
 )
-from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
+from vllm_neuron.compile.tiers.location import get_neuron_compile_cache_dir
 
 
 def cache_dir(args: argparse.Namespace) -> str:

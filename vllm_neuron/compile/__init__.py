@@ -4,6 +4,6 @@ Kept import-light on purpose: submodules import torch themselves, so importing
 ``vllm_neuron.compile`` costs nothing until a graph is compiled.
 """
 
-from .promote import save_cache
+from .tiers.promote import save_cache
 
 __all__ = ["save_cache"]

@@ -41,26 +41,11 @@ from vllm_neuron.envs import (
     mark_cpu_probe_started,
 )
 
-from .local_tier import get_neuron_compile_cache_dir
+from .tiers.location import get_neuron_compile_cache_dir, holds_entries
 
-__all__ = ["holds_entries", "likely_to_compile", "start_cpu_probe_if_cold"]
+__all__ = ["likely_to_compile", "start_cpu_probe_if_cold"]
 
 logger = logging.getLogger("vllm_neuron.compile")
-
-
-def holds_entries(local_dir: str) -> bool:
-    """Whether the local tier at `local_dir` holds an entry: a directory named by a key,
-    the first one found ends the look (a warm start must not pay for a walk of the tier). A
-    tier that does not exist yet holds none; one that cannot be read counts as holding some
-    (no head start is taken on a guess)."""
-    try:
-        with os.scandir(local_dir) as children:
-            return any(len(child.name) == 32 and not child.name.startswith(".")
-                       and child.is_dir() for child in children)  # fmt: skip
-    except FileNotFoundError:
-        return False
-    except OSError:
-        return True
 
 
 def likely_to_compile(settings: CompileCacheSettings, local_dir: str, toolchain: str) -> bool:
@@ -90,7 +75,7 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings) -> subprocess.Popen[
         return None
     try:
         probe = subprocess.Popen(
-            [sys.executable, "-m", "vllm_neuron.compile.worker_process", "--probe",
+            [sys.executable, "-m", "vllm_neuron.compile.workers.process", "--probe",
              str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     except OSError as exc:  # no process left: the workers probe for themselves

@@ -17,13 +17,12 @@ from typing import Any
 
 import msgspec
 
-from .building import CompileFn
-from .cache import CacheResult, TwoTierCache
-from .compile_workers import POOL, WorkerPool, prepare_job, start_worker_early
-from .head_start import holds_entries
-from .job_dirs import warn_once
-from .outcomes import CompileError, PendingCompile
-from .tier_health import unwritable_cause
+from .entry.outcomes import CompileError, PendingCompile
+from .flow.cache import CacheResult, TwoTierCache
+from .tiers.build import CompileFn
+from .tiers.health import unwritable_cause
+from .tiers.location import holds_entries
+from .tiers.unpacked import load_entry
 from .toolchains.base import (
     ARTIFACTS,
     CompiledArtifact,
@@ -32,7 +31,8 @@ from .toolchains.base import (
     ToolchainUnavailable,
 )
 from .toolchains.op_libraries import MissingOpLibrary
-from .unpacked import load_entry
+from .workers.job_dirs import warn_once
+from .workers.pool import POOL, WorkerPool, prepare_job, start_worker_early
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -142,7 +142,7 @@ class CompileRuntime:
         (vLLM's compiler adaptor passes ``Piece.label()``; this layer knows no manifest): it
         goes on the cache's compile events, so `cache stats` can count what tensor
         parallelism cost (a piece compiled to several keys), and on the graph records."""
-        from .key import compute_cache_key  # lazy: imports torch.fx, only when compiling
+        from .key.cache_key import compute_cache_key  # lazy: imports torch.fx, only when compiling
 
         toolchain = self.toolchain
         flags = toolchain.compiler_args()
@@ -233,7 +233,7 @@ class CompileRuntime:
                 "compiled artifacts can only be loaded from a local directory"
             )
         # From the verified unpacked copy of its package, where the toolchain loads one
-        # (a hit then writes nothing to $TMPDIR): compile/unpacked.py.
+        # (a hit then writes nothing to $TMPDIR): compile/tiers/unpacked.py.
         return artifact, load_entry(self.toolchain, self.cache.local, result, artifact,
                                     grew=self.cache.keep_within_bound)
 

@@ -2,7 +2,7 @@
 
 Only parsing lives here: where the local tier finally goes (it moves to /tmp when the
 default root is on NFS) is the compile feature's decision, in
-:mod:`vllm_neuron.compile.local_tier`, made from these settings.
+:mod:`vllm_neuron.compile.tiers.location`, made from these settings.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Only parsing lives here: which files the variables name and which policy they ask for. The
 keys themselves are read (and a bad key refused, naming the variable) by
-:mod:`vllm_neuron.compile.signing`, the one module that touches key material.
+:mod:`vllm_neuron.compile.trust.signing`, the one module that touches key material.
 """
 
 from __future__ import annotations

@@ -32,8 +32,8 @@ import msgspec
 
 from vllm_neuron.backends import Store, fault_point, join, open_store
 from vllm_neuron.backends.records import Document, RecordCodec
-from vllm_neuron.compile.entry import ENTRY_RECORD, ENTRY_SCHEMA_VERSION, ENTRY_TAG
-from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
+from vllm_neuron.compile.entry.record import ENTRY_RECORD, ENTRY_SCHEMA_VERSION, ENTRY_TAG
+from vllm_neuron.compile.tiers.location import get_neuron_compile_cache_dir
 from vllm_neuron.compile.toolchains.neuron import parse_hlo_entry_result_shapes
 from vllm_neuron.envs import (
     manifest_settings,

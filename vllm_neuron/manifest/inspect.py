@@ -199,8 +199,8 @@ def check_startup(manifest: Manifest, local: Store | None, remote: Store | None)
     ``require`` (docs/trust.md), an entry not signed by a trusted key counts as missing,
     with the reason: the engine would refuse it.
     """
-    from vllm_neuron.compile.inventory import KEY_RE, check_entry
-    from vllm_neuron.compile.trust import refusal, trust_policy
+    from vllm_neuron.compile.entry.check import KEY_RE, check_entry
+    from vllm_neuron.compile.trust.policy import refusal, trust_policy
 
     policy = trust_policy()
     out = StartupCheck()

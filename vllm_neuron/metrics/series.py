@@ -1,7 +1,7 @@
 """The Prometheus series of the compile cache, and the one mapping from events to them.
 
 Every series is a counter named ``vllm_neuron_cache_*_total``. Both outputs go through
-:func:`samples_of`, the single mapping from an event record (``compile/events.py``) to
+:func:`samples_of`, the single mapping from an event record (``compile/entry/events.py``) to
 counter increments: the live series a vLLM process writes as it records each event
 (:mod:`vllm_neuron.metrics.live`) and ``cache stats --prometheus``, which folds the same
 event segments ``read_stats`` folds (:func:`fold_events`). One mapping is why the two carry
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_neuron.backends import Record, open_store
-from vllm_neuron.compile.events import (
+from vllm_neuron.compile.entry.events import (
     CACHE_EVENTS,
     EVENTS_STREAM,
     CacheHit,

@@ -36,7 +36,7 @@ import os
 import sys
 
 from vllm_neuron.compile.head_start import start_cpu_probe_if_cold
-from vllm_neuron.compile.local_tier import get_neuron_compile_cache_dir
+from vllm_neuron.compile.tiers.location import get_neuron_compile_cache_dir
 from vllm_neuron.dynamo_backend import register_backend
 from vllm_neuron.envs import (
     ConfigError,

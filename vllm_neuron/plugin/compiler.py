@@ -31,7 +31,7 @@ from typing import Any
 from vllm.compilation.compiler_interface import CompilerInterface
 
 from vllm_neuron.assembly import get_runtime
-from vllm_neuron.compile.key import KEY_SCHEMA_VERSION
+from vllm_neuron.compile.key.cache_key import KEY_SCHEMA_VERSION
 from vllm_neuron.manifest.recorder import tracing_piece
 from vllm_neuron.manifest.schema import Piece
 from vllm_neuron.version import __version__

@@ -19,9 +19,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from vllm_neuron.backends import Record, RecordCodec, local_path_of, open_store
-from vllm_neuron.compile.events import CACHE_EVENTS, EVENTS_STREAM
-from vllm_neuron.compile.load_notes import read_load_failures
-from vllm_neuron.compile.trust import trust_policy, trust_summary
+from vllm_neuron.compile.entry.events import CACHE_EVENTS, EVENTS_STREAM
+from vllm_neuron.compile.entry.load_failure_notes import read_load_failures
+from vllm_neuron.compile.trust.policy import trust_policy, trust_summary
 from vllm_neuron.manifest.inspect import check_manifest, load_manifest
 from vllm_neuron.manifest.schema import Manifest
 

@@ -2,7 +2,7 @@
 
 Why by layout: a deployment's artifacts sit where the settings put them, under two roots
 (docs/report.md): ``VLLM_CACHE_ROOT`` holds the local compile cache and the snapshot bundles
-(``neuron/compile_cache``, ``neuron/snapshots``: `compile/local_tier.py`,
+(``neuron/compile_cache``, ``neuron/snapshots``: `compile/tiers/location.py`,
 `envs/snapshot.py`), a project root holds the profile runs (``agent_artifacts/profiles``:
 `profiling/layout.py`), and a manifest directory, which has no default, is looked for as
 ``manifests`` (the name the docs give ``VLLM_NEURON_MANIFEST_DIR``). A root that has none of
@@ -15,7 +15,7 @@ storage layer, so a root may be a URL.
 
 A compile-cache tier is known by its event log (``.events/``: only a node's processes write
 one, into their local tier) or by its entries (key directories holding an ``entry.json``
-commit record, `compile/entry.py`). A tier with an event log is a local tier; one with
+commit record, `compile/entry/record.py`). A tier with an event log is a local tier; one with
 entries and no event log is a remote tier (a shared folder, a bucket), as is any tier given
 with ``--remote``. A tier with neither (empty) is taken as local: there is nothing to tell by.
 """
@@ -36,9 +36,9 @@ from vllm_neuron.backends import (
     open_store,
     probe_store,
 )
-from vllm_neuron.compile.entry import ENTRY_RECORD
-from vllm_neuron.compile.events import EVENTS_STREAM
-from vllm_neuron.compile.inventory import KEY_RE
+from vllm_neuron.compile.entry.check import KEY_RE
+from vllm_neuron.compile.entry.events import EVENTS_STREAM
+from vllm_neuron.compile.entry.record import ENTRY_RECORD
 
 __all__ = ["KINDS", "LAYOUT", "Sources", "open_root", "resolve_sources", "sniff", "tier_kind"]
 

@@ -24,10 +24,15 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from vllm_neuron.backends import Record, Store, open_store
-from vllm_neuron.compile.inventory import KEY_RE, list_entries
-from vllm_neuron.compile.load_notes import read_load_failures
-from vllm_neuron.compile.quarantine import QUARANTINE_DIR, QuarantineNote, read_quarantine_note
-from vllm_neuron.compile.trust import signer_of
+from vllm_neuron.compile.entry.check import KEY_RE
+from vllm_neuron.compile.entry.load_failure_notes import read_load_failures
+from vllm_neuron.compile.tiers.inventory import list_entries
+from vllm_neuron.compile.tiers.quarantine import (
+    QUARANTINE_DIR,
+    QuarantineNote,
+    read_quarantine_note,
+)
+from vllm_neuron.compile.trust.policy import signer_of
 from vllm_neuron.manifest.schema import Manifest
 
 __all__ = ["EntryRow", "TierEntries", "piece_index", "read_entries"]

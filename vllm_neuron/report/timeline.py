@@ -4,7 +4,7 @@ per hit (and per other moment the cache records), as inline SVG.
 Why a picture: an event log says the same, but "rank 3 waited 40 s on the lock while rank 0
 compiled" is seen at once in a row of bars and read with effort in JSON lines. Each event
 carries ``at``, when it ended, and the events that last carry ``seconds``
-(`compile/events.py`), so a bar spans ``[at - seconds, at]``. Times are the writers' wall
+(`compile/entry/events.py`), so a bar spans ``[at - seconds, at]``. Times are the writers' wall
 clocks: rows of different hosts are only as aligned as their clocks.
 
 Every mark carries ``data-kind`` (the event's record tag: ``compile``, ``fetch``, ``hit``...)

@@ -20,14 +20,14 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_neuron.backends import join, local_root_missing, open_store
-from vllm_neuron.compile.entry import read_record
-from vllm_neuron.compile.local_tier import trusted_local_tier_dir
-from vllm_neuron.compile.outcomes import CacheResult
-from vllm_neuron.compile.tier_health import LocalTierUnusable
+from vllm_neuron.compile.entry.outcomes import CacheResult
+from vllm_neuron.compile.entry.record import read_record
+from vllm_neuron.compile.tiers.health import LocalTierUnusable
+from vllm_neuron.compile.tiers.location import trusted_local_tier_dir
+from vllm_neuron.compile.tiers.unpacked import load_entry
 from vllm_neuron.compile.toolchains.base import ARTIFACTS
 from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
 from vllm_neuron.compile.toolchains.select import select_toolchain
-from vllm_neuron.compile.unpacked import load_entry
 
 from .bundles import Bundle, ReplayError
 from .meta import GRAPH_FILE
@@ -60,7 +60,7 @@ def _cache_runner(compilation_hash: str, cache_dir: str | None) -> Callable[...,
             f"entry {compilation_hash} was built by the {artifact.toolchain} toolchain "
             f"({artifact.target}); the host cannot run it - use the eager runner"
         )
-    # As a serving process loads it (compile/unpacked.py): from the verified unpacked copy
+    # As a serving process loads it (compile/tiers/unpacked.py): from the verified unpacked copy
     # of its package, never leaving a directory of torch's in $TMPDIR per replay.
     result = CacheResult(compilation_hash, entry_dir, record, "local", 0.0, content)
     return load_entry(toolchain, store, result, artifact)

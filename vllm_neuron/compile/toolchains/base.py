@@ -144,7 +144,7 @@ class Toolchain(ABC):
         """The part of `compile` that must run where ``gm`` was traced (in the tracing
         thread), its results kept in ``work_dir``; the rest - the compiler, a process of its
         own - is the returned graph's `LoweredGraph.compile`, which any thread may run, so
-        a process traces on while its graphs compile (compile/deferral.py). None: this
+        a process traces on while its graphs compile (compile/flow/deferral.py). None: this
         toolchain compiles only in one piece (`compile`)."""
         return None
 
@@ -157,7 +157,7 @@ class Toolchain(ABC):
         """The artifact file that `load` unpacks on every load (an archive), when this
         toolchain can load an unpacked copy of it instead (`load_unpacked`); None: it loads
         its files as they are. The cache keeps one verified copy per entry
-        (compile/unpacked.py)."""
+        (compile/tiers/unpacked.py)."""
         return None
 
     def load_unpacked(self, directory: str, meta: CompiledArtifact) -> Callable[..., Any]:

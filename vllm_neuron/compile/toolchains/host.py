@@ -135,7 +135,7 @@ class HostToolchain(Toolchain):
         return meta.files[0] if meta.files and meta.files[0].endswith(".pt2") else None
 
     def load_unpacked(self, directory: str, meta: CompiledArtifact) -> Callable[..., Any]:
-        """`load` from the package's members unpacked in ``directory`` (compile/unpacked.py):
+        """`load` from the package's members unpacked in ``directory`` (compile/tiers/unpacked.py):
         the shared object is opened where it is, nothing is written to ``$TMPDIR``."""
         self.check_meta(meta)
         register_collective_ops()

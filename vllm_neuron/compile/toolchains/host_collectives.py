@@ -10,7 +10,7 @@ queue lock; when that work holds a tensor Python also holds (the previous piece'
 handed to vLLM), the drop needs the GIL. Main thread: GIL held, waiting for the queue lock;
 worker: queue lock held, waiting for the GIL. A warm TP=2 server hung so, on its first
 decode, in about one start of three; a loop of such calls hangs within seconds
-(tests/compile/test_host_collectives.py).
+(tests/compile/toolchains/test_host_collectives.py).
 
 Inductor's own Python wrapper never hits it: every op it calls from Python releases the
 GIL. So the host toolchain makes its artifacts do the same: before export, every functional

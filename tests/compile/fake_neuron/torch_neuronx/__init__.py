@@ -1,1 +1,0 @@
-"""Fake torch_neuronx (tests/compile/fake_neuron): only what the Neuron toolchain lowers with."""

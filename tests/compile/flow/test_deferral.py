@@ -1,0 +1,196 @@
+"""Deferred compiles in one process (deferral.py, slots.py): what a busy node, a queued
+worker job and a repeated graph cost. The fake compile stands in for the toolchain; the
+"worker" here is a compile run by the cache's background thread (the real worker process is
+tests/compile/workers/test_compile_workers.py's)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from cache_workers import entry_is_right, fake_compile
+
+from vllm_neuron.backends import open_store
+from vllm_neuron.compile.entry.failure_notes import FAILURES_DIR
+from vllm_neuron.compile.entry.outcomes import CompileSlotTimeout, PendingCompile
+from vllm_neuron.compile.flow.cache import TwoTierCache
+from vllm_neuron.compile.workers.slots import SLOT_PREFIX
+
+KEY = "defe44ed" * 4
+
+
+def _cache(tmp_path: Any, **kwargs: Any) -> TwoTierCache:
+    return TwoTierCache(str(tmp_path / "local"), **kwargs)
+
+
+def test_a_node_whose_slots_stay_taken_is_no_failure_of_the_graph(tmp_path, compile_fn):
+    remote = str(tmp_path / "remote")
+    cache = _cache(tmp_path, remote=remote, remote_options={"lock": "lease"}, timeout=0.5,
+                   compile_workers=1)
+    held = open_store(str(tmp_path / "local")).lock(f"{SLOT_PREFIX}0")
+    held.acquire(timeout=0)  # another process of the node compiles something else
+    try:
+        with pytest.raises(CompileSlotTimeout, match="VLLM_NEURON_COMPILE_WORKERS=1"):
+            cache.get_or_compile(KEY, compile_fn(KEY))
+    finally:
+        held.release()
+    # No note for the fleet (nor the node) that the graph failed: the next try compiles it.
+    assert not open_store(remote).list(FAILURES_DIR)
+    assert not cache.local.list(FAILURES_DIR)
+    result = cache.get_or_compile(KEY, compile_fn(KEY))
+    assert result.source == "compiled" and entry_is_right(str(result.path), KEY) is None
+
+
+def test_a_repeated_graph_is_prepared_and_queued_once(tmp_path, compile_fn):
+    cache = _cache(tmp_path)
+    prepared: list[str] = []
+
+    def worker() -> Any:
+        prepared.append(KEY)
+        return (lambda out: fake_compile(out, key=KEY, delay=0.2)), (lambda: None)
+
+    first = cache.begin(KEY, compile_fn(KEY), piece="layer 0", worker=worker)
+    again = cache.begin(KEY, compile_fn(KEY), piece="layer 1", worker=worker)
+    assert isinstance(first, PendingCompile) and again is first
+    assert prepared == [KEY]
+    result = first.result()
+    assert result.source == "compiled" and entry_is_right(str(result.path), KEY) is None
+
+
+def test_a_worker_job_whose_slot_never_came_is_compiled_at_the_first_call(tmp_path, compile_fn):
+    cache = _cache(tmp_path, timeout=0.5, compile_workers=1)
+    held = open_store(str(tmp_path / "local")).lock(f"{SLOT_PREFIX}0")
+    held.acquire(timeout=0)
+    pending = cache.begin(KEY, compile_fn(KEY), piece="p", worker=lambda: (
+        (lambda out: fake_compile(out, key=KEY)), (lambda: None)))
+    assert isinstance(pending, PendingCompile)
+    try:
+        # The queued job gives up waiting for the slot while nothing calls the graph (its
+        # thread ends: a handshake on the thread, not a pause) ...
+        deadline = time.monotonic() + 60
+        while any(t.name == "vllm-neuron-compile" for t in threading.enumerate()):
+            assert time.monotonic() < deadline, "the queued job never gave up"
+            time.sleep(0.01)
+    finally:
+        held.release()
+    # ... and the first call compiles it here, under a fresh timeout, instead of raising.
+    result = pending.result()
+    assert result.source == "compiled" and entry_is_right(str(result.path), KEY) is None
+
+
+def test_a_rank_holds_its_share_of_the_slots_and_leaves_the_rest_to_its_peers(tmp_path):
+    from vllm_neuron.compile.entry.outcomes import DeferCompile
+    from vllm_neuron.compile.workers.slots import CompileSlots
+
+    store = open_store(str(tmp_path / "local"))
+    peers = [2]
+    # Three slots, two ranks tracing alongside: each may hold two, never all three.
+    slots = CompileSlots(store, 3, peers=lambda: peers[0])
+    assert slots.share == 2
+    far = time.monotonic() + 60
+    with slots.held(wait=False, deadline=far, what="a"), \
+            slots.held(wait=False, deadline=far, what="b"):  # fmt: skip
+        with pytest.raises(DeferCompile, match="no-slot"):
+            slots.held(wait=False, deadline=far, what="c").__enter__()
+        # ... while the node's last slot is still free for the other rank.
+        other = store.lock(f"{SLOT_PREFIX}2")
+        other.acquire(timeout=0)
+        other.release()
+        peers[0] = 1  # alone (vLLM's groups not up yet, or TP=1): the whole node's
+        with slots.held(wait=False, deadline=far, what="c"):
+            pass
+    # Given back: the share counts the slots held, not the ones ever taken.
+    peers[0] = 8  # more ranks than slots: one each, never none
+    assert slots.share == 1
+    with slots.held(wait=False, deadline=far, what="d"), pytest.raises(DeferCompile):
+        slots.held(wait=False, deadline=far, what="e").__enter__()
+    # One share per process and tier, however many caches it opens on the node's tier.
+    again = CompileSlots(open_store(str(tmp_path / "local")), 3, peers=lambda: 8)
+    with slots.held(wait=False, deadline=far, what="f"), pytest.raises(DeferCompile):
+        again.held(wait=False, deadline=far, what="g").__enter__()
+    with again.held(wait=False, deadline=far, what="g"):  # given back: its turn now
+        pass
+
+
+def test_a_graph_that_failed_on_another_node_is_not_compiled_again_at_trace(tmp_path, compile_fn):
+    from vllm_neuron.compile.entry.outcomes import CompileError
+
+    remote = str(tmp_path / "remote")
+    options = {"lock": "lease"}
+    node_a = TwoTierCache(str(tmp_path / "a"), remote=remote, remote_options=options)
+
+    def broken(out_dir: str) -> Any:
+        raise RuntimeError("the compiler rejected the graph")
+
+    with pytest.raises(RuntimeError, match="rejected"):
+        node_a.get_or_compile(KEY, broken)
+    # Node B traces it: the lease is free (A let it go), so B wins it - and, having won it,
+    # reads the fleet's failure note before compiling: A's error, named, and no compile.
+    node_b = TwoTierCache(str(tmp_path / "b"), remote=remote, remote_options=options)
+    called: list[str] = []
+    with pytest.raises(CompileError, match=f"{KEY}.*rejected"):
+        node_b.begin(KEY, lambda out: called.append(out) or compile_fn(KEY)(out))
+    assert called == []
+
+
+def test_a_remote_that_fails_to_answer_after_the_lease_is_won_is_an_outage_not_a_failure(
+    tmp_path, compile_fn, monkeypatch
+):
+    from vllm_neuron.compile.entry.events import read_stats
+    from vllm_neuron.compile.flow import fleet
+
+    looks: list[str] = []
+
+    def unanswered(store: Any, key: str, *, since: float) -> None:
+        looks.append(key)  # the failure-note read, on a remote that stopped answering
+        raise ConnectionError("the remote did not answer")
+
+    monkeypatch.setattr(fleet, "recent_failure", unanswered)
+    cache = _cache(tmp_path, remote=str(tmp_path / "remote"), remote_options={"lock": "lease"})
+    # Traced (no wait): the lease is won, and only then is the note looked for; that look
+    # failing is a remote outage - the graph compiles here - never the trace's error.
+    result = cache.begin(KEY, compile_fn(KEY))
+    assert looks == [KEY]
+    assert not isinstance(result, PendingCompile)
+    assert result.source == "compiled" and entry_is_right(str(result.path), KEY) is None
+    assert read_stats(cache.local_dir).remote_outages == 1
+
+
+def test_a_rank_tracing_a_graph_another_rank_is_preparing_defers_to_it(tmp_path):
+    """The preparation (a host export, a Neuron lowering) runs under the key's lock: a rank
+    of the node that traces the same graph meanwhile defers to the one preparing it and
+    never prepares it too."""
+    rank_a, rank_b = _cache(tmp_path), _cache(tmp_path)  # two processes' caches, one node
+    preparing, go = threading.Event(), threading.Event()
+    prepared: list[str] = []
+
+    def slow_worker() -> Any:
+        prepared.append("a")
+        preparing.set()
+        assert go.wait(60)
+        return (lambda out: fake_compile(out, key=KEY)), (lambda: None)
+
+    def b_worker() -> Any:
+        prepared.append("b")
+        return (lambda out: fake_compile(out, key=KEY)), (lambda: None)
+
+    outcome: list[Any] = []
+    a = threading.Thread(target=lambda: outcome.append(
+        rank_a.begin(KEY, lambda out: pytest.fail("compiled in place"), worker=slow_worker)))
+    a.start()
+    try:
+        assert preparing.wait(60)
+        deferred = rank_b.begin(KEY, lambda out: pytest.fail("B compiled it"), worker=b_worker)
+        assert isinstance(deferred, PendingCompile) and deferred.reason == "local-lock"
+    finally:
+        go.set()
+        a.join()
+    assert prepared == ["a"]
+    (pending,) = outcome
+    assert isinstance(pending, PendingCompile) and pending.reason == "worker"
+    assert pending.result().source == "compiled"
+    result = deferred.result()
+    assert result.source in ("local", "local-after-wait")
+    assert entry_is_right(str(result.path), KEY) is None

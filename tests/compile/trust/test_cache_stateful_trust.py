@@ -1,0 +1,188 @@
+"""The two-tier cache with trust as a dimension: a stateful model (hypothesis) of one builder
+and two serving nodes under ``VLLM_NEURON_CACHE_TRUST=require`` (docs/trust.md).
+
+Node 0 holds the signing key; nodes 1 and 2 hold only the public key. Rules forge a remote
+entry (a file replaced and every digest recomputed, the signature kept), strip its
+signature, and rotate the key (the builder signs with a new one; every node trusts only the
+new one, so everything the old key signed is revoked). The model says where each get is
+served from; the invariants say that no node's tier ever holds a forged artifact, that only
+the builder ever changes the remote, and what the remote's signature verifies against.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+from hypothesis_profiles import examples  # tests/hypothesis_profiles.py
+from test_cache_stateful import FILES, KEYS, Tiers, expected  # tests/compile/
+
+from vllm_neuron.backends import join, open_store
+from vllm_neuron.backends.digests import digest_bytes
+from vllm_neuron.backends.records import encode
+from vllm_neuron.compile.entry.record import ENTRY_RECORD, decode_record
+from vllm_neuron.compile.flow.cache import TwoTierCache
+from vllm_neuron.compile.trust.policy import TrustPolicy, load_trust_policy
+from vllm_neuron.compile.trust.signing import SIGNATURE_FILE, generate_key_pair, load_public_keys
+from vllm_neuron.envs import load_trust_settings
+
+NODES = 3
+BUILDER = 0
+ABSENT, OWN, FORGED = "absent", "own", "forged"
+KEY_GENERATIONS = 4  # rotations an example can make
+
+
+@pytest.fixture(scope="module")
+def key_pairs() -> Iterator[list[tuple[str, str, str]]]:
+    with tempfile.TemporaryDirectory(prefix="vllm-neuron-trust-keys-") as directory:
+        yield [generate_key_pair(directory, f"gen{g}") for g in range(KEY_GENERATIONS)]
+
+
+class TrustModel(RuleBasedStateMachine):
+    pairs: list[tuple[str, str, str]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tiers = Tiers()
+        self.remote_url = self.tiers.remote_url
+        self.remote = open_store(self.remote_url)
+        self.locals = [self.tiers.local(n) for n in range(NODES)]
+        self.gen = 0
+        self.caches = [self._boot(n) for n in range(NODES)]
+        # The model: OWN (compiled there), ("fetched", gen) or ABSENT per node and key; the
+        # remote: ("good", gen signed), FORGED, or ABSENT.
+        self.local: dict[tuple[int, str], Any] = {(n, k): ABSENT for n in range(NODES)
+                                                  for k in KEYS}
+        self.remote_state: dict[str, Any] = dict.fromkeys(KEYS, ABSENT)
+        self.loaded: list[set[str]] = [set() for _ in range(NODES)]
+
+    def teardown(self) -> None:
+        self.tiers.close()
+
+    def _policy(self, node: int) -> TrustPolicy:
+        private, public, _ = self.pairs[self.gen]
+        env = {"VLLM_NEURON_CACHE_TRUSTED_KEYS": public}
+        if node == BUILDER:
+            env["VLLM_NEURON_CACHE_SIGNING_KEY"] = private
+        return load_trust_policy(load_trust_settings(env))
+
+    def _boot(self, node: int) -> TwoTierCache:
+        return TwoTierCache(self.locals[node], remote=self.remote_url, lease_duration=5.0,
+                            remote_lease_seconds=5.0, trust=self._policy(node))  # fmt: skip
+
+    def _compile_fn(self, key: str):  # noqa: ANN202 - a CompileFn
+        def compile_into(out_dir: str) -> dict[str, str]:
+            import os
+
+            for name in FILES:
+                path = os.path.join(out_dir, name)
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(expected(key, name))
+            return {"key": key}
+
+        return compile_into
+
+    # ------------------------------------------------------------------- rules
+    @rule(node=st.integers(0, NODES - 1), key=st.sampled_from(KEYS))
+    def get(self, node: int, key: str) -> None:
+        here, there = self.local[(node, key)], self.remote_state[key]
+        trusted_here = here == OWN or here == ("fetched", self.gen)
+        if key in self.loaded[node]:
+            want = "memory"
+        elif trusted_here:
+            want = "local"
+        elif there == ("good", self.gen):
+            want = "remote"
+        else:
+            want = "compiled"
+        result = self.caches[node].get_or_compile(key, self._compile_fn(key))
+        assert result.source == want, (node, key, result.source, want, here, there, self.gen)
+        if want == "remote":
+            self.local[(node, key)] = ("fetched", self.gen)
+        elif want == "compiled":
+            self.local[(node, key)] = OWN
+            if node == BUILDER:  # promoted, signed, replacing an untrusted remote entry
+                self.remote_state[key] = ("good", self.gen)
+        self.loaded[node].add(key)
+
+    @precondition(lambda self: any(isinstance(s, tuple) for s in self.remote_state.values()))
+    @rule(data=st.data(), strip=st.booleans())
+    def forge_remote(self, data: st.DataObject, strip: bool) -> None:
+        """A writer without the key replaces a file and recomputes every digest (or just
+        removes the signature)."""
+        key = data.draw(st.sampled_from(sorted(
+            k for k, s in self.remote_state.items() if isinstance(s, tuple))))
+        prefix = self.remote.published(key)
+        assert prefix is not None
+        if strip:
+            self.remote.delete(join(prefix, SIGNATURE_FILE))
+        else:
+            name = data.draw(st.sampled_from(FILES))
+            evil = b"stranger's code " + data.draw(st.binary(max_size=32))
+            self.remote.write(join(prefix, name), evil)
+            record = decode_record(self.remote.read(join(prefix, ENTRY_RECORD)) or b"")
+            forged = msgspec.structs.replace(
+                record, files={**record.files, name: digest_bytes(evil)})
+            self.remote.write(join(prefix, ENTRY_RECORD), encode(forged))
+        self.remote_state[key] = FORGED
+
+    @precondition(lambda self: self.gen + 1 < KEY_GENERATIONS)
+    @rule()
+    def rotate(self) -> None:
+        """A new key: the builder signs with it, every node trusts only it (the old one is
+        revoked), and every process restarts."""
+        self.gen += 1
+        self.caches = [self._boot(n) for n in range(NODES)]
+        self.loaded = [set() for _ in range(NODES)]
+
+    @rule(node=st.integers(0, NODES - 1))
+    def restart(self, node: int) -> None:
+        self.caches[node] = self._boot(node)
+        self.loaded[node] = set()
+
+    # -------------------------------------------------------------- invariants
+    @invariant()
+    def no_tier_holds_a_forged_artifact(self) -> None:
+        for (node, key), state in self.local.items():
+            prefix = self.locals[node].published(key)
+            if state == ABSENT:
+                continue  # a refused entry may still be there until its next get
+            assert prefix is not None, (node, key, state)
+            for name in FILES:
+                assert self.locals[node].read(join(prefix, name)) == expected(key, name)
+
+    @invariant()
+    def the_remote_is_what_the_builder_published(self) -> None:
+        for key, state in self.remote_state.items():
+            prefix = self.remote.published(key)
+            assert (prefix is None) == (state == ABSENT), (key, state)
+            if not isinstance(state, tuple):
+                continue
+            data = self.remote.read(join(prefix, ENTRY_RECORD)) or b""
+            record = decode_record(data)
+            keys = load_public_keys([self.pairs[state[1]][1]])
+            assert keys.judge(record, self.remote.read(join(prefix, SIGNATURE_FILE))).trusted
+            for name in FILES:
+                assert self.remote.read(join(prefix, name)) == expected(key, name)
+
+
+def test_trust_model_in_memory(key_pairs: list[tuple[str, str, str]]) -> None:
+    TrustModel.pairs = key_pairs
+    run_state_machine_as_test(
+        TrustModel,
+        settings=settings(max_examples=examples(ci=150), stateful_step_count=30, deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow]),
+    )

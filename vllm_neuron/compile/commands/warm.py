@@ -1,0 +1,167 @@
+"""Warming a node before it serves: every graph a manifest lists, fetched into the local tier.
+
+`warm_keys` takes the keys (a manifest's ``graph_hash`` values are cache keys) and, in
+`jobs` threads, fetches each one the local tier does not hold from the remote exactly as
+the cache's own fetch does (`remote_tier.fetch_entry`: every file verified as it is
+copied, the record written last, published atomically), under the key's local lock, so a
+process of the node compiling or fetching the same key at the same time is waited for,
+not raced. A local entry that fails its size check is quarantined and fetched again.
+
+Nothing is written to the remote: a defective remote entry is reported, not withdrawn
+(`vllm-neuron cache verify URL` does that). Each fetch is a ``fetch`` event in the local
+tier, so `cache stats` counts it and eviction sees it as a use.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from vllm_neuron.backends import Record, Store, join
+
+from ..entry.check import KEY_RE, check_entry
+from ..entry.events import Fetched
+from ..entry.record import ENTRY_RECORD, EntryProblem, decode_record
+from ..tiers.quarantine import quarantine_entry
+from ..tiers.remote import fetch_entry
+from ..trust.policy import TrustPolicy, UntrustedEntry, refusal, trust_policy
+
+DEFAULT_JOBS = 4
+"""Entries fetched at once by `vllm-neuron cache warm` (each copies its files in parallel
+too)."""
+
+
+@dataclass
+class WarmResult:
+    """What a warm did, per key: already local, fetched, missing from the remote (or not a
+    key), defective on the remote, untrusted (not signed by a key this process trusts,
+    under ``VLLM_NEURON_CACHE_TRUST=require``: never copied), or failed (an I/O error, the
+    remote unreachable)."""
+
+    present: list[str] = field(default_factory=list)
+    fetched: list[str] = field(default_factory=list)
+    missing: list[str] = field(default_factory=list)
+    defective: dict[str, str] = field(default_factory=dict)
+    untrusted: dict[str, str] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    fetched_bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def complete(self) -> bool:
+        """Every key is in the local tier now."""
+        return not (self.missing or self.defective or self.untrusted or self.errors)
+
+
+def unique_keys(keys: Sequence[str]) -> list[str]:
+    """`keys` without repeats, in order."""
+    return list(dict.fromkeys(keys))
+
+
+def warm_keys(
+    local: Store,
+    remote: Store,
+    keys: Sequence[str],
+    *,
+    jobs: int = DEFAULT_JOBS,
+    lock_timeout: float = 600.0,
+    on_total: Callable[[int], None] | None = None,
+    on_bytes: Callable[[int], None] | None = None,
+    record: Callable[[Record], None] | None = None,
+    policy: TrustPolicy | None = None,
+) -> WarmResult:
+    """Fetch every one of `keys` that `local` lacks from `remote`, `jobs` at a time.
+
+    `on_total(bytes)` once, with what the fetches will copy (read from the remote
+    records first), then `on_bytes(n)` as the bytes land, within each file. `record` gets
+    a `Fetched` event per entry fetched. `policy` (default: the process's trust policy)
+    judges every entry before it is copied (docs/trust.md).
+    """
+    policy = trust_policy() if policy is None else policy
+    if jobs < 1:
+        raise ValueError(f"--jobs must be 1 or more, got {jobs}")
+    start = time.perf_counter()
+    result = WarmResult()
+    guard = threading.Lock()
+    wanted = []
+    for key in unique_keys(keys):
+        if not KEY_RE.fullmatch(key):
+            result.missing.append(key)  # never a cache key: no tier can hold it
+        elif check_entry(local, key, full=False).ok and refusal(policy, local, key,
+                                                                  own_tier=True) is None:
+            result.present.append(key)
+        else:
+            wanted.append(key)
+
+    def size_of(key: str) -> int:
+        """What fetching `key` copies (0 when the remote lacks it or it does not read)."""
+        try:
+            prefix = remote.published(key)
+            data = None if prefix is None else remote.read(join(prefix, ENTRY_RECORD))
+            return 0 if data is None else decode_record(data).total_size
+        except Exception:  # noqa: BLE001 - the fetch itself reports what is wrong
+            return 0
+
+    def one(key: str) -> None:
+        t0 = time.perf_counter()
+        counted = [0]  # bytes of this key told to on_bytes so far
+        count_guard = threading.Lock()
+
+        def landed(done: int, total: int) -> None:  # from the copying threads
+            assert on_bytes is not None
+            with count_guard:
+                step, counted[0] = done - counted[0], max(done, counted[0])
+            if step > 0:
+                on_bytes(step)
+
+        try:
+            with local.lock(key, timeout=lock_timeout):
+                judged = check_entry(local, key, full=False)
+                refused = refusal(policy, local, key, own_tier=True) if judged.ok else None
+                if judged.ok and refused is None:  # another process fetched or compiled it
+                    with guard:
+                        result.present.append(key)
+                    return
+                if local.publication(key).state != "absent":  # defective or untrusted
+                    why = f"untrusted: {refused}" if judged.ok else str(judged.problem)
+                    quarantine_entry(local, key, why, version=judged.version)
+                entry = fetch_entry(remote, key, local, policy=policy,
+                                    progress=None if on_bytes is None else landed)
+        except UntrustedEntry as exc:
+            with guard:
+                result.untrusted[key] = exc.verdict.reason
+            return
+        except (EntryProblem, FileNotFoundError) as exc:  # PublicationProblem included
+            with guard:
+                result.defective[key] = str(exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - reported per key; the CLI exits 2
+            with guard:
+                result.errors[key] = f"{type(exc).__name__}: {exc}"
+            return
+        if entry is None:
+            with guard:
+                result.missing.append(key)
+            return
+        seconds = time.perf_counter() - t0
+        with guard:
+            result.fetched.append(key)
+            result.fetched_bytes += entry.total_size
+        if record is not None:
+            record(Fetched(key=key, at=time.time(), seconds=seconds, size=entry.total_size,
+                           remote=remote.url, compile_seconds=entry.compile_seconds))
+        if on_bytes is not None and entry.total_size > counted[0]:
+            on_bytes(entry.total_size - counted[0])  # what the copy did not report
+
+    with ThreadPoolExecutor(max_workers=jobs, thread_name_prefix="cache-warm") as pool:
+        if on_total is not None:
+            on_total(sum(pool.map(size_of, wanted)))
+        list(pool.map(one, wanted))
+    order = {key: i for i, key in enumerate(keys)}
+    for found in (result.present, result.fetched, result.missing):
+        found.sort(key=lambda k: order.get(k, 0))
+    result.seconds = time.perf_counter() - start
+    return result

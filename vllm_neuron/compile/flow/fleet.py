@@ -1,0 +1,303 @@
+"""Compile once per fleet: a key that no tier holds is compiled by one process in the fleet.
+
+Inside a node the ranks already queue on the key's local lock; the process that holds it
+comes here on a miss of both tiers. It takes the key's lease **on the remote store**
+(`Store.lock`: a fenced lease made of create-if-absent generation records on S3 and NFS, a
+kernel lock on a folder every node reaches through one kernel), compiles, publishes
+locally, promotes to the remote and lets the lease go. A process that finds the lease
+held waits for the remote commit, polling with backoff, and fetches it.
+
+Why this is safe without trusting the lease: publication on the remote is
+first-writer-wins (a rename that refuses a non-empty target, or an exclusive commit
+record), so a holder that was presumed dead and comes back late cannot replace what its
+successor published; it checks its lease (`Lock.check`, the fencing generation) before
+promoting or writing a failure note, to avoid the wasted upload and the false note.
+
+What a dead or failing compiler costs:
+
+* a holder that dies stops renewing its lease; one waiter takes the lease over when it
+  expires (`VLLM_NEURON_REMOTE_LEASE_SECONDS` after the last renewal the waiter saw, on
+  the waiter's own monotonic clock: no node's wall clock is trusted) and compiles;
+* a compile that fails leaves a failure note on the remote (`failures.py`); waiters on
+  every node raise its error at once, and processes that start within the cool-down
+  (`VLLM_NEURON_COMPILE_RETRY_AFTER`) raise it too instead of compiling the same failing
+  graph again;
+* a remote that fails (unreachable, denied) is set aside by `RemoteTier` with one
+  warning, and the process compiles locally, as without a remote.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+from vllm_neuron.backends import LeaseLost, Lock, LockTimeout, Record, Store
+
+from ..entry.events import LeaseTakenOver, LeaseWaited
+from ..entry.failure_notes import (
+    FailureNote,
+    clear_failure_note,
+    describe,
+    recent_failure,
+    write_failure_note,
+)
+from ..entry.outcomes import CompileError, CompileSlotTimeout, CompileWorkerLost, DeferCompile
+from ..tiers.remote import RemoteTier
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+T = TypeVar("T")
+
+MAX_POLL_INTERVAL = 1.0
+"""The longest pause between two looks at the remote while another node compiles: the
+delay a finished compile can add to its waiters, against one small request per second."""
+
+
+class FleetCompileError(CompileError):
+    """The compile of a key failed elsewhere in the fleet (within the cool-down)."""
+
+
+def failure_message(key: str, note: FailureNote, remote: Store) -> str:
+    return (
+        f"compile of {key} failed in process {note.pid} on {note.host} "
+        f"(recorded in {remote.url}): {note.error}"
+    )
+
+
+class RemoteSingleFlight:
+    """One node's side of the fleet-wide protocol for one cache (see the module doc)."""
+
+    def __init__(
+        self,
+        tier: RemoteTier,
+        *,
+        lease_seconds: float,
+        retry_after: float,
+        record: Callable[[Record], None],
+    ) -> None:
+        self.tier = tier
+        self.lease_seconds = lease_seconds
+        self.retry_after = retry_after
+        self._record = record
+
+    def run(
+        self,
+        key: str,
+        *,
+        started: float,
+        deadline: float,
+        wait: bool = True,
+        fetch: Callable[[], T | None],
+        compile_here: Callable[[], T],
+        promote: Callable[[Store], object],
+        timeout_error: Callable[[], Exception],
+    ) -> T:
+        """The artifacts of `key`: fetched from the remote once another node published
+        them, or compiled here (and promoted) when this process wins the key's lease.
+
+        `started` (epoch seconds) is when this process began waiting for `key`: a failure
+        recorded after it is this wait's failure. `deadline` (monotonic) bounds the wait.
+        Without `wait`, a lease held elsewhere raises `DeferCompile("remote-lease")` at once
+        (the caller has just looked for the holder's result; the first call looks again, and
+        for a failure note) instead of waiting; so does a compile that finds no free slot
+        (`compile_here` raises it), and the lease is let go for another node. A failure note
+        is looked for before waiting, or - without `wait` - once the lease is won (a remote
+        that fails to answer then is a remote outage, as anywhere in this loop).
+        """
+        remote = self.tier.store()
+        if remote is None or self.tier.read_only:
+            return compile_here()
+        lease = remote.lock(key, lease_duration=self.lease_seconds)
+        wait_start = time.perf_counter()
+        waited = False
+        delay = 0.05
+        while True:
+            try:
+                if wait:  # a deferral looks for a failure only once it wins the lease, or
+                    # at the first call: one request less per graph it traces past
+                    self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
+                # Every poll: a waiter sees a dead holder's lease run out only by watching
+                # it stop changing (one read while it does not; docs/compile-cache.md).
+                lease.acquire(timeout=0)
+                if not wait:
+                    try:
+                        self._raise_if_failed_elsewhere(remote, key, started, wait_start,
+                                                        waited)  # fmt: skip
+                    except BaseException:
+                        self._let_go(lease)  # a failed graph, or the remote failed: below
+                        raise
+                break
+            except LockTimeout:
+                pass
+            except FleetCompileError:
+                raise
+            except PermissionError as exc:  # a read-only remote: fetch from it, write nothing
+                self.tier.write_denied(exc)
+                self._waited(key, wait_start, waited, "read-only")
+                if not wait:  # not looked for before the lease: a failed graph stays failed
+                    self._best_effort_failure_look(remote, key, started, wait_start, waited)
+                return fetch() or compile_here()
+            except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+                self.tier.failed(exc)
+                self._waited(key, wait_start, waited, "remote-down")
+                return compile_here()
+            if not wait:  # another node compiles it: trace on, wait at the first call
+                # (the caller looked for its result just before: no second look)
+                raise DeferCompile("remote-lease")
+            waited = True
+            fetched = fetch()
+            if fetched is not None:
+                self._waited(key, wait_start, waited, "fetched")
+                return fetched
+            if self.tier.store() is None:  # the fetch found the remote down: go on alone
+                self._waited(key, wait_start, waited, "remote-down")
+                return compile_here()
+            now = time.monotonic()
+            if now >= deadline:
+                self._waited(key, wait_start, waited, "timeout")
+                raise timeout_error()
+            pause = min(delay, deadline - now)
+            free_in = lease.seconds_until_free()  # the lease seen runs out sooner: look then
+            time.sleep(min(pause, free_in) if free_in > 0 else pause)
+            delay = min(delay * 1.5, MAX_POLL_INTERVAL)
+        self._waited(key, wait_start, waited, "acquired")
+        try:
+            previous = lease.took_over_from
+            if previous is not None:
+                self._record(LeaseTakenOver(key=key, at=time.time(), previous_owner=previous,
+                                            remote=remote.url))  # fmt: skip
+                logger.warning("compile cache: took over the compile of %s from %s, whose "
+                               "lease on %s expired", key, previous, remote.url)  # fmt: skip
+            fetched = fetch()  # published between our last look and the lease
+            if fetched is not None:
+                return fetched
+            try:
+                result = compile_here()
+            except (DeferCompile, CompileWorkerLost, CompileSlotTimeout):
+                raise  # no slot, or no worker: not the graph's failure; the lease comes free
+            except Exception as exc:
+                self._note_failure(remote, lease, key, exc)
+                raise
+            self._promote(remote, lease, key, promote)
+            return result
+        finally:
+            self._let_go(lease)
+
+    def wait_without_lease(
+        self,
+        key: str,
+        *,
+        started: float,
+        deadline: float,
+        wait: bool = True,
+        fetch: Callable[[], T | None],
+        compile_alone: Callable[[], T],
+        timeout_error: Callable[[], Exception],
+    ) -> T:
+        """For a process that must never take the lease (it cannot sign what it would
+        publish, docs/trust.md): the artifacts of `key` fetched once the node holding the
+        lease publishes them, or - when nobody holds it - compiled here for this node alone,
+        with nothing promoted and nothing owed. A failure noted by the holder is raised."""
+        remote = self.tier.store()
+        if remote is None:
+            return compile_alone()
+        lease = remote.lock(key, lease_duration=self.lease_seconds)
+        wait_start = time.perf_counter()
+        waited = False
+        delay = 0.05
+        while True:
+            try:
+                self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
+                busy = lease.busy()
+            except FleetCompileError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+                self.tier.failed(exc)
+                self._waited(key, wait_start, waited, "remote-down")
+                return compile_alone()
+            fetched = fetch()
+            if fetched is not None:
+                self._waited(key, wait_start, waited, "fetched")
+                return fetched
+            if not busy or self.tier.store() is None:
+                self._waited(key, wait_start, waited, "alone")
+                return compile_alone()
+            if not wait:  # the builder compiles it: trace on, wait at the first call
+                raise DeferCompile("remote-lease")
+            waited = True
+            now = time.monotonic()
+            if now >= deadline:
+                self._waited(key, wait_start, waited, "timeout")
+                raise timeout_error()
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 1.5, MAX_POLL_INTERVAL)
+
+    # ---------------------------------------------------------------- parts
+    def _raise_if_failed_elsewhere(self, remote: Store, key: str, started: float,
+                                   wait_start: float, waited: bool) -> None:  # fmt: skip
+        """`FleetCompileError` when a compile of `key` failed in the fleet during this wait
+        (or within `retry_after`): every waiter raises it at once, not at its timeout."""
+        since = min(started, time.time() - self.retry_after)
+        note = recent_failure(remote, key, since=since)
+        if note is not None:
+            self._waited(key, wait_start, waited, "failed-elsewhere")
+            raise FleetCompileError(failure_message(key, note, remote))
+
+    def _best_effort_failure_look(self, remote: Store, key: str, started: float,
+                                  wait_start: float, waited: bool) -> None:  # fmt: skip
+        """`_raise_if_failed_elsewhere` where the remote may fail to answer: only a failure
+        note it does return stops the compile."""
+        try:
+            self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
+        except FleetCompileError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+            logger.debug("compile cache: no failure note of %s read: %s", key, exc)
+
+    def _waited(self, key: str, since: float, waited: bool, outcome: str) -> None:
+        if waited:
+            self._record(LeaseWaited(key=key, at=time.time(),
+                                     seconds=time.perf_counter() - since, outcome=outcome))
+
+    def _note_failure(self, remote: Store, lease: Lock, key: str, exc: Exception) -> None:
+        try:
+            lease.check()
+        except LeaseLost:
+            return  # taken over: the new holder's outcome counts
+        except Exception as remote_error:  # noqa: BLE001 - the remote is best-effort
+            self.tier.failed(remote_error)
+            return
+        refused = write_failure_note(remote, key, describe(exc))
+        if isinstance(refused, PermissionError):
+            self.tier.write_denied(refused)
+        elif refused is not None:
+            logger.warning("compile cache: could not record the failed compile of %s in %s: "
+                           "%s", key, remote.url, refused)
+
+    def _promote(
+        self, remote: Store, lease: Lock, key: str, promote: Callable[[Store], object]
+    ) -> None:
+        try:
+            lease.check()
+        except LeaseLost as exc:  # fencing: a successor owns the key now
+            logger.warning("compile cache: compiled %s, but the lease on %s was taken over "
+                           "(%s); leaving the promotion to the new holder", key, remote.url, exc)
+            return
+        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+            self.tier.failed(exc)
+            return
+        try:
+            promote(remote)
+            clear_failure_note(remote, key)
+        except PermissionError as exc:
+            self.tier.write_denied(exc)
+        except Exception as exc:  # noqa: BLE001 - the local entry serves this node anyway
+            self.tier.failed(exc)
+
+    def _let_go(self, lease: Lock) -> None:
+        try:
+            lease.release()
+        except Exception as exc:  # noqa: BLE001 - an unreleased lease expires by itself
+            logger.debug("compile cache: could not release a remote lease: %s", exc)

@@ -1,0 +1,92 @@
+"""Withdrawing a defective entry from service, with a record of why.
+
+A quarantined entry is unpublished (atomically: it is a miss from then on) and a note
+``.quarantine/<key>.json`` (`QuarantineNote`, a record of the storage layer) says when and
+why, so an operator can tell a recompile caused by corruption from one caused by a new key.
+Notes written before records were tagged read as version 1.
+
+The withdrawal is of the publication that was judged: whoever found the defect passes its
+version (`Publication.version`, carried by a `PublicationProblem`), and an entry another
+node has published in its place meanwhile stays (the storage layer's conditional
+`Store.unpublish`). Only a caller holding the key's lock, which nobody can publish past,
+may leave the version out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from vllm_neuron.backends import Store, join
+from vllm_neuron.backends.records import Record, RecordCodec, Untagged, encode
+
+from ..entry.record import EntryProblem
+from .unpacked import drop_unpacked
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+QUARANTINE_DIR = ".quarantine"
+
+
+class QuarantineNote(Record, frozen=True, tag="quarantine-note"):
+    """Why `key` was withdrawn, and when (epoch seconds)."""
+
+    key: str
+    at: float
+    reason: str
+
+
+QUARANTINE_NOTES = RecordCodec(
+    QuarantineNote,
+    untagged=Untagged("quarantine-note", 1, "a quarantine note from before records had tags"),
+)
+
+
+class PublicationProblem(EntryProblem):
+    """An `EntryProblem` of one publication of an entry: `version` is the one judged
+    (`Publication.version`), the one a quarantine withdraws; None when unknown."""
+
+    def __init__(self, message: str, *, version: str | None) -> None:
+        super().__init__(message)
+        self.version = version
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _rebuild_problem, (str(self), self.version)
+
+
+def _rebuild_problem(message: str, version: str | None) -> PublicationProblem:
+    return PublicationProblem(message, version=version)
+
+
+def quarantine_entry(
+    store: Store, key: str, reason: str, *, version: str | None = None, warn: bool = True
+) -> bool:
+    """Unpublish `key` from `store` and note why; True if this call withdrew it.
+
+    `version`: the publication judged (`Publication.version`); one published in its place
+    since is left alone (False). None withdraws whatever is published (a caller under the
+    key's lock). `warn=False`: the caller has said why already (one warning per fault).
+    """
+    if warn:
+        logger.warning(
+            "compile cache entry %s/%s failed verification (%s); quarantined, treating as "
+            "a miss", store.url, key, reason,
+        )  # fmt: skip
+    with contextlib.suppress(Exception):
+        note = QuarantineNote(key=key, at=time.time(), reason=reason)
+        store.write(join(QUARANTINE_DIR, f"{key}.json"), encode(note))
+    try:
+        withdrawn = store.unpublish(key, version=version)
+    except Exception as exc:  # noqa: BLE001 - a failed withdrawal is reported, not fatal
+        logger.warning("compile cache: could not withdraw %s/%s: %s", store.url, key, exc)
+        return False
+    if withdrawn:
+        drop_unpacked(store, key)  # its package's unpacked copy goes with it
+    return withdrawn
+
+
+def read_quarantine_note(store: Store, key: str) -> QuarantineNote | None:
+    """The note on why `key` was withdrawn from `store`; None when there is none."""
+    return QUARANTINE_NOTES.read(store, join(QUARANTINE_DIR, f"{key}.json"))

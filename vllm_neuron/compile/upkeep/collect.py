@@ -1,0 +1,368 @@
+"""Garbage collection of a compile-cache tier: nothing lost, nothing left behind.
+
+`plan_gc` looks (one walk of the tier through `Store.survey`, plus a read of each note)
+and returns a `GcPlan`; `GcPlan.execute` removes what was planned, re-checking each item
+first, so `vllm-neuron cache gc --dry-run` shows exactly what `cache gc` would remove.
+
+What is collected (`GcItem.what`):
+
+- what killed writers left, untouched for `older_than` (default `STAGING_MAX_AGE`, 6 h):
+  staging areas, withdrawn directories never finished deleting, versions never committed,
+  withdrawal tombstones, unfinished multipart uploads, writers' temp files
+  (`backends/debris.py` has the details);
+- leases whose latest generation was released, or expired, more than `lease_grace`
+  (10 minutes) ago: never one that is held;
+- failure notes (``.failures/<key>.json``) older than the compile retry cool-down
+  (``VLLM_NEURON_COMPILE_RETRY_AFTER``, 300 s): past it no process raises them any more;
+- quarantine notes (``.quarantine/<key>.json``) older than `older_than` and at least
+  `QUARANTINE_NOTE_MIN_AGE` (7 days): an operator may still want to read why;
+- promotion notes (``.promote/<key>.json``, `owed.py`) of a key the tier has no entry
+  for, untouched for `older_than` (a compile killed before it published): a note whose
+  entry is there is kept (the next cache start promotes it);
+- unpacked copies of packages (``.unpacked/<key>-<tag>/``, `unpacked.py`) whose entry is not
+  published, untouched for `older_than` (its entry's withdrawal drops a copy at once; this
+  catches a process killed in between, and a load that raced a withdrawal);
+- with `keep` (the graph hashes a live deployment's manifests name): every published
+  entry no one of them names, published longer than `older_than` ago (which the caller
+  must give: `--older-than` is required with `--keep-manifest`).
+
+Never touched: a published entry (unless `keep` is given, and then only the unreferenced
+and old ones, each withdrawn as the version planned, and on a tier with kernel locks only
+while its key's lock is free); a note being rewritten (compared and removed, on a tier
+with kernel locks, under its key's lock); a lease that is held; a kernel lock file; anything younger
+than its bound; event segments (``.events/``: `cache stats` reads them); pins and pinned
+entries (``cache pin``). An item that changed since the plan (written to, committed,
+taken again) is left, and said so.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_neuron.backends import LockTimeout, Store, fault_point
+from vllm_neuron.backends.debris import Debris, Seen, Survey
+from vllm_neuron.backends.records import RecordCodec, RecordError
+from vllm_neuron.envs.compile_cache import DEFAULT_COMPILE_RETRY_AFTER
+
+from ..entry.failure_notes import FAILURE_NOTES, FAILURES_DIR
+from ..tiers.quarantine import QUARANTINE_DIR, QUARANTINE_NOTES
+from ..tiers.unpacked import UNPACKED_DIR, copy_key, drop_unpacked
+from .eviction import PINS_DIR
+from .owed import OWED_DIR, OWED_NOTES
+
+STAGING_MAX_AGE = 6 * 3600.0
+"""The default age bound: what killed writers left, untouched this long, is collected (by
+``cache gc``, ``cache prune`` and every cache that opens a tier). It must exceed the longest
+time a live writer goes without writing a file: the longest compile."""
+LEASE_GRACE = 600.0
+"""Seconds past its release or expiry that a lease's records are kept."""
+QUARANTINE_NOTE_MIN_AGE = 7 * 86400.0
+"""Seconds a quarantine note is kept at least, whatever the bound."""
+
+_KEY = re.compile(r"[0-9a-f]{32}")
+_NOTE = re.compile(r"([0-9a-f]{32})\.json")
+
+WHAT = {
+    "staging": "abandoned staging",
+    "trash": "unfinished withdrawal",
+    "orphan-version": "uncommitted version",
+    "tombstone": "withdrawal tombstone",
+    "upload": "unfinished upload",
+    "partial": "partial write",
+    "lease": "expired lease",
+    "failure-note": "expired failure note",
+    "quarantine-note": "old quarantine note",
+    "owed-note": "promotion note without an entry",
+    "unpacked": "unpacked package without its entry",
+    "entry": "unreferenced entry",
+}
+"""How each kind is named in the plan (`GcItem.what`)."""
+
+
+@dataclass(frozen=True)
+class GcItem:
+    """One thing the plan removes (or, in `GcPlan.kept`, looked at and left).
+
+    `kind`: a key of `WHAT`; `where`: its key or prefix in the tier; `reason`: why it goes
+    (or stays). `version` is what a removal re-checks: an entry's publication, a note's
+    time.
+    """
+
+    kind: str
+    where: str
+    age_seconds: float
+    size: int
+    reason: str
+    version: str | None = None
+    debris: Debris | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def what(self) -> str:
+        return WHAT.get(self.kind, self.kind)
+
+    def as_dict(self) -> dict[str, object]:
+        """For `--json`: kind, where, age, size and reason (and `what`, for a planned one)."""
+        return {"kind": self.kind, "what": self.what, "where": self.where,
+                "age_seconds": round(self.age_seconds, 3), "size": self.size,
+                "reason": self.reason}  # fmt: skip
+
+
+@dataclass
+class GcOutcome:
+    """What `GcPlan.execute` did: removed, left because it changed since the plan (with
+    why), and could not remove (with the error)."""
+
+    removed: list[GcItem] = field(default_factory=list)
+    stayed: list[tuple[GcItem, str]] = field(default_factory=list)
+    failed: list[tuple[GcItem, str]] = field(default_factory=list)
+
+    @property
+    def freed_bytes(self) -> int:
+        return sum(item.size for item in self.removed)
+
+
+@dataclass(frozen=True)
+class GcPlan:
+    """What a collection would remove from `store`; nothing happens until `execute()`.
+
+    `kept`: what was looked at and left, with why (held, younger than its bound,
+    referenced). `missing`: the keys `keep` names that the tier has no entry for.
+    `bounds`: the bounds used, in seconds, by name.
+    """
+
+    store: Store
+    items: tuple[GcItem, ...]
+    kept: tuple[GcItem, ...] = ()
+    missing: tuple[str, ...] = ()
+    bounds: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def planned_bytes(self) -> int:
+        return sum(item.size for item in self.items)
+
+    def execute(self, stop: Callable[[], bool] | None = None) -> GcOutcome:
+        """Remove every planned item that has not changed since the plan (until `stop`
+        says so: a background pass stops at the interpreter's exit)."""
+        outcome = GcOutcome()
+        for item in self.items:
+            if stop is not None and stop():
+                break
+            try:
+                why = _remove(self.store, item)
+            except Exception as exc:  # noqa: BLE001 - reported, and the exit status says so
+                outcome.failed.append((item, f"{type(exc).__name__}: {exc}"))
+                continue
+            if why is None:
+                outcome.removed.append(item)
+                fault_point("gc.mid-delete")  # crash tests: killed with the rest to do
+            else:
+                outcome.stayed.append((item, why))
+        return outcome
+
+
+def plan_gc(
+    store: Store,
+    *,
+    older_than: float | None = None,
+    lease_grace: float = LEASE_GRACE,
+    failure_max_age: float = DEFAULT_COMPILE_RETRY_AFTER,
+    keep: Collection[str] | None = None,
+    now: float | None = None,
+) -> GcPlan:
+    """Plan a collection of `store` (see the module's notes); `now` for tests."""
+    if keep is not None and older_than is None:
+        raise ValueError("removing unreferenced entries needs an age bound (--older-than)")
+    bound = STAGING_MAX_AGE if older_than is None else float(older_than)
+    now = time.time() if now is None else now
+    found: Survey = store.survey(older_than=bound, lease_grace=lease_grace, now=now)
+    items = [
+        GcItem(d.kind, d.prefix, d.age_seconds, d.size, _debris_reason(d, bound, lease_grace),
+               debris=d)  # fmt: skip
+        for d in found.debris
+    ]
+    kept = [GcItem(k.kind, k.prefix, k.age_seconds, 0, k.reason) for k in found.kept]
+    note_bound = max(bound, QUARANTINE_NOTE_MIN_AGE)
+    _plan_copies(store, found, now, bound, items, kept)
+    for seen in found.files:
+        kind, limit = _note_kind(seen.key, failure_max_age, note_bound, bound)
+        if kind is None:
+            continue
+        at, version = _note_time(store, seen, kind)
+        if at is None:
+            continue  # gone since the walk
+        age = now - at
+        if kind == "owed-note" and seen.key[len(OWED_DIR) + 1:-5] in found.published:
+            kept.append(GcItem(kind, seen.key, age, seen.size,
+                               "its entry is still to be promoted (the next start does it)"))
+            continue
+        (items if age > limit else kept).append(GcItem(
+            kind, seen.key, age, seen.size,
+            f"older than {_span(limit)}" if age > limit else f"younger than {_span(limit)}",
+            version=version,
+        ))  # fmt: skip
+    missing: tuple[str, ...] = ()
+    if keep is not None:
+        wanted = set(keep)
+        pinned = {n[: -len(".json")] for n in (s.key[len(PINS_DIR) + 1:] for s in found.files
+                                                if s.key.startswith(PINS_DIR + "/"))}  # fmt: skip
+        entries = {n: p for n, p in found.published.items() if _KEY.fullmatch(n)}
+        missing = tuple(sorted(k for k in wanted if k not in entries))
+        for name, pub in sorted(entries.items()):
+            age = now - pub.committed
+            if name in wanted:
+                kept.append(GcItem("entry", name, age, pub.size, "referenced by a manifest"))
+            elif name in pinned:
+                kept.append(GcItem("entry", name, age, pub.size, "pinned"))
+            elif age <= bound:
+                kept.append(GcItem("entry", name, age, pub.size, f"younger than {_span(bound)}"))
+            else:
+                items.append(GcItem("entry", name, age, pub.size,
+                                    f"no manifest names it; published {_span(age)} ago",
+                                    version=pub.version))  # fmt: skip
+    bounds = {"older_than": bound, "lease_grace": lease_grace,
+              "failure_notes": failure_max_age, "quarantine_notes": note_bound}  # fmt: skip
+    return GcPlan(store, tuple(items), tuple(kept), missing, bounds)
+
+
+def _plan_copies(store: Store, found: Survey, now: float, bound: float, items: list[GcItem],
+                 kept: list[GcItem]) -> None:  # fmt: skip
+    """Unpacked copies whose entry is not published: collected past the bound."""
+    copies: dict[str, tuple[int, float]] = {}  # name -> (bytes, newest file time)
+    for seen in found.files:
+        top, _, rest = seen.key.partition("/")
+        if top == UNPACKED_DIR and "/" in rest:
+            size, newest = copies.get(rest.split("/", 1)[0], (0, 0.0))
+            copies[rest.split("/", 1)[0]] = (size + seen.size, max(newest, seen.mtime))
+    for name, (size, newest) in sorted(copies.items()):
+        key = copy_key(name)
+        if key is None or key in found.published:
+            continue  # not a copy, or its entry's: loads verify it, a withdrawal drops it
+        where, age = f"{UNPACKED_DIR}/{name}", now - newest
+        if age <= bound:
+            kept.append(GcItem("unpacked", where, age, size, f"younger than {_span(bound)}"))
+            continue
+        items.append(GcItem("unpacked", where, age, size, f"entry {key} is not published",
+                            version=store.publication(where).version))  # fmt: skip
+
+
+def _debris_reason(d: Debris, bound: float, grace: float) -> str:
+    if d.kind == "lease":
+        return f"{d.detail}; free for {_span(d.age_seconds)} (grace {_span(grace)})"
+    text = f"untouched for {_span(d.age_seconds)} (bound {_span(bound)})"
+    return f"{d.detail}; {text}" if d.detail else text
+
+
+def _note_kind(
+    key: str, failure_max_age: float, note_bound: float, bound: float
+) -> tuple[str | None, float]:
+    directory, _, name = key.partition("/")
+    if "/" in name or not _NOTE.fullmatch(name):
+        return None, 0.0
+    if directory == FAILURES_DIR:
+        return "failure-note", failure_max_age
+    if directory == QUARANTINE_DIR:
+        return "quarantine-note", note_bound
+    if directory == OWED_DIR:
+        return "owed-note", bound
+    return None, 0.0
+
+
+def _note_time(store: Store, seen: Seen, kind: str) -> tuple[float | None, str | None]:
+    """When the note says it was written (its file's time if it does not read), and the
+    version a removal re-checks (a digest of its bytes)."""
+    data = store.read(seen.key)
+    if data is None:
+        return None, None
+    codecs: dict[str, RecordCodec[Any]] = {
+        "failure-note": FAILURE_NOTES, "quarantine-note": QUARANTINE_NOTES,
+        "owed-note": OWED_NOTES}  # fmt: skip
+    codec = codecs[kind]
+    try:
+        at = float(codec.decode(data, source=seen.key).at)
+    except RecordError:
+        at = seen.mtime
+    return at, _fingerprint(data)
+
+
+def _fingerprint(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:32]
+
+
+def _remove(store: Store, item: GcItem) -> str | None:
+    """Remove one planned item; None when removed (or gone already), else why it stayed."""
+    if item.debris is not None:
+        done = store.remove_debris(item.debris)
+        return "changed since the plan (in use)" if done == "changed" else None
+    if item.kind in ("failure-note", "quarantine-note", "owed-note"):
+        return _remove_note(store, item)
+    if item.kind == "entry":
+        return _withdraw(store, item)
+    if item.kind == "unpacked":
+        if store.unpublish(item.where, version=item.version) or not store.published(item.where):
+            return None
+        return "republished since the plan"
+    raise ValueError(f"cannot remove a {item.kind!r}")
+
+
+def _remove_note(store: Store, item: GcItem) -> str | None:
+    """Remove a note still as planned. On a tier whose processes share a kernel, under its
+    key's lock, which whoever rewrites a note there holds (a compile writing its failure
+    note, a process owing a promotion), so the note cannot be rewritten between the
+    comparison and the removal; a key whose lock is held keeps its note for the next pass."""
+    if not store.capabilities.kernel_locks:
+        return _remove_note_as_planned(store, item)
+    lock = store.lock(item.where.rsplit("/", 1)[-1].removesuffix(".json"))
+    try:
+        lock.acquire(0)
+    except LockTimeout:
+        return "in use (its key's lock is held)"
+    try:
+        return _remove_note_as_planned(store, item)
+    finally:
+        lock.release()
+
+
+def _remove_note_as_planned(store: Store, item: GcItem) -> str | None:
+    data = store.read(item.where)
+    if data is None:
+        return None
+    if _fingerprint(data) != item.version:
+        return "rewritten since the plan"
+    store.delete(item.where)
+    return None
+
+
+def _withdraw(store: Store, item: GcItem) -> str | None:
+    if not store.capabilities.kernel_locks:
+        if store.unpublish(item.where, version=item.version):
+            drop_unpacked(store, item.where)
+            return None
+        return "withdrawn or republished since the plan"
+    # A tier whose processes share a kernel: a key whose lock is held is in use (being
+    # compiled, fetched or verified); while this holds it, nothing republishes the key.
+    lock = store.lock(item.where)
+    try:
+        lock.acquire(0)
+    except LockTimeout:
+        return "in use (its lock is held)"
+    try:
+        if store.unpublish(item.where, version=item.version):
+            drop_unpacked(store, item.where)  # its package's unpacked copy goes with it
+            return None
+        return "withdrawn or republished since the plan"
+    finally:
+        lock.release()
+
+
+def _span(seconds: float) -> str:
+    """'45s', '12.0m', '6.0h', '30.0d' (as `cli.format.human_age`, which this layer
+    cannot import)."""
+    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size:
+            return f"{seconds / size:.1f}{unit}"
+    return f"{seconds:.0f}s"
