@@ -1,7 +1,7 @@
 """Local hit of the compile cache vs the bare `os` calls the same check needs.
 
 A hit, from a known key to a ready, size-checked artifact path, is
-`TwoTierCache.lookup_local(key)`: read the commit record (``entry.json``), decode it, one
+`TwoTierCache.local_tier.lookup(key)`: read the commit record (``entry.json``), decode it, one
 `os.stat` per listed file, compare sizes. The baseline is only the system calls that check
 cannot avoid: ``os.open`` + ``os.read`` + ``os.close`` of the record and one ``os.stat``
 per file (no decoding, no comparison). Target: lookup <= 1.5x the baseline.
@@ -110,7 +110,7 @@ def bench_hit(n: int, rounds: int, files: int, count: int) -> float:
                   [os.path.join(local, key, rel) for rel in rels]) for key in keys]
         fresh: list[Any] = []  # the cache objects of the next `first` call, made untimed
         warm = TwoTierCache(local)
-        assert all(warm.lookup_local(key) is not None for key in keys)
+        assert all(warm.local_tier.lookup(key) is not None for key in keys)
 
         def prepare(name: str, ops: int) -> None:
             if name == first_name:  # new cache objects, nothing decoded yet: one per pass
@@ -118,12 +118,12 @@ def bench_hit(n: int, rounds: int, files: int, count: int) -> float:
 
         def first(ops: int) -> None:
             for cache in fresh:  # every key once in each: its first lookup there
-                lookup = cache.lookup_local
+                lookup = cache.local_tier.lookup
                 for key in keys:
                     lookup(key)
 
         def repeated(ops: int) -> None:
-            lookup = warm.lookup_local
+            lookup = warm.local_tier.lookup
             for _ in range(max(1, ops // count)):
                 for key in keys:
                     lookup(key)
@@ -145,7 +145,7 @@ def bench_hit(n: int, rounds: int, files: int, count: int) -> float:
         timings = measure({first_name: first, repeated_name: repeated, bare_name: bare},
                           n, rounds, prepare=prepare)
         check = TwoTierCache(local)
-        assert all(check.lookup_local(k) is not None for k in keys), "every lookup is a hit"
+        assert all(check.local_tier.lookup(k) is not None for k in keys), "every lookup is a hit"
         print(f" {files} file{plural} per entry:")
         for timing in timings.values():
             print(timing.line())

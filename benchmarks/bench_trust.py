@@ -9,7 +9,7 @@ policy each time so nothing is remembered) as a share of the fetch with trust on
 <= 2 %. Beside it, the fetch with trust on over the fetch with trust off (rounds
 alternate; each fetch starts from an empty local tier, dirty pages flushed).
 
-**Local hit.** `TwoTierCache.lookup_local` of fetched entries, each key once in a cache
+**Local hit.** `TwoTierCache.local_tier.lookup` of fetched entries, each key once in a cache
 object that has never seen it (as a new process: the record read and decoded), with the
 policy ``require`` against the policy ``off``, over the same entries. A fetched entry's
 local record carries the key id that verified it, so a hit judges it by a set lookup.
@@ -149,7 +149,7 @@ def bench_hit(directory: str, entries: int, rounds: int) -> float:
                 for key in keys:
                     if done == ops:
                         return
-                    assert cache.lookup_local(key) is not None
+                    assert cache.local_tier.lookup(key) is not None
                     done += 1
 
         return run

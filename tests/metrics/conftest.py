@@ -10,7 +10,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from vllm_neuron.compile.flow.cache import EVENT_OBSERVERS  # noqa: E402
+from vllm_neuron.compile.tiers.local import EVENT_OBSERVERS  # noqa: E402
 from vllm_neuron.metrics import uninstall  # noqa: E402
 
 

@@ -22,7 +22,8 @@ from metrics_worker import small_compile
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from vllm_neuron.compile.flow.cache import EVENT_OBSERVERS, TwoTierCache
+from vllm_neuron.compile.flow.cache import TwoTierCache
+from vllm_neuron.compile.tiers.local import EVENT_OBSERVERS
 from vllm_neuron.metrics import METRICS_DIR_ENV, fold_events, install, install_in_vllm
 from vllm_neuron.metrics.exposition import render_text
 

@@ -22,7 +22,7 @@ Both only on a node that is likely to compile: host mode, deferred compiles, a c
 compiles (not disabled, not pre-compiled-only), and a local tier that holds no entry at all
 (a new node, a fresh cache). A node with entries starts neither: a warm start must not pay
 for them. A wrong guess (a new node whose fleet already has every graph) costs one probe and
-up to two idle workers, which retire after `compile_workers.EARLY_IDLE_SECONDS`.
+up to two idle workers, which retire after `workers.pool.EARLY_IDLE_SECONDS`.
 """
 
 from __future__ import annotations

@@ -113,7 +113,7 @@ class CompileRuntime:
         ``worker``): the Neuron toolchain's always (``neuronx-cc`` is a process of its own,
         run from a thread of the cache: minutes a graph, during which tracing goes on); the
         host toolchain's in compile workers only when this process may run more than one
-        compile at once (its share of the node's slots, `slots.py`). With a share of one -
+        compile at once (its share of the node's slots, `workers/slots.py`). With a share of one -
         the ranks of a tensor-parallel engine that fill a small node's slots between them - a
         worker would compile its pieces one after another too, and would cost an
         interpreter's start-up (torch, vLLM's kernels: about 5 core-seconds, beside the

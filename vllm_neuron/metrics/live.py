@@ -43,7 +43,7 @@ from collections.abc import Mapping, MutableMapping
 from typing import Any
 
 from vllm_neuron.backends import Record
-from vllm_neuron.compile.flow.cache import EVENT_OBSERVERS
+from vllm_neuron.compile.tiers.local import EVENT_OBSERVERS
 
 # The handoff below is no setting (nobody configures it), but it is read like one: through
 # envs' primitives (blank counts as unset), never os.environ (tests/test_single_reader.py).

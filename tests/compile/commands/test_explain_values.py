@@ -29,7 +29,7 @@ def test_explain_names_the_input_shapes_that_changed(tmp_path):
     assert diff.name == "inputs"
     before, after = diff.values["inputs"]
     assert "2" in str(before) and "4" in str(after) and before != after
-    record = runtime.cache.read_entry(small.key)
+    record = runtime.cache.local_tier.read_entry(small.key)
     recorded = record.meta["key_inputs"]
     assert recorded["target"] == HostToolchain().target
     assert recorded["versions"] == HostToolchain().versions()

@@ -15,9 +15,14 @@ import msgspec
 
 from vllm_neuron.backends import encode, open_store
 from vllm_neuron.compile.entry.events import EVENTS_STREAM, read_stats
-from vllm_neuron.compile.entry.failure_notes import describe, recent_failure, write_failure_note
+from vllm_neuron.compile.entry.failure_notes import (
+    FAILURES_DIR,
+    describe,
+    recent_failure,
+    write_failure_note,
+)
 from vllm_neuron.compile.entry.record import decode_record
-from vllm_neuron.compile.flow.cache import FAILURES_DIR, TwoTierCache
+from vllm_neuron.compile.flow.cache import TwoTierCache
 from vllm_neuron.compile.tiers.quarantine import (
     QUARANTINE_DIR,
     QuarantineNote,
@@ -109,7 +114,7 @@ def test_an_entry_record_of_a_later_schema_is_a_miss_and_quarantined(tmp_path: P
     entry.mkdir()
     (entry / "graph.pt2").write_bytes(b"\x00fixture artifact bytes\n" * 10)
     (entry / "entry.json").write_bytes(encode({**record, "schema": 2}))
-    assert TwoTierCache(str(tmp_path)).lookup_local(KEY) is None
+    assert TwoTierCache(str(tmp_path)).local_tier.lookup(KEY) is None
     note = read_quarantine_note(open_store(str(tmp_path)), KEY)
     assert note is not None
     assert f"{KEY}/entry.json: schema 2 is not supported" in note.reason

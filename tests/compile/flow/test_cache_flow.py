@@ -29,13 +29,9 @@ from vllm_neuron.compile.entry.record import (
     decode_record,
     encode_record,
 )
-from vllm_neuron.compile.flow.cache import (
-    STAGING_MAX_AGE,
-    CompileError,
-    PrecompiledOnlyMiss,
-    TwoTierCache,
-)
+from vllm_neuron.compile.flow.cache import CompileError, PrecompiledOnlyMiss, TwoTierCache
 from vllm_neuron.compile.tiers.quarantine import QUARANTINE_DIR
+from vllm_neuron.compile.upkeep.collect import STAGING_MAX_AGE
 
 KEY = "0123456789abcdef0123456789abcdef"
 KEY2 = "fedcba9876543210fedcba9876543210"
@@ -80,7 +76,7 @@ def test_miss_compiles_publishes_and_later_processes_hit(tmp_path, compile_fn):
     assert fn.calls == 1
     assert result.path == os.path.join(local, KEY)
     assert entry_is_right(result.path, KEY) is None
-    record = first.read_entry(KEY)
+    record = first.local_tier.read_entry(KEY)
     assert set(record.files) == set(FILE_NAMES)
     assert record.components == {"graph": "g1", "inputs": "i1"}
     assert all(d.size == 4096 for d in record.files.values())
@@ -96,7 +92,7 @@ def test_miss_compiles_publishes_and_later_processes_hit(tmp_path, compile_fn):
     stats = read_stats(local)
     assert (stats.compiles, stats.misses, stats.hits) == (1, 1, 2)
     assert stats.time_saved_seconds >= 0
-    assert first.entries() == [KEY]
+    assert first.local_tier.entries() == [KEY]
 
 
 def test_different_keys_are_different_entries(tmp_path, compile_fn):
@@ -106,7 +102,7 @@ def test_different_keys_are_different_entries(tmp_path, compile_fn):
     assert a.path != b.path
     assert entry_is_right(a.path, KEY) is None
     assert entry_is_right(b.path, KEY2) is None
-    assert sorted(cache.entries()) == sorted([KEY, KEY2])
+    assert sorted(cache.local_tier.entries()) == sorted([KEY, KEY2])
 
 
 def test_invalid_key_is_refused_before_any_io(tmp_path, compile_fn):
@@ -114,7 +110,7 @@ def test_invalid_key_is_refused_before_any_io(tmp_path, compile_fn):
     for bad in ("../" + KEY[3:], KEY.upper(), KEY[:31], ""):
         with pytest.raises(ValueError):
             cache.get_or_compile(bad, compile_fn(KEY))
-    assert cache.entries() == []
+    assert cache.local_tier.entries() == []
 
 
 def test_a_failed_compile_publishes_nothing_and_leaves_no_staging(tmp_path, compile_fn):
@@ -264,7 +260,7 @@ def test_altered_bytes_pass_the_size_check_but_verify_catches_them(
     assert cache.get_or_compile(KEY, compile_fn(KEY)).source == "local"
     assert cache_warnings() == []
     # ...but a full verification is, and it withdraws the entry.
-    problem = cache.verify(KEY)
+    problem = cache.local_tier.verify(KEY)
     assert problem is not None and "graph.bin" in problem and "SHA-256" in problem
     warnings = cache_warnings()
     assert len(warnings) == 1 and KEY in warnings[0]
@@ -274,7 +270,7 @@ def test_altered_bytes_pass_the_size_check_but_verify_catches_them(
     result = cache.get_or_compile(KEY, fn)
     assert (result.source, fn.calls) == ("compiled", 1)
     assert entry_is_right(result.path, KEY) is None
-    assert cache.verify(KEY) is None
+    assert cache.local_tier.verify(KEY) is None
 
 
 @pytest.mark.parametrize("damage", [truncate, alter], ids=["truncated", "altered"])
@@ -288,7 +284,7 @@ def test_corrupt_local_entry_is_refetched_from_the_remote(
 
     cache = TwoTierCache(local, remote=remote)
     if damage is alter:  # found by verification, not by the size-checked hit
-        assert cache.verify(KEY) is not None
+        assert cache.local_tier.verify(KEY) is not None
     fn = Counter(compile_fn, KEY)
     result = cache.get_or_compile(KEY, fn)
     assert result.source == "remote"
@@ -366,7 +362,7 @@ def test_unreadable_local_record_is_a_miss(tmp_path, compile_fn, cache_warnings)
 
 def test_read_entry_of_an_absent_key_is_an_entry_problem(tmp_path):
     with pytest.raises(EntryProblem, match=KEY):
-        TwoTierCache(str(tmp_path)).read_entry(KEY)
+        TwoTierCache(str(tmp_path)).local_tier.read_entry(KEY)
 
 
 # --------------------------------------------------------------------- promotion
@@ -412,7 +408,7 @@ def test_disabled_cache_compiles_every_time_and_publishes_nothing(tmp_path, comp
     assert len(paths) == 3
     for p in paths:
         assert p is not None and entry_is_right(p, KEY) is None
-    assert cache.entries() == []
+    assert cache.local_tier.entries() == []
     assert not os.path.exists(os.path.join(local, KEY))
     assert read_stats(local).compiles == 3
 
@@ -462,7 +458,7 @@ def test_precompiled_only_miss_raises_naming_the_variable(tmp_path, compile_fn):
     assert isinstance(info.value, PrecompiledOnlyMiss)
     assert KEY in str(info.value) and str(tmp_path / "remote") in str(info.value)
     assert fn.calls == 0
-    assert cache.entries() == []
+    assert cache.local_tier.entries() == []
 
 
 def test_precompiled_only_serves_local_and_remote_hits(tmp_path, compile_fn):
@@ -547,8 +543,8 @@ def test_a_memory_local_tier_runs_the_same_flow(compile_fn):
     for name in FILE_NAMES:
         assert local.read(f"{result.prefix}/{name}") == content_for(KEY, name)
     assert TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY)).source == "local"
-    assert cache.verify(KEY) is None
-    assert cache.read_entry(KEY).key == KEY
+    assert cache.local_tier.verify(KEY) is None
+    assert cache.local_tier.read_entry(KEY).key == KEY
 
 
 # ------------------------------------------------------------ large-file fetches
@@ -582,7 +578,7 @@ def test_a_large_file_is_fetched_intact(tmp_path):
     with open(os.path.join(result.path, "model.neff"), "rb") as a, \
             open(os.path.join(builder, KEY, "model.neff"), "rb") as b:
         assert a.read() == b.read()
-    assert cache.verify(KEY) is None
+    assert cache.local_tier.verify(KEY) is None
 
 
 @pytest.mark.parametrize("damage", ["middle-byte", "truncated", "extended"])
@@ -708,7 +704,7 @@ def test_an_old_record_without_blake3_fetches_and_verifies_with_sha256(
     with open(path, "rb") as a, open(os.path.join(result.path, os.path.relpath(
             path, os.path.join(remote, KEY))), "rb") as b:
         assert a.read() == b.read()
-    assert cache.verify(KEY) is None  # SHA-256 only, as the record has
+    assert cache.local_tier.verify(KEY) is None  # SHA-256 only, as the record has
     assert cache_warnings() == []
 
 
@@ -722,9 +718,9 @@ def test_a_wrong_sha256_with_a_right_blake3_is_fetched_but_verify_catches_it(
         d, sha256="0" * 64) if rel == "model.neff" else d)
     cache = TwoTierCache(str(tmp_path / "node"), remote=remote)
     assert cache.fetch_remote(KEY) is not None
-    problem = cache.verify(KEY)
+    problem = cache.local_tier.verify(KEY)
     assert problem is not None and "model.neff fails its SHA-256 check" in problem
-    assert cache.lookup_local(KEY) is None  # quarantined
+    assert cache.local_tier.lookup(KEY) is None  # quarantined
 
 
 def test_a_wrong_blake3_with_a_right_sha256_is_caught_by_fetch_and_by_verify(
@@ -742,7 +738,7 @@ def test_a_wrong_blake3_with_a_right_sha256_is_caught_by_fetch_and_by_verify(
     TwoTierCache(local).get_or_compile(KEY, compile_fn(KEY))
     rewrite_record(os.path.join(local, KEY), lambda rel, d: msgspec.structs.replace(
         d, blake3="0" * 64) if rel == "meta.txt" else d)
-    problem = TwoTierCache(local).verify(KEY)
+    problem = TwoTierCache(local).local_tier.verify(KEY)
     assert problem is not None and "meta.txt fails its BLAKE3 check" in problem
 
 

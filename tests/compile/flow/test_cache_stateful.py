@@ -243,7 +243,7 @@ class TwoTierModel(RuleBasedStateMachine):
         data_now = local.read(join(prefix, name)) or b""
         flipped = bytes([data_now[0] ^ 0x01]) + data_now[1:] if data_now else b"x"
         local.write(join(prefix, name), flipped)
-        problem = self.caches[node].verify(key)
+        problem = self.caches[node].local_tier.verify(key)
         assert problem is not None and key in problem
         assert local.published(key) is None
         self.local_state[(node, key)] = ABSENT
@@ -313,7 +313,7 @@ class TwoTierModel(RuleBasedStateMachine):
             state = self.local_state[(node, key)]
             if state == ABSENT:
                 continue
-            problem = cache.verify(key)
+            problem = cache.local_tier.verify(key)
             assert (problem is not None) == (state == CORRUPT), problem
             if state == CORRUPT:
                 self.local_state[(node, key)] = ABSENT

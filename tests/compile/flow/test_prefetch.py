@@ -99,7 +99,7 @@ def test_graphs_deferred_to_another_node_are_fetched_before_their_first_calls(tm
     node_a, node_b = _node(tmp_path, "a"), _node(tmp_path, "b")
     pending = _defer_to_a_holder(node_a, node_b)
     # Node A published all three; B deferred only the first, and fetches it unasked.
-    _until(lambda: node_b.lookup_local(KEYS[0]) is not None, "B's background fetch")
+    _until(lambda: node_b.local_tier.lookup(KEYS[0]) is not None, "B's background fetch")
     _until(lambda: not node_b._prefetcher.pending, "B's prefetcher to let the key go")
     result = pending[0].result()
     assert result.source == "local" and entry_is_right(str(result.path), KEYS[0]) is None
@@ -110,7 +110,7 @@ def test_graphs_deferred_to_another_node_are_fetched_before_their_first_calls(tm
     # One use of the remote, counted once: the first call's local hit is that fetch.
     assert not [e for e in events if isinstance(e, CacheHit)], events
     assert node_b.get_or_compile(KEYS[0], lambda out: pytest.fail("compiled")).source == "memory"
-    assert node_b.lookup_local(KEYS[1]) is None  # nothing it did not defer
+    assert node_b.local_tier.lookup(KEYS[1]) is None  # nothing it did not defer
 
 
 def test_a_prefetched_graph_is_not_evicted_before_its_first_call(tmp_path):
@@ -125,7 +125,7 @@ def test_a_prefetched_graph_is_not_evicted_before_its_first_call(tmp_path):
     _until(lambda: not node_b._prefetcher.pending, "B's prefetcher to let the key go")
     # Above its bound once fetched, yet kept: it is about to be called, and an eviction
     # now would only fetch it again at that call.
-    assert node_b.lookup_local(KEYS[0]) is not None
+    assert node_b.local_tier.lookup(KEYS[0]) is not None
     result = pending[0].result()
     assert result.source == "local" and entry_is_right(str(result.path), KEYS[0]) is None
 

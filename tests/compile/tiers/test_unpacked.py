@@ -177,7 +177,7 @@ class Hit:
     def __init__(self, tier: Path, key: str) -> None:
         self.tier, self.key = tier, key
         self.cache = TwoTierCache(str(tier))
-        found = self.cache.lookup_local(key)
+        found = self.cache.local_tier.lookup(key)
         assert found is not None
         self.result = found
         self.artifact = ARTIFACTS.convert(found.record.meta)

@@ -1,6 +1,6 @@
 """Would this environment hit an entry? Compatibility before (and after) an upgrade.
 
-A cache key hashes six components (`key.py`). Three of them come from the model -
+A cache key hashes six components (`key/cache_key.py`). Three of them come from the model -
 ``graph``, ``inputs``, ``replica_groups`` - and three from the environment that compiles:
 ``versions`` (the toolchain's package versions, and on the host the CPU's features),
 ``compiler_args`` (the canonical flags) and ``target``. Every entry records its six

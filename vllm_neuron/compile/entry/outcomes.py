@@ -1,8 +1,8 @@
 """What the compile cache hands back and raises: the result of a lookup and the errors a
 caller can tell apart.
 
-Kept apart from `cache.py` so that the fleet protocol (`fleet.py`), which the cache uses,
-can raise the cache's own errors without importing the cache.
+Kept apart from the decision flow (`flow/cache.py`) so that every wing can raise the cache's
+own errors and the fleet protocol (`flow/fleet.py`) can answer in the flow's values.
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from typing import Any
 
 import msgspec
 
+from vllm_neuron.backends import Lock, Store
 from vllm_neuron.envs.compile_cache import RemoteWrite  # the setting's own type
 
 from .record import EntryRecord
 
 __all__ = [
-    "CacheResult", "CompileError", "CompileSlotTimeout", "CompileWorkerLost", "DeferCompile",
-    "PendingCompile",
-    "PrecompiledOnlyMiss", "RemoteWrite",
+    "CacheResult", "CompileError", "CompileSlotTimeout", "CompileWorkerLost", "FetchedFromFleet",
+    "PendingCompile", "PrecompiledOnlyMiss", "RemoteWrite", "Wait", "Won",
 ]
 
 class CompileError(RuntimeError):
@@ -57,17 +57,33 @@ class CacheResult(msgspec.Struct, frozen=True, gc=False):
     prefix: str = ""  # where the entry's files are in the local store
 
 
-class DeferCompile(Exception):  # noqa: N818 - a signal inside the flow, not an error
-    """Raised inside the decision flow where waiting would begin when the caller asked not to
-    wait: the key's lock or lease is held by another process, or no compile slot is free.
-    `TwoTierCache.begin` turns it into a `PendingCompile`; it never leaves the cache."""
+class Wait(msgspec.Struct, frozen=True):
+    """Where the decision flow would start to wait, for a caller that asked not to: another
+    process holds the key's lock (``local-lock``) or the fleet's lease (``remote-lease``), no
+    compile slot of the node is free (``no-slot``), or the graph is prepared for a compile
+    worker (``worker``, with `prepared`: the compile to run and what discards the prepared
+    job). `TwoTierCache.begin` turns it into a `PendingCompile`; it never leaves the cache."""
 
-    def __init__(self, reason: str, prepared: Any = None) -> None:
-        super().__init__(reason)
-        self.reason = reason  # "local-lock", "remote-lease", "no-slot" or "worker"
-        # "worker": the graph prepared for a compile off the tracing thread (the compile to
-        # run, and what discards the prepared job; `deferral.WorkerCompile`)
-        self.prepared = prepared
+    reason: str
+    prepared: Any = None
+
+
+class FetchedFromFleet(msgspec.Struct, frozen=True):
+    """The fleet's answer for a key another node published: fetched into the local tier."""
+
+    result: CacheResult
+
+
+class Won(msgspec.Struct, frozen=True):
+    """The fleet's answer for a key this process compiles: with the key's `lease` on
+    `remote` (promote what it compiles while the lease holds, note a failure, let go), or
+    without one (the remote down, read-only or unset; or a process that cannot sign).
+    `owes`: whether the promotion is owed to the remote first (settled by it, or by a later
+    start), which a process that may never publish does not."""
+
+    owes: bool
+    lease: Lock | None = None
+    remote: Store | None = None
 
 
 class PendingCompile:

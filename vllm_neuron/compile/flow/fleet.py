@@ -18,7 +18,7 @@ What a dead or failing compiler costs:
 * a holder that dies stops renewing its lease; one waiter takes the lease over when it
   expires (`VLLM_NEURON_REMOTE_LEASE_SECONDS` after the last renewal the waiter saw, on
   the waiter's own monotonic clock: no node's wall clock is trusted) and compiles;
-* a compile that fails leaves a failure note on the remote (`failures.py`); waiters on
+* a compile that fails leaves a failure note on the remote (`entry/failure_notes.py`); waiters on
   every node raise its error at once, and processes that start within the cool-down
   (`VLLM_NEURON_COMPILE_RETRY_AFTER`) raise it too instead of compiling the same failing
   graph again;
@@ -31,24 +31,19 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TypeVar
 
 from vllm_neuron.backends import LeaseLost, Lock, LockTimeout, Record, Store
 
 from ..entry.events import LeaseTakenOver, LeaseWaited
-from ..entry.failure_notes import (
-    FailureNote,
-    clear_failure_note,
-    describe,
-    recent_failure,
-    write_failure_note,
-)
-from ..entry.outcomes import CompileError, CompileSlotTimeout, CompileWorkerLost, DeferCompile
+from ..entry.failure_notes import FailureNote, describe, recent_failure, write_failure_note
+from ..entry.outcomes import CacheResult, CompileError, FetchedFromFleet, Wait, Won
 from ..tiers.remote import RemoteTier
 
 logger = logging.getLogger("vllm_neuron.compile")
 
-T = TypeVar("T")
+Claim = FetchedFromFleet | Won | Wait
+"""What `RemoteSingleFlight.claim` says of a key (docs/compile-cache.md, "Compile once per
+fleet")."""
 
 MAX_POLL_INTERVAL = 1.0
 """The longest pause between two looks at the remote while another node compiles: the
@@ -75,40 +70,41 @@ class RemoteSingleFlight:
         *,
         lease_seconds: float,
         retry_after: float,
+        timeout: float,
         record: Callable[[Record], None],
     ) -> None:
         self.tier = tier
+        self.timeout = timeout  # NEURON_LIBTORCH_COMPILATION_TIMEOUT, for the message
         self.lease_seconds = lease_seconds
         self.retry_after = retry_after
         self._record = record
 
-    def run(
+    def claim(
         self,
         key: str,
         *,
         started: float,
         deadline: float,
         wait: bool = True,
-        fetch: Callable[[], T | None],
-        compile_here: Callable[[], T],
-        promote: Callable[[Store], object],
-        timeout_error: Callable[[], Exception],
-    ) -> T:
-        """The artifacts of `key`: fetched from the remote once another node published
-        them, or compiled here (and promoted) when this process wins the key's lease.
+        fetch: Callable[[], CacheResult | None],
+    ) -> Claim:
+        """Who compiles `key`: `FetchedFromFleet` once another node published it, `Won` when this
+        process may compile it (with the key's lease, or - the remote down, read-only or
+        unset - alone, the promotion owed), or `Wait("remote-lease")` when another node holds
+        the lease and the caller asked not to wait. `fetch` is the caller's fetch from the
+        remote (verified, into its local tier), tried while the lease is held elsewhere and
+        once more when it is won.
 
         `started` (epoch seconds) is when this process began waiting for `key`: a failure
-        recorded after it is this wait's failure. `deadline` (monotonic) bounds the wait.
-        Without `wait`, a lease held elsewhere raises `DeferCompile("remote-lease")` at once
-        (the caller has just looked for the holder's result; the first call looks again, and
-        for a failure note) instead of waiting; so does a compile that finds no free slot
-        (`compile_here` raises it), and the lease is let go for another node. A failure note
-        is looked for before waiting, or - without `wait` - once the lease is won (a remote
-        that fails to answer then is a remote outage, as anywhere in this loop).
+        recorded after it is this wait's failure (`FleetCompileError`). `deadline`
+        (monotonic) bounds the wait (`TimeoutError`). A failure note is looked for before
+        waiting, or - without `wait` - once the lease is won (a remote that fails to answer
+        then is a remote outage, as anywhere in this loop). A `Won` with a lease must be
+        given back (`let_go`) whatever the compile does.
         """
         remote = self.tier.store()
         if remote is None or self.tier.read_only:
-            return compile_here()
+            return Won(owes=True)
         lease = remote.lock(key, lease_duration=self.lease_seconds)
         wait_start = time.perf_counter()
         waited = False
@@ -138,26 +134,27 @@ class RemoteSingleFlight:
                 self._waited(key, wait_start, waited, "read-only")
                 if not wait:  # not looked for before the lease: a failed graph stays failed
                     self._best_effort_failure_look(remote, key, started, wait_start, waited)
-                return fetch() or compile_here()
+                fetched = fetch()
+                return Won(owes=True) if fetched is None else FetchedFromFleet(fetched)
             except Exception as exc:  # noqa: BLE001 - the remote is best-effort
                 self.tier.failed(exc)
                 self._waited(key, wait_start, waited, "remote-down")
-                return compile_here()
+                return Won(owes=True)
             if not wait:  # another node compiles it: trace on, wait at the first call
                 # (the caller looked for its result just before: no second look)
-                raise DeferCompile("remote-lease")
+                return Wait("remote-lease")
             waited = True
             fetched = fetch()
             if fetched is not None:
                 self._waited(key, wait_start, waited, "fetched")
-                return fetched
+                return FetchedFromFleet(fetched)
             if self.tier.store() is None:  # the fetch found the remote down: go on alone
                 self._waited(key, wait_start, waited, "remote-down")
-                return compile_here()
+                return Won(owes=True)
             now = time.monotonic()
             if now >= deadline:
                 self._waited(key, wait_start, waited, "timeout")
-                raise timeout_error()
+                raise self._timed_out(key)
             pause = min(delay, deadline - now)
             free_in = lease.seconds_until_free()  # the lease seen runs out sooner: look then
             time.sleep(min(pause, free_in) if free_in > 0 else pause)
@@ -171,38 +168,31 @@ class RemoteSingleFlight:
                 logger.warning("compile cache: took over the compile of %s from %s, whose "
                                "lease on %s expired", key, previous, remote.url)  # fmt: skip
             fetched = fetch()  # published between our last look and the lease
-            if fetched is not None:
-                return fetched
-            try:
-                result = compile_here()
-            except (DeferCompile, CompileWorkerLost, CompileSlotTimeout):
-                raise  # no slot, or no worker: not the graph's failure; the lease comes free
-            except Exception as exc:
-                self._note_failure(remote, lease, key, exc)
-                raise
-            self._promote(remote, lease, key, promote)
-            return result
-        finally:
+        except BaseException:
             self._let_go(lease)
+            raise
+        if fetched is not None:
+            self._let_go(lease)
+            return FetchedFromFleet(fetched)
+        return Won(owes=True, lease=lease, remote=remote)
 
-    def wait_without_lease(
+    def claim_without_lease(
         self,
         key: str,
         *,
         started: float,
         deadline: float,
         wait: bool = True,
-        fetch: Callable[[], T | None],
-        compile_alone: Callable[[], T],
-        timeout_error: Callable[[], Exception],
-    ) -> T:
-        """For a process that must never take the lease (it cannot sign what it would
-        publish, docs/trust.md): the artifacts of `key` fetched once the node holding the
-        lease publishes them, or - when nobody holds it - compiled here for this node alone,
-        with nothing promoted and nothing owed. A failure noted by the holder is raised."""
+        fetch: Callable[[], CacheResult | None],
+    ) -> Claim:
+        """`claim` for a process that must never take the lease (it cannot sign what it
+        would publish, docs/trust.md): `FetchedFromFleet` once the node holding the lease
+        publishes it, or - when nobody holds it - `Won` without a lease: compiled for this
+        node alone, with nothing promoted and nothing owed. A failure noted by the holder is
+        raised."""
         remote = self.tier.store()
         if remote is None:
-            return compile_alone()
+            return Won(owes=False)
         lease = remote.lock(key, lease_duration=self.lease_seconds)
         wait_start = time.perf_counter()
         waited = False
@@ -216,23 +206,73 @@ class RemoteSingleFlight:
             except Exception as exc:  # noqa: BLE001 - the remote is best-effort
                 self.tier.failed(exc)
                 self._waited(key, wait_start, waited, "remote-down")
-                return compile_alone()
+                return Won(owes=False)
             fetched = fetch()
             if fetched is not None:
                 self._waited(key, wait_start, waited, "fetched")
-                return fetched
+                return FetchedFromFleet(fetched)
             if not busy or self.tier.store() is None:
                 self._waited(key, wait_start, waited, "alone")
-                return compile_alone()
+                return Won(owes=False)
             if not wait:  # the builder compiles it: trace on, wait at the first call
-                raise DeferCompile("remote-lease")
+                return Wait("remote-lease")
             waited = True
             now = time.monotonic()
             if now >= deadline:
                 self._waited(key, wait_start, waited, "timeout")
-                raise timeout_error()
+                raise self._timed_out(key)
             time.sleep(min(delay, deadline - now))
             delay = min(delay * 1.5, MAX_POLL_INTERVAL)
+
+    # ------------------------------------------------------- a won claim
+    def note_failure(self, won: Won, key: str, exc: Exception) -> None:
+        """The compile of a key this process won failed: a failure note on the remote, so
+        every node's waiters raise it at once - unless the lease was taken over meanwhile
+        (the new holder's outcome counts). Nothing without a lease."""
+        if won.lease is None or won.remote is None:
+            return
+        try:
+            won.lease.check()
+        except LeaseLost:
+            return  # taken over: the new holder's outcome counts
+        except Exception as remote_error:  # noqa: BLE001 - the remote is best-effort
+            self.tier.failed(remote_error)
+            return
+        refused = write_failure_note(won.remote, key, describe(exc))
+        if isinstance(refused, PermissionError):
+            self.tier.write_denied(refused)
+        elif refused is not None:
+            logger.warning("compile cache: could not record the failed compile of %s in %s: "
+                           "%s", key, won.remote.url, refused)
+
+    def still_holds(self, won: Won, key: str) -> bool:
+        """Whether this process may promote what it compiled for `won`: it holds the lease
+        still (fencing: a successor that took it over owns the key now). False without a
+        lease, and when the remote fails to answer (set aside)."""
+        if won.lease is None or won.remote is None:
+            return False
+        try:
+            won.lease.check()
+        except LeaseLost as exc:  # fencing: a successor owns the key now
+            logger.warning("compile cache: compiled %s, but the lease on %s was taken over "
+                           "(%s); leaving the promotion to the new holder", key,
+                           won.remote.url, exc)  # fmt: skip
+            return False
+        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
+            self.tier.failed(exc)
+            return False
+        return True
+
+    def let_go(self, won: Won) -> None:
+        """Give back `won`'s lease, if it has one (an unreleased lease expires by itself)."""
+        if won.lease is not None:
+            self._let_go(won.lease)
+
+    def _timed_out(self, key: str) -> TimeoutError:
+        return TimeoutError(
+            f"waited {self.timeout:g} s for another node to compile {key} "
+            f"(NEURON_LIBTORCH_COMPILATION_TIMEOUT={self.timeout:g})"
+        )
 
     # ---------------------------------------------------------------- parts
     def _raise_if_failed_elsewhere(self, remote: Store, key: str, started: float,
@@ -260,41 +300,6 @@ class RemoteSingleFlight:
         if waited:
             self._record(LeaseWaited(key=key, at=time.time(),
                                      seconds=time.perf_counter() - since, outcome=outcome))
-
-    def _note_failure(self, remote: Store, lease: Lock, key: str, exc: Exception) -> None:
-        try:
-            lease.check()
-        except LeaseLost:
-            return  # taken over: the new holder's outcome counts
-        except Exception as remote_error:  # noqa: BLE001 - the remote is best-effort
-            self.tier.failed(remote_error)
-            return
-        refused = write_failure_note(remote, key, describe(exc))
-        if isinstance(refused, PermissionError):
-            self.tier.write_denied(refused)
-        elif refused is not None:
-            logger.warning("compile cache: could not record the failed compile of %s in %s: "
-                           "%s", key, remote.url, refused)
-
-    def _promote(
-        self, remote: Store, lease: Lock, key: str, promote: Callable[[Store], object]
-    ) -> None:
-        try:
-            lease.check()
-        except LeaseLost as exc:  # fencing: a successor owns the key now
-            logger.warning("compile cache: compiled %s, but the lease on %s was taken over "
-                           "(%s); leaving the promotion to the new holder", key, remote.url, exc)
-            return
-        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-            self.tier.failed(exc)
-            return
-        try:
-            promote(remote)
-            clear_failure_note(remote, key)
-        except PermissionError as exc:
-            self.tier.write_denied(exc)
-        except Exception as exc:  # noqa: BLE001 - the local entry serves this node anyway
-            self.tier.failed(exc)
 
     def _let_go(self, lease: Lock) -> None:
         try:

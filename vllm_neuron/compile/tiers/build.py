@@ -234,7 +234,7 @@ def compile_uncached(
     return out_dir, record, seconds
 
 
-class Compiler:
+class EntryBuilder:
     """Compiles keys for one cache tier and says what happened: a ``miss`` and a
     ``compile`` event per compile, a failure note and a ``compile_failed`` event per
     failed one (`failures.py`: the processes waiting on the key raise it at once)."""

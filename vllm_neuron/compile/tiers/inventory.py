@@ -184,7 +184,7 @@ def explain_entries(store: Store, key_a: str, key_b: str) -> list[ComponentDiff]
     """The key components that differ between two entries, with the recorded values
     behind them where both entries carry them (`key_inputs`); `KeyError` for a key the
     tier lacks. Ordered as the key hashes them (`key.COMPONENTS`), unknown names after."""
-    from ..key.cache_key import explain_key_difference  # lazy: key.py imports torch
+    from ..key.cache_key import explain_key_difference  # lazy: the key imports torch
 
     rec_a, rec_b = _read_record(store, key_a), _read_record(store, key_b)
     a, b = rec_a.components, rec_b.components

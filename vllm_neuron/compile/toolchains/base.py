@@ -144,8 +144,8 @@ class Toolchain(ABC):
         """The part of `compile` that must run where ``gm`` was traced (in the tracing
         thread), its results kept in ``work_dir``; the rest - the compiler, a process of its
         own - is the returned graph's `LoweredGraph.compile`, which any thread may run, so
-        a process traces on while its graphs compile (compile/flow/deferral.py). None: this
-        toolchain compiles only in one piece (`compile`)."""
+        a process traces on while its graphs compile (compile/flow/cache.py,
+        `TwoTierCache.begin`). None: this toolchain compiles only in one piece (`compile`)."""
         return None
 
     @abstractmethod

@@ -5,7 +5,7 @@ Three jobs, none on the hot path and none allowed to stop the cache from serving
 - when a cache opens: bring the tier within its size bound;
 - at its first use (`get_or_compile`; not when it is built, which may happen before vLLM
   forks its workers: a fork must not copy a thread's locks mid-use), a background pass
-  that collects what killed processes left (`gc.py`'s plan of the tier with its default
+  that collects what killed processes left (`collect.py`'s plan of the tier with its default
   bounds: staging, temp files, dead leases and expired notes; never an entry; and their
   compile job directories in the temporary directory, `job_dirs.py`) and settles
   the promotions an earlier process owed the remote (`owed.py`). One process per tier

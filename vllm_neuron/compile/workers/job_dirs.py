@@ -6,7 +6,7 @@ when the job is done (`PreparedJob.discard`). A process that dies leaves it behi
 process of the host that prepares a job removes every directory whose owner's lock is gone
 (`sweep_dead_jobs`).
 
-Two kinds of job live in one: an exported graph for a compile worker (`compile_workers.py`,
+Two kinds of job live in one: an exported graph for a compile worker (`pool.py`,
 the host toolchain), and a graph lowered by a toolchain whose compiler is a process of its
 own (`LoweredJob`: Neuron's HLO for ``neuronx-cc``), which needs no worker: the cache's
 thread runs the compiler on it.

@@ -6,8 +6,8 @@ dropped the moment its holder dies, so a killed compiler never keeps a slot. A c
 takes a slot after it has won its key (the key's lock, and the fleet's lease when there is
 a remote) and gives it back when the entry is published.
 
-A process that finds every slot taken either defers the graph (`DeferCompile`, when it
-traces and may come back at the graph's first call) or waits for one, bounded by
+A process that finds every slot taken either defers the graph (`held` says no slot, when
+it traces and may come back at the graph's first call) or waits for one, bounded by
 NEURON_LIBTORCH_COMPILATION_TIMEOUT. A tier that cannot hold the lock files (full,
 read-only) has no slots: the compile runs, as it would without a cache - the bound is
 there to keep a node from running out of memory, never to stop it serving.
@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 
 from vllm_neuron.backends import Lock, LockTimeout, Store
 
-from ..entry.outcomes import CompileSlotTimeout, DeferCompile
+from ..entry.outcomes import CompileSlotTimeout
 
 __all__ = ["SLOT_PREFIX", "CompileSlots"]
 
@@ -37,6 +37,7 @@ logger = logging.getLogger("vllm_neuron.compile")
 
 SLOT_PREFIX = "compile-slot-"
 MAX_POLL = 0.2
+_NONE_FREE = object()  # `_take` without waiting: every slot of this process's share is taken
 """The longest pause between two looks for a free slot: what a finished compile may add to
 the next one's start, against a few lock attempts per second."""
 
@@ -97,18 +98,25 @@ class CompileSlots:
             slot.release()
 
     @contextlib.contextmanager
-    def held(self, *, wait: bool, deadline: float, what: str) -> Iterator[None]:
-        """Hold a slot for the block. Without `wait`, `DeferCompile("no-slot")` when none is
-        free; with it, poll until `deadline` (monotonic), then `TimeoutError` naming the
-        setting. `what` names the compile in messages."""
+    def held(self, *, wait: bool, deadline: float, what: str) -> Iterator[bool]:
+        """Hold a slot for the block, which is told whether it may compile: with `wait`,
+        poll until `deadline` (monotonic), then `CompileSlotTimeout` naming the setting;
+        without it, False at once when none is free (the caller defers the graph). True
+        also when the slots cannot be kept (compiles unbounded). `what` names the compile in
+        messages."""
         slot = self._take(wait=wait, deadline=deadline, what=what)
+        if slot is _NONE_FREE:
+            yield False
+            return
         try:
-            yield
+            yield True
         finally:
-            if slot is not None:
+            if isinstance(slot, Lock):
                 self._give_back(slot)
 
-    def _take(self, *, wait: bool, deadline: float, what: str) -> Lock | None:
+    def _take(self, *, wait: bool, deadline: float, what: str) -> Lock | object | None:
+        """A slot, None when no bound applies, `_NONE_FREE` without `wait` when none is
+        free."""
         if self._broken:
             return None
         delay = 0.01
@@ -124,7 +132,7 @@ class CompileSlots:
             if slot is not None:
                 return slot
             if not wait:
-                raise DeferCompile("no-slot")
+                return _NONE_FREE
             now = time.monotonic()
             if now >= deadline:
                 raise CompileSlotTimeout(
