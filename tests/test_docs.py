@@ -1,10 +1,11 @@
 """The docs cannot drift from the code they cite.
 
-docs/architecture.md's table "From behaviour to code" cites code as backticked paths, each
-followed by backticked names defined in that file: ``compile/flow/cache.py``
-``TwoTierCache.lookup`` (paths relative to ``vllm_neuron/`` unless they start with
-``backends/``). Every cited file must exist and every cited name must be defined where the
-row says, read with ``ast`` (nothing is imported):
+docs/architecture.md's tables "From behaviour to code" and "Where to start in compile/" cite
+code as backticked paths, each followed by backticked names defined in that file:
+``compile/flow/cache.py`` ``TwoTierCache._locked_miss`` (paths relative to ``vllm_neuron/``
+unless they start with ``backends/``; a path ending in ``/`` is a directory, and no names
+follow it). Every cited file must exist and every cited name must be defined where the row
+says, read with ``ast`` (nothing is imported):
 
 * ``name``: a module-level def, class or assignment (also inside a module-level ``if`` or
   ``try``), else a member of a class in the file (method, class attribute, or an attribute
@@ -36,13 +37,14 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
-TABLE_HEADING = "## From behaviour to code"
+TABLES = ("## From behaviour to code", "### Where to start in `compile/`")
 
 IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 NAME_RE = re.compile(rf"^{IDENT}(?:\.{IDENT})?$")
 CALL_RE = re.compile(rf"^(?P<name>{IDENT}(?:\.{IDENT})?)\((?P<args>[^()]*)\)$")
 KEYWORD_RE = re.compile(rf"^(?P<kw>{IDENT})=(?P<value>[^=]*)$")
 PATH_RE = re.compile(r"^[\w./-]+\.py$")
+DIR_RE = re.compile(r"^[\w./-]+/$")
 
 
 def cited_path(text: str) -> Path:
@@ -159,23 +161,22 @@ def _params_of(defined: Defined, key: str) -> set[str]:
 # --- the table -------------------------------------------------------------------------
 
 
-def table_rows() -> list[tuple[int, str, str]]:
-    """(line number, behaviour, cited code) of every row of the behaviour table."""
+def table_rows(heading: str) -> list[tuple[int, str, str]]:
+    """(line number, behaviour, cited code) of every row of the table under `heading`."""
     lines = (DOCS / "architecture.md").read_text().splitlines()
-    start = lines.index(TABLE_HEADING)
+    assert heading in lines, f"docs/architecture.md has no section {heading!r}"
+    start = lines.index(heading)
     rows = []
     for number, line in enumerate(lines[start + 1:], start + 2):
-        if line.startswith("## "):
+        if line.startswith("#"):
             break
         if not line.startswith("|"):
             continue
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
         assert len(cells) == 2, f"architecture.md:{number}: not two cells: {line}"
-        behaviour, code = cells
-        if set(code) <= {"-", " "} or behaviour == "Behaviour" or not code:
-            continue  # the header, the rule, a section row (**Compile cache**)
-        rows.append((number, behaviour, code))
-    return rows
+        rows.append((number, *cells))
+    # Not the header and the rule, nor a section row (**Compile cache**, nothing cited).
+    return [(number, first, code) for number, first, code in rows[2:] if code]
 
 
 def _tokens(cell: str) -> list[tuple[str, str]]:
@@ -196,6 +197,8 @@ def row_problems(code: str) -> list[str]:
     stack: list[tuple[Path | None, str | None]] = []
     last: str | None = None  # the function cited last, for keywords and parenthesised names
 
+    if "`" not in code:
+        return ["cites no code (backticked paths and names)"]
     for kind, text in _tokens(code):
         if kind == "open":
             stack.append((current, last))
@@ -205,6 +208,11 @@ def row_problems(code: str) -> list[str]:
                 current, last = stack.pop()
             continue
         in_parens = bool(stack)
+        if DIR_RE.match(text):  # a whole directory (a wing): no names follow it
+            current, last = None, None
+            if not cited_path(text).is_dir():
+                problems.append(f"`{text}` is no directory")
+            continue
         if PATH_RE.match(text):
             current, last = cited_path(text), None
             if not current.is_file():
@@ -243,16 +251,17 @@ def row_problems(code: str) -> list[str]:
     return problems
 
 
-ROWS = table_rows()
+ROWS = [row for heading in TABLES for row in table_rows(heading)]
 
 
-def test_the_table_is_read() -> None:
-    assert len(ROWS) > 50, "the behaviour table moved or changed shape"
+def test_the_tables_are_read() -> None:
+    assert len(table_rows(TABLES[0])) > 50, "the behaviour table moved or changed shape"
+    assert len(table_rows(TABLES[1])) > 5, "the compile/ starting points moved"
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[f"line{n}" for n, _, _ in ROWS])
 def test_every_cited_name_is_defined_where_the_row_says(row: tuple[int, str, str]) -> None:
-    number, behaviour, code = row
+    number, behaviour, code = row  # behaviour: the row's first cell (a task, for the 2nd)
     problems = row_problems(code)
     assert not problems, (f"docs/architecture.md:{number} ({behaviour}): "
                           + "; ".join(problems))
