@@ -21,8 +21,9 @@ the row cites ``x``. A path in parentheses applies only inside them.
 
 Every path of the package cited anywhere in docs/*.md or README.md (``vllm_neuron/...py``,
 ``compile/...py``, ``backends/...py``, the other sub-packages', ``tests/...py``,
-``benchmarks/...py``) must exist too, and every dotted module name (``vllm_neuron.a.b``) must
-name a module, or a name defined in one (or listed in its ``__all__``).
+``benchmarks/...py``) must exist too (and in ``path.py:name`` the name must be defined
+there), and every dotted module name (``vllm_neuron.a.b``) must name a module, or a name
+defined in one (or listed in its ``__all__``).
 """
 
 from __future__ import annotations
@@ -291,6 +292,18 @@ def test_every_cited_path_exists() -> None:
     missing = [f"{doc}:{number}: {match[1]}" for doc, number, line in _doc_lines()
                for match in DOC_PATH_RE.finditer(line) if not _doc_path(match[1]).is_file()]
     assert not missing, "cited paths that do not exist:\n" + "\n".join(missing)
+
+
+PATH_NAME_RE = re.compile(rf"{DOC_PATH_RE.pattern}:(?P<name>{IDENT}(?:\.{IDENT})?)")
+
+
+def test_every_path_colon_name_is_defined() -> None:
+    """``path.py:name`` (faults.md's table of fault points): the name is defined there."""
+    problems = [f"{doc}:{number}: {match[0]}" for doc, number, line in _doc_lines()
+                for match in PATH_NAME_RE.finditer(line)
+                if _doc_path(match[1]).is_file()
+                and _resolve(defined_in(_doc_path(match[1])), match["name"]) is None]
+    assert not problems, "cited names that are not defined there:\n" + "\n".join(problems)
 
 
 def _dotted_problem(dotted: str) -> str | None:
