@@ -36,10 +36,9 @@ Never touched: a published entry (unless `keep` is given, and then only the unre
 and old ones, each withdrawn as the version planned, and on a tier with kernel locks only
 while its key's lock is free); a note being rewritten (compared and removed, on a tier
 with kernel locks, under its key's lock, for a kind whose writers hold it); a lease that is
-held; a kernel lock file; anything younger
-than its bound; event segments (``.events/``: `cache stats` reads them); pins and pinned
-entries (``cache pin``). An item that changed since the plan (written to, committed,
-taken again) is left, and said so.
+held; a kernel lock file; anything younger than its bound; event segments (``.events/``:
+`cache stats` reads them); pins and pinned entries (``cache pin``). An item that changed
+since the plan (written to, committed, taken again) is left, and said so.
 """
 
 from __future__ import annotations
