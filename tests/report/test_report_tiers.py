@@ -30,7 +30,7 @@ from vllm_neuron.compile.tiers.quarantine import quarantine_entry
 from vllm_neuron.compile.trust.policy import sign_tier
 from vllm_neuron.compile.trust.signing import generate_key_pair, load_signer
 from vllm_neuron.report.tier_table import ROW_CAP, render_entries
-from vllm_neuron.report.tiers import EntryRow, TierEntries
+from vllm_neuron.report.tiers import EntryRow, TierEntries, read_entries
 
 KEYS = tuple(f"{i:x}" * 32 for i in range(10, 15))  # aaaa..., bbbb..., ... eeee...
 SIGNED, NOT_LOADED, QUARANTINED, SHORT, PLAIN = KEYS
@@ -158,6 +158,24 @@ def test_a_remote_folder_beside_its_node(node: Path, tmp_path: Path) -> None:
     (only,) = tiers_of(dom).values()
     check_remote(only, str(remote), key_id, pieces=False)
     assert any("No local tier was read" in e.text for e in select(dom, "p"))
+
+
+def test_the_notes_of_a_remote_are_read_into_its_rows(node: Path, tmp_path: Path) -> None:
+    """What the page shows of the notes, read without a browser: a host's load-failure note
+    is its entry's problem, and a quarantined entry is listed by its note (both read
+    through the registry of per-key notes, `compile/entry/notes.py`)."""
+    remote = tmp_path / "remote"
+    fill_remote(node, str(remote), tmp_path / "keys")
+    read = read_entries(str(remote), {})
+    assert read.error is None
+    by_key = {r.key: r for r in read.rows}
+    assert set(by_key) == set(KEYS)
+    (problem,) = by_key[NOT_LOADED].problems
+    assert problem.startswith("did not load on ") and problem.endswith("bad magic")
+    gone = by_key[QUARANTINED]
+    assert gone.withdrawn is not None and gone.problems == (
+        "quarantined: graph.bin fails its sha256 check",)
+    assert [r.key for r in read.rows if r.withdrawn is not None] == [QUARANTINED]
 
 
 def test_an_s3_tier(node: Path, tmp_path: Path, s3_env: str, s3_store_url: str) -> None:

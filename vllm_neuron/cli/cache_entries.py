@@ -20,7 +20,8 @@ from vllm_neuron.backends import check_location, open_store, probe_store
 from vllm_neuron.compile.commands.load_check import LoadCheck, check_loads
 from vllm_neuron.compile.commands.prune import plan_prune
 from vllm_neuron.compile.entry.check import verify_entry
-from vllm_neuron.compile.entry.load_failure_notes import LoadFailureNote, read_load_failures
+from vllm_neuron.compile.entry.load_failure_notes import read_load_failures
+from vllm_neuron.compile.entry.notes import LoadFailureNote
 from vllm_neuron.compile.tiers.inventory import (
     EntryInfo,
     explain_entries,

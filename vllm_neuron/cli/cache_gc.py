@@ -14,6 +14,7 @@ import argparse
 import sys
 from typing import Any
 
+from vllm_neuron.compile.entry.notes import NOTE_KINDS
 from vllm_neuron.compile.tiers.inventory import parse_duration
 from vllm_neuron.compile.upkeep.collect import LEASE_GRACE, GcItem, GcOutcome, GcPlan, plan_gc
 from vllm_neuron.envs import compile_cache_settings
@@ -26,9 +27,10 @@ KEPT = {
     "staging": "staging areas", "trash": "withdrawn directories",
     "orphan-version": "uncommitted versions", "tombstone": "withdrawal tombstones",
     "upload": "multipart uploads", "partial": "temp files", "lease": "leases",
-    "failure-note": "failure notes", "quarantine-note": "quarantine notes", "entry": "entries",
+    **{kind.name: kind.plural for kind in NOTE_KINDS}, "entry": "entries",
 }  # fmt: skip
-"""How the summary names what was looked at and kept, by kind."""
+"""How the summary names what was looked at and kept, by kind (a note's as the registry of
+per-key notes, `compile/entry/notes.py`, says)."""
 
 
 def register(cmds: Any) -> None:
@@ -37,8 +39,9 @@ def register(cmds: Any) -> None:
         help="remove what killed processes left behind (and, with --keep-manifest, "
              "entries no live deployment uses)",
         description="Remove abandoned staging areas, uncommitted versions, unfinished "
-                    "uploads, expired leases, expired failure notes, withdrawal tombstones "
-                    "and old quarantine notes; never anything a live process holds.",
+                    "uploads, expired leases, expired failure notes, withdrawal tombstones, "
+                    "old quarantine and load-failure notes, promotion notes and unpacked "
+                    "copies without their entry; never anything a live process holds.",
     )  # fmt: skip
     gc.add_argument("url", nargs="?", help="a tier to collect (default: the local cache)")
     gc.add_argument("--dry-run", action="store_true", help="show the plan, remove nothing")

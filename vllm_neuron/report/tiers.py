@@ -8,9 +8,11 @@ does; read through the `Store`, a local tier, a remote folder and an ``s3://`` t
 alike. Checksums are not read here: that is `cache verify`, which reads every byte.
 
 An entry's problems are the inventory's (its record, its publication, its files' sizes),
-the hosts that fetched it and could not load it (`compile.load_notes`), and, for an entry
-withdrawn from service, its quarantine note (`compile.quarantine`): a withdrawn entry is no
-longer published, so its note is all that is left of it, and it is listed by that note.
+the hosts that fetched it and could not load it (load-failure notes), and, for an entry
+withdrawn from service, its quarantine note: a withdrawn entry is no longer published, so
+its note is all that is left of it, and it is listed by that note. Both kinds are read
+through the registry of per-key notes (`compile/entry/notes.py`: `LOAD_FAILURES`,
+`QUARANTINE`), which says where each lives and how it reads.
 
 The commit record does not name the piece of the model an entry is; the report knows it
 where it was recorded: the local tiers' compile events (``Compiled.piece``) and the
@@ -19,19 +21,12 @@ engines' manifests (``graphs[].pieces``) - `piece_index`.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from vllm_neuron.backends import Record, Store, open_store
-from vllm_neuron.compile.entry.check import KEY_RE
-from vllm_neuron.compile.entry.load_failure_notes import read_load_failures
+from vllm_neuron.compile.entry.notes import LOAD_FAILURES, QUARANTINE, QuarantineNote
 from vllm_neuron.compile.tiers.inventory import list_entries
-from vllm_neuron.compile.tiers.quarantine import (
-    QUARANTINE_DIR,
-    QuarantineNote,
-    read_quarantine_note,
-)
 from vllm_neuron.compile.trust.policy import signer_of
 from vllm_neuron.manifest.schema import Manifest
 
@@ -102,16 +97,8 @@ def _order(row: EntryRow) -> tuple[int, float, str]:
 def _quarantined(store: Store, live: set[str]) -> list[QuarantineNote]:
     """The notes of entries withdrawn and not published again (a note that does not read
     is skipped: a report shows what it can)."""
-    notes = []
-    for name in store.list_dir(QUARANTINE_DIR):
-        key = name.removesuffix(".json")
-        if key in live or not KEY_RE.fullmatch(key):
-            continue
-        with contextlib.suppress(Exception):
-            note = read_quarantine_note(store, key)
-            if note is not None:
-                notes.append(note)
-    return notes
+    return [note for key, notes in QUARANTINE.read_all(store).items() if key not in live
+            for note in notes]  # fmt: skip
 
 
 def read_entries(location: str, pieces: Mapping[str, set[str]]) -> TierEntries:
@@ -120,7 +107,7 @@ def read_entries(location: str, pieces: Mapping[str, set[str]]) -> TierEntries:
     try:
         store = open_store(location, create=False)
         listed = list_entries(store, sizes=True)
-        notes = read_load_failures(store)
+        notes = LOAD_FAILURES.read_all(store)
         rows = [
             EntryRow(key=e.key, size=e.size, files=e.files, created=e.created,
                      toolchain=e.toolchain, target=e.target,

@@ -20,16 +20,30 @@ from typing import Any
 
 import pytest
 
-from vllm_neuron.backends import LeaseLock, Staging, join, open_store
+from vllm_neuron.backends import FileDigest, LeaseLock, Staging, join, open_store
 from vllm_neuron.backends._local import LocalStore
 from vllm_neuron.backends.records import encode
 from vllm_neuron.backends.testing.handshakes import HANG, lease_record
 from vllm_neuron.cli import main
 from vllm_neuron.compile.entry.failure_notes import FailureNote
+from vllm_neuron.compile.entry.load_failure_notes import read_load_failures
+from vllm_neuron.compile.entry.notes import (
+    LOAD_FAILURES,
+    NOTE_KINDS,
+    TAG_DIGITS,
+    Expiry,
+    Layout,
+    LoadFailureNote,
+    NoteKind,
+    OwedPromotion,
+    Pin,
+    QuarantineNote,
+    UnpackedRecord,
+    kind_named,
+)
 from vllm_neuron.compile.flow.cache import TwoTierCache
 from vllm_neuron.compile.tiers.inventory import verify_entries
 from vllm_neuron.compile.tiers.promote import promote_entry
-from vllm_neuron.compile.tiers.quarantine import QuarantineNote
 from vllm_neuron.compile.upkeep.collect import plan_gc
 from vllm_neuron.manifest.schema import GraphEntry, Manifest, encode_manifest
 
@@ -633,3 +647,124 @@ def test_prune_keeps_failure_notes_for_the_configured_cool_down(capsys, local_ti
         forget_parsed_groups()
     code, out, _ = run(capsys, "cache", "prune", local_tier, "--max-size", "1T", "--json")
     assert code == 0 and not open_store(local_tier).exists(f".failures/{KEY_D}.json")
+
+
+# ------------------------------------------------------------------ per-key notes
+def load_note(store: Any, key: str, host: str, at: float) -> str:
+    """The note host `host` leaves on a remote when it cannot load `key`, dated `at`."""
+    where = LOAD_FAILURES.path(key, host)
+    store.write(where, encode(LoadFailureNote(key=key, at=at, host=host, error="OSError: no")))
+    return where
+
+
+def test_old_load_failure_notes_on_a_remote_are_collected(tier, source):
+    """``.load-failures/<key>/<host>.json`` (one per host that could not load a remote's
+    entry) goes once older than the bound and at least a week, like a quarantine note (a
+    note for the operators); a younger one stays, and so does the entry it is about."""
+    assert promote_entry(source, tier, KEY_B)
+    now = time.time()
+    old = load_note(tier, KEY_B, "node-1", now - 8 * DAYS)
+    young = load_note(tier, KEY_B, "node-2", now - 1 * DAYS)
+    gone = load_note(tier, KEY_C, "node-1", now - 9 * DAYS)  # of an entry never published here
+
+    def notes(items: Any) -> list[tuple[str, str]]:
+        return [(kind, where) for kind, where in kinds(items) if kind == "load-failure-note"]
+
+    assert notes(plan_gc(tier, older_than=10 * DAYS).items) == []  # a longer bound keeps all
+    plan = plan_gc(tier)
+    assert notes(plan.items) == sorted([("load-failure-note", old), ("load-failure-note", gone)])
+    assert notes(plan.kept) == [("load-failure-note", young)]
+    assert {i.what for i in plan.items if i.kind == "load-failure-note"} == {
+        "old load-failure note"}
+    outcome = plan.execute()
+    assert not outcome.failed and not outcome.stayed
+    assert not tier.exists(old) and not tier.exists(gone) and tier.exists(young)
+    assert {k: [n.host for n in v] for k, v in read_load_failures(tier).items()} == {
+        KEY_B: ["node-2"]}
+    all_verify(tier, [KEY_B])
+
+
+def test_cli_gc_of_a_folder_remote_removes_its_old_load_failure_notes(capsys, local_tier):
+    tier = open_store(local_tier)
+    old = load_note(tier, KEY_A, "node-1", time.time() - 8 * DAYS)
+    young = load_note(tier, KEY_A, "node-2", time.time() - 60)
+    code, out, _ = run(capsys, "cache", "gc", local_tier, "--dry-run")
+    assert code == 0 and f"old load-failure note  {old}" in out, out
+    assert "1 load-failure notes (younger than 7.0d)" in out
+    code, out, _ = run(capsys, "cache", "gc", local_tier, "--json")
+    assert code == 0
+    assert [i["where"] for i in json.loads(out)["removed"] if i["kind"] == "load-failure-note"
+            ] == [old]  # fmt: skip
+    assert not tier.exists(old) and tier.exists(young)
+
+
+def test_a_load_failure_note_goes_though_its_key_is_in_use(tmp_path):
+    """Hosts write their load-failure notes without the key's lock (a node says its word
+    whatever the key's state), so gc does not wait for that lock: it compares and removes."""
+    tier = open_store(str(tmp_path / "tier"))
+    where = load_note(tier, KEY_C, "node-1", time.time() - 8 * DAYS)
+    plan = plan_gc(tier)
+    assert kinds(plan.items) == [("load-failure-note", where)]
+    user = tier.lock(KEY_C)  # a process compiling the key
+    user.acquire()
+    try:
+        outcome = plan.execute()
+    finally:
+        user.release()
+    assert kinds(outcome.removed) == [("load-failure-note", where)] and not tier.exists(where)
+
+
+DIGEST = FileDigest(size=1, sha256="0" * 64, blake3="e" * 64)
+SAMPLES: dict[type, Any] = {
+    FailureNote: lambda key, at: FailureNote(at=at, error="ValueError: boom", pid=1, host="h"),
+    QuarantineNote: lambda key, at: QuarantineNote(key=key, at=at, reason="a test"),
+    OwedPromotion: lambda key, at: OwedPromotion(at=at, remote="s3://b/c", pid=1, host="h"),
+    LoadFailureNote: lambda key, at: LoadFailureNote(key=key, at=at, host="h", error="no"),
+    Pin: lambda key, at: Pin(key=key, at=at),
+    UnpackedRecord: lambda key, at: UnpackedRecord(key=key, package="graph.pt2",
+                                                   source=DIGEST, files={}, at=at),
+}
+"""A record of every kind of note: a kind added to the registry needs one here, and then
+the test below holds it to its age rule."""
+
+
+def plant(store: Any, kind: NoteKind[Any], key: str, at: float) -> str:
+    """A note of `kind` on `key` (of a key without an entry), as its writer leaves it."""
+    record = encode(SAMPLES[kind.record](key, at))
+    if kind.layout is Layout.COPY:  # a published directory, its record inside
+        staging = store.stage(join(kind.directory, f"{key}-{'e' * TAG_DIGITS}"))
+        staging.write("graph/model.so", b"x")
+        staging.write("unpacked.json", record)
+        assert staging.commit()
+        return str(staging.final)
+    where = kind.path(key, "node-1")
+    store.write(where, record)
+    return where
+
+
+def test_gc_collects_every_registered_kind_of_note_by_its_rule(tier):
+    """Every kind `NOTE_KINDS` declares is known to gc: an old note of each (of a key with
+    no entry) is planned and removed, but a pin (`Expiry.NEVER`); a young one stays."""
+    assert set(SAMPLES) == {kind.record for kind in NOTE_KINDS}, "a new kind needs a sample"
+    # Copies of packages are made where entries are loaded: local disk only.
+    registered = [k for k in NOTE_KINDS
+                  if k.layout is not Layout.COPY or tier.capabilities.local_paths]  # fmt: skip
+    planted = {kind.name: plant(tier, kind, KEY_D, time.time()) for kind in registered}
+
+    assert [i for i in plan_gc(tier).items if kind_named(i.kind)] == []  # all young
+    plan = plan_gc(tier, now=time.time() + 30 * DAYS)
+    collected = {k.name: planted[k.name] for k in registered if k.expiry is not Expiry.NEVER}
+    assert {i.kind: i.where for i in plan.items if kind_named(i.kind)} == collected
+    assert all(i.what != i.kind for i in plan.items)  # each named as the registry says
+    outcome = plan.execute()
+    assert not outcome.failed and not outcome.stayed
+    left = {name for name, where in planted.items() if tier.exists(where) or tier.list(where)}
+    assert left == {k.name for k in registered if k.expiry is Expiry.NEVER} == {"pin"}
+
+
+def test_the_cli_names_every_kind_of_note_it_kept():
+    from vllm_neuron.cli.cache_gc import KEPT
+    from vllm_neuron.compile.upkeep.collect import WHAT
+
+    for kind in NOTE_KINDS:
+        assert KEPT[kind.name] == kind.plural and WHAT[kind.name] == kind.what

@@ -5,7 +5,8 @@ again when that compile failed (it would fail the same way, one rank after anoth
 paying the compile). The holder writes ``.failures/<key>.json`` in the tier before it
 releases the lock; a waiter that takes the lock afterwards reads the note and raises the
 holder's error at once. A note older than the wait says nothing about this compile, and
-a successful compile removes it.
+a successful compile removes it. The note's directory, record and age rule are declared
+with every other per-key note's in `notes.py` (`FAILURES`).
 """
 
 from __future__ import annotations
@@ -15,29 +16,17 @@ import os
 import socket
 import time
 
-from vllm_neuron.backends import Record, Store, join
-from vllm_neuron.backends.records import RecordCodec, RecordError, Untagged, encode
+from vllm_neuron.backends import Store
+from vllm_neuron.backends.records import RecordError, encode
 
-FAILURES_DIR = ".failures"
+from .notes import FAILURE_NOTES, FAILURES, FAILURES_DIR, FailureNote
 
-
-class FailureNote(Record, frozen=True, tag="compile-failure"):
-    """``.failures/<key>.json``: the last failed compile of a key."""
-
-    at: float
-    error: str  # "<type>: <message>"
-    pid: int
-    host: str
-
-
-FAILURE_NOTES = RecordCodec(
-    FailureNote,
-    untagged=Untagged("compile-failure", 1, "a failure note from before records had tags"),
-)
+__all__ = ["FAILURES_DIR", "FailureNote", "clear_failure_note", "describe", "recent_failure",
+           "write_failure_note"]  # fmt: skip
 
 
 def _note_key(key: str) -> str:
-    return join(FAILURES_DIR, f"{key}.json")
+    return FAILURES.path(key)
 
 
 def describe(exc: BaseException) -> str:

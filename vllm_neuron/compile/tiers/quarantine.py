@@ -1,9 +1,10 @@
 """Withdrawing a defective entry from service, with a record of why.
 
 A quarantined entry is unpublished (atomically: it is a miss from then on) and a note
-``.quarantine/<key>.json`` (`QuarantineNote`, a record of the storage layer) says when and
-why, so an operator can tell a recompile caused by corruption from one caused by a new key.
-Notes written before records were tagged read as version 1.
+``.quarantine/<key>.json`` (`QuarantineNote`, declared with every per-key note in
+`entry/notes.py`: `QUARANTINE`) says when and why, so an operator can tell a recompile
+caused by corruption from one caused by a new key. Notes written before records were
+tagged read as version 1.
 
 The withdrawal is of the publication that was judged: whoever found the defect passes its
 version (`Publication.version`, carried by a `PublicationProblem`), and an entry another
@@ -19,29 +20,17 @@ import logging
 import time
 from typing import Any
 
-from vllm_neuron.backends import Store, join
-from vllm_neuron.backends.records import Record, RecordCodec, Untagged, encode
+from vllm_neuron.backends import Store
+from vllm_neuron.backends.records import encode
 
+from ..entry.notes import QUARANTINE, QUARANTINE_DIR, QUARANTINE_NOTES, QuarantineNote
 from ..entry.record import EntryProblem
 from .unpacked import drop_unpacked
 
+__all__ = ["QUARANTINE_DIR", "QUARANTINE_NOTES", "PublicationProblem", "QuarantineNote",
+           "quarantine_entry", "read_quarantine_note"]  # fmt: skip
+
 logger = logging.getLogger("vllm_neuron.compile")
-
-QUARANTINE_DIR = ".quarantine"
-
-
-class QuarantineNote(Record, frozen=True, tag="quarantine-note"):
-    """Why `key` was withdrawn, and when (epoch seconds)."""
-
-    key: str
-    at: float
-    reason: str
-
-
-QUARANTINE_NOTES = RecordCodec(
-    QuarantineNote,
-    untagged=Untagged("quarantine-note", 1, "a quarantine note from before records had tags"),
-)
 
 
 class PublicationProblem(EntryProblem):
@@ -76,7 +65,7 @@ def quarantine_entry(
         )  # fmt: skip
     with contextlib.suppress(Exception):
         note = QuarantineNote(key=key, at=time.time(), reason=reason)
-        store.write(join(QUARANTINE_DIR, f"{key}.json"), encode(note))
+        store.write(QUARANTINE.path(key), encode(note))
     try:
         withdrawn = store.unpublish(key, version=version)
     except Exception as exc:  # noqa: BLE001 - a failed withdrawal is reported, not fatal
@@ -89,4 +78,4 @@ def quarantine_entry(
 
 def read_quarantine_note(store: Store, key: str) -> QuarantineNote | None:
     """The note on why `key` was withdrawn from `store`; None when there is none."""
-    return QUARANTINE_NOTES.read(store, join(QUARANTINE_DIR, f"{key}.json"))
+    return QUARANTINE_NOTES.read(store, QUARANTINE.path(key))

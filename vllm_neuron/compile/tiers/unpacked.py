@@ -34,7 +34,9 @@ fails (torn by a crash, changed, a file too many) is withdrawn and made again, n
 **Collected with its entry.** Every withdrawal of an entry (a quarantine, an eviction,
 ``cache prune``, ``cache gc --keep-manifest``) withdraws its copies (`drop_unpacked`); one
 whose entry is gone anyway (a process killed between the two, a load racing a withdrawal)
-is collected by ``cache gc`` and the background pass (`gc.py`, kind ``unpacked``).
+is collected by ``cache gc`` and the background pass (`upkeep/collect.py`, kind
+``unpacked``: `entry/notes.py` declares the copies' directory, record and age rule with
+every other per-key note's, `UNPACKED`).
 
 **Never fatal.** A tier that cannot take the copy (full, read-only) costs one warning per
 process, and its graphs load from their packages, each unpacked into a job directory of
@@ -47,7 +49,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import tempfile
 import time
 import zipfile
@@ -57,8 +58,6 @@ from typing import Any
 from vllm_neuron.backends import (
     FileDigest,
     IntegrityError,
-    Record,
-    RecordCodec,
     Store,
     fault_point,
     join,
@@ -68,36 +67,26 @@ from vllm_neuron.backends.digests import digest_stream, mismatch
 from vllm_neuron.backends.records import RecordError, encode
 from vllm_neuron.backends.verified_copy import check_verified
 
+from ..entry.notes import (
+    TAG_DIGITS,
+    UNPACKED_DIR,
+    UNPACKED_RECORDS,
+    UnpackedRecord,
+    copy_key,
+)
 from ..entry.outcomes import CacheResult
 from ..toolchains.base import CompiledArtifact, Toolchain, ToolchainError
 from ..toolchains.op_libraries import MissingOpLibrary
 from ..workers.job_dirs import PreparedJob, owned_job_dir
 from .health import tier_dir, unwritable_cause, why_unwritable
 
-__all__ = ["UNPACKED_DIR", "UNPACKED_RECORD", "PackageMismatch", "UnpackedRecord",
-           "copy_key", "drop_unpacked", "load_entry", "unpacked_dir"]  # fmt: skip
+__all__ = ["UNPACKED_DIR", "UNPACKED_RECORD", "UNPACKED_RECORDS", "PackageMismatch",
+           "UnpackedRecord", "copy_key", "copy_name", "drop_unpacked", "load_entry",
+           "unpacked_dir"]  # fmt: skip
 
 logger = logging.getLogger("vllm_neuron.compile")
 
-UNPACKED_DIR = ".unpacked"
-"""``<tier>/.unpacked/<key>-<tag>/``: the unpacked copies of entries' packages."""
 UNPACKED_RECORD = "unpacked.json"
-TAG_DIGITS = 32
-_COPY = re.compile(rf"([0-9a-f]{{32}})-[0-9a-f]{{{TAG_DIGITS}}}")
-
-
-class UnpackedRecord(Record, frozen=True, kw_only=True, tag="unpacked-package"):
-    """What a copy holds: the package of entry `key` it was unpacked from (`package`, and
-    `source`, its digests as the entry records them), every member's digests, and when."""
-
-    key: str
-    package: str
-    source: FileDigest
-    files: dict[str, FileDigest]
-    at: float
-
-
-UNPACKED_RECORDS = RecordCodec(UnpackedRecord)
 
 
 class PackageMismatch(Exception):
@@ -111,13 +100,6 @@ class _Unsound(Exception):
 def copy_name(key: str, source: FileDigest) -> str:
     """Where the copy of a package with recorded digests `source` lives in the tier."""
     return join(UNPACKED_DIR, f"{key}-{(source.blake3 or source.sha256)[:TAG_DIGITS]}")
-
-
-def copy_key(name: str) -> str | None:
-    """The entry key of the copy named `name` (a directory under `UNPACKED_DIR`), or None
-    when it is no copy's name."""
-    found = _COPY.fullmatch(name)
-    return found.group(1) if found else None
 
 
 def unpacked_sizes(store: Store) -> dict[str, int]:

@@ -12,16 +12,22 @@ What is collected (`GcItem.what`):
   (`backends/debris.py` has the details);
 - leases whose latest generation was released, or expired, more than `lease_grace`
   (10 minutes) ago: never one that is held;
-- failure notes (``.failures/<key>.json``) older than the compile retry cool-down
-  (``VLLM_NEURON_COMPILE_RETRY_AFTER``, 300 s): past it no process raises them any more;
-- quarantine notes (``.quarantine/<key>.json``) older than `older_than` and at least
-  `QUARANTINE_NOTE_MIN_AGE` (7 days): an operator may still want to read why;
-- promotion notes (``.promote/<key>.json``, `owed.py`) of a key the tier has no entry
-  for, untouched for `older_than` (a compile killed before it published): a note whose
-  entry is there is kept (the next cache start promotes it);
-- unpacked copies of packages (``.unpacked/<key>-<tag>/``, `unpacked.py`) whose entry is not
-  published, untouched for `older_than` (its entry's withdrawal drops a copy at once; this
-  catches a process killed in between, and a load that raced a withdrawal);
+- per-key notes, every kind the registry declares (`entry/notes.py`, `NOTE_KINDS`), each by
+  its own age rule (`Expiry`); this module walks the registry and names no kind (but pins,
+  which spare entries from `keep`), so a kind added there is collected here:
+  - failure notes (``.failures/<key>.json``) older than the compile retry cool-down
+    (``VLLM_NEURON_COMPILE_RETRY_AFTER``, 300 s): past it no process raises them any more;
+  - quarantine notes (``.quarantine/<key>.json``) and load-failure notes
+    (``.load-failures/<key>/<host>.json``, a remote's) older than `older_than` and at least
+    `OPERATOR_NOTE_MIN_AGE` (7 days): notes for the operators, who may still want to read
+    why an entry was withdrawn or which hosts could not load it;
+  - promotion notes (``.promote/<key>.json``, `owed.py`) of a key the tier has no entry
+    for, untouched for `older_than` (a compile killed before it published): a note whose
+    entry is there is kept (the next cache start promotes it);
+  - unpacked copies of packages (``.unpacked/<key>-<tag>/``, `unpacked.py`) whose entry is
+    not published, untouched for `older_than` (its entry's withdrawal drops a copy at
+    once; this catches a process killed in between, and a load that raced a withdrawal);
+  - pins (``.pins/<key>.json``): never;
 - with `keep` (the graph hashes a live deployment's manifests name): every published
   entry no one of them names, published longer than `older_than` ago (which the caller
   must give: `--older-than` is required with `--keep-manifest`).
@@ -29,10 +35,10 @@ What is collected (`GcItem.what`):
 Never touched: a published entry (unless `keep` is given, and then only the unreferenced
 and old ones, each withdrawn as the version planned, and on a tier with kernel locks only
 while its key's lock is free); a note being rewritten (compared and removed, on a tier
-with kernel locks, under its key's lock); a lease that is held; a kernel lock file; anything younger
-than its bound; event segments (``.events/``: `cache stats` reads them); pins and pinned
-entries (``cache pin``). An item that changed since the plan (written to, committed,
-taken again) is left, and said so.
+with kernel locks, under its key's lock, for a kind whose writers hold it); a lease that is
+held; a kernel lock file; anything younger than its bound; event segments (``.events/``:
+`cache stats` reads them); pins and pinned entries (``cache pin``). An item that changed
+since the plan (written to, committed, taken again) is left, and said so.
 """
 
 from __future__ import annotations
@@ -41,19 +47,25 @@ import hashlib
 import re
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm_neuron.backends import LockTimeout, Store, fault_point
 from vllm_neuron.backends.debris import Debris, Seen, Survey
-from vllm_neuron.backends.records import RecordCodec, RecordError
+from vllm_neuron.backends.records import RecordError
 from vllm_neuron.envs.compile_cache import DEFAULT_COMPILE_RETRY_AFTER
 
-from ..entry.failure_notes import FAILURE_NOTES, FAILURES_DIR
-from ..tiers.quarantine import QUARANTINE_DIR, QUARANTINE_NOTES
-from ..tiers.unpacked import UNPACKED_DIR, copy_key, drop_unpacked
-from .eviction import PINS_DIR
-from .owed import OWED_DIR, OWED_NOTES
+from ..entry.notes import (
+    NOTE_KINDS,
+    OPERATOR_NOTE_MIN_AGE,
+    PINS,
+    Expiry,
+    Layout,
+    NoteKind,
+    kind_named,
+    kind_of,
+)
+from ..tiers.unpacked import drop_unpacked
 
 STAGING_MAX_AGE = 6 * 3600.0
 """The default age bound: what killed writers left, untouched this long, is collected (by
@@ -61,11 +73,11 @@ STAGING_MAX_AGE = 6 * 3600.0
 time a live writer goes without writing a file: the longest compile."""
 LEASE_GRACE = 600.0
 """Seconds past its release or expiry that a lease's records are kept."""
-QUARANTINE_NOTE_MIN_AGE = 7 * 86400.0
-"""Seconds a quarantine note is kept at least, whatever the bound."""
+QUARANTINE_NOTE_MIN_AGE = OPERATOR_NOTE_MIN_AGE
+"""Seconds a quarantine note (or a load-failure note) is kept at least, whatever the bound
+(`entry/notes.py`)."""
 
 _KEY = re.compile(r"[0-9a-f]{32}")
-_NOTE = re.compile(r"([0-9a-f]{32})\.json")
 
 WHAT = {
     "staging": "abandoned staging",
@@ -75,13 +87,10 @@ WHAT = {
     "upload": "unfinished upload",
     "partial": "partial write",
     "lease": "expired lease",
-    "failure-note": "expired failure note",
-    "quarantine-note": "old quarantine note",
-    "owed-note": "promotion note without an entry",
-    "unpacked": "unpacked package without its entry",
+    **{kind.name: kind.what for kind in NOTE_KINDS},
     "entry": "unreferenced entry",
 }
-"""How each kind is named in the plan (`GcItem.what`)."""
+"""How each kind is named in the plan (`GcItem.what`); a note's as the registry says."""
 
 
 @dataclass(frozen=True)
@@ -186,30 +195,12 @@ def plan_gc(
         for d in found.debris
     ]
     kept = [GcItem(k.kind, k.prefix, k.age_seconds, 0, k.reason) for k in found.kept]
-    note_bound = max(bound, QUARANTINE_NOTE_MIN_AGE)
-    _plan_copies(store, found, now, bound, items, kept)
-    for seen in found.files:
-        kind, limit = _note_kind(seen.key, failure_max_age, note_bound, bound)
-        if kind is None:
-            continue
-        at, version = _note_time(store, seen, kind)
-        if at is None:
-            continue  # gone since the walk
-        age = now - at
-        if kind == "owed-note" and seen.key[len(OWED_DIR) + 1:-5] in found.published:
-            kept.append(GcItem(kind, seen.key, age, seen.size,
-                               "its entry is still to be promoted (the next start does it)"))
-            continue
-        (items if age > limit else kept).append(GcItem(
-            kind, seen.key, age, seen.size,
-            f"older than {_span(limit)}" if age > limit else f"younger than {_span(limit)}",
-            version=version,
-        ))  # fmt: skip
+    note_bound = max(bound, OPERATOR_NOTE_MIN_AGE)
+    _plan_notes(store, found, now, bound, failure_max_age, items, kept)
     missing: tuple[str, ...] = ()
     if keep is not None:
         wanted = set(keep)
-        pinned = {n[: -len(".json")] for n in (s.key[len(PINS_DIR) + 1:] for s in found.files
-                                                if s.key.startswith(PINS_DIR + "/"))}  # fmt: skip
+        pinned = {p[1] for p in map(PINS.parse, (s.key for s in found.files)) if p}
         entries = {n: p for n, p in found.published.items() if _KEY.fullmatch(n)}
         missing = tuple(sorted(k for k in wanted if k not in entries))
         for name, pub in sorted(entries.items()):
@@ -229,25 +220,60 @@ def plan_gc(
     return GcPlan(store, tuple(items), tuple(kept), missing, bounds)
 
 
-def _plan_copies(store: Store, found: Survey, now: float, bound: float, items: list[GcItem],
-                 kept: list[GcItem]) -> None:  # fmt: skip
-    """Unpacked copies whose entry is not published: collected past the bound."""
-    copies: dict[str, tuple[int, float]] = {}  # name -> (bytes, newest file time)
+def _plan_notes(store: Store, found: Survey, now: float, bound: float, retry_after: float,
+                items: list[GcItem], kept: list[GcItem]) -> None:  # fmt: skip
+    """Every registered kind of note (`NOTE_KINDS`) by its age rule: copies first (their
+    age is their newest file's), then the notes (their age is the time they record)."""
+    # where -> (kind, key, limit, bytes, newest file time)
+    copies: dict[str, tuple[NoteKind[Any], str, float, int, float]] = {}
+    notes: list[tuple[NoteKind[Any], Seen, str, float]] = []
     for seen in found.files:
-        top, _, rest = seen.key.partition("/")
-        if top == UNPACKED_DIR and "/" in rest:
-            size, newest = copies.get(rest.split("/", 1)[0], (0, 0.0))
-            copies[rest.split("/", 1)[0]] = (size + seen.size, max(newest, seen.mtime))
-    for name, (size, newest) in sorted(copies.items()):
-        key = copy_key(name)
-        if key is None or key in found.published:
-            continue  # not a copy, or its entry's: loads verify it, a withdrawal drops it
-        where, age = f"{UNPACKED_DIR}/{name}", now - newest
-        if age <= bound:
-            kept.append(GcItem("unpacked", where, age, size, f"younger than {_span(bound)}"))
+        kind = kind_of(seen.key)
+        parsed = None if kind is None else kind.parse(seen.key)
+        if kind is None or parsed is None:
             continue
-        items.append(GcItem("unpacked", where, age, size, f"entry {key} is not published",
+        limit = kind.max_age(bound=bound, retry_after=retry_after)
+        if limit is None:
+            continue  # never collected (a pin)
+        where, key = parsed
+        if kind.layout is Layout.COPY:
+            size, newest = copies.get(where, (kind, key, limit, 0, 0.0))[3:]
+            copies[where] = (kind, key, limit, size + seen.size, max(newest, seen.mtime))
+        else:
+            notes.append((kind, seen, key, limit))
+    for where, (kind, key, limit, size, newest) in sorted(copies.items()):
+        age = now - newest
+        if _kept_with_entry(kind, key, found, GcItem(kind.name, where, age, size, ""), kept):
+            continue  # its entry's: loads verify it, a withdrawal drops it
+        if age <= limit:
+            kept.append(GcItem(kind.name, where, age, size, f"younger than {_span(limit)}"))
+            continue
+        items.append(GcItem(kind.name, where, age, size, f"entry {key} is not published",
                             version=store.publication(where).version))  # fmt: skip
+    for kind, seen, key, limit in notes:
+        at, version = _note_time(store, seen, kind)
+        if at is None:
+            continue  # gone since the walk
+        age = now - at
+        if _kept_with_entry(kind, key, found, GcItem(kind.name, seen.key, age, seen.size, ""),
+                            kept):  # fmt: skip
+            continue
+        (items if age > limit else kept).append(GcItem(
+            kind.name, seen.key, age, seen.size,
+            f"older than {_span(limit)}" if age > limit else f"younger than {_span(limit)}",
+            version=version,
+        ))  # fmt: skip
+
+
+def _kept_with_entry(kind: NoteKind[Any], key: str, found: Survey, item: GcItem,
+                     kept: list[GcItem]) -> bool:  # fmt: skip
+    """Whether a note of `kind` stays because its key's entry is published
+    (`Expiry.WITHOUT_ENTRY`); listed in `kept` with the kind's reason when it has one."""
+    if kind.expiry is not Expiry.WITHOUT_ENTRY or key not in found.published:
+        return False
+    if kind.while_published:
+        kept.append(replace(item, reason=kind.while_published))
+    return True
 
 
 def _debris_reason(d: Debris, bound: float, grace: float) -> str:
@@ -257,33 +283,14 @@ def _debris_reason(d: Debris, bound: float, grace: float) -> str:
     return f"{d.detail}; {text}" if d.detail else text
 
 
-def _note_kind(
-    key: str, failure_max_age: float, note_bound: float, bound: float
-) -> tuple[str | None, float]:
-    directory, _, name = key.partition("/")
-    if "/" in name or not _NOTE.fullmatch(name):
-        return None, 0.0
-    if directory == FAILURES_DIR:
-        return "failure-note", failure_max_age
-    if directory == QUARANTINE_DIR:
-        return "quarantine-note", note_bound
-    if directory == OWED_DIR:
-        return "owed-note", bound
-    return None, 0.0
-
-
-def _note_time(store: Store, seen: Seen, kind: str) -> tuple[float | None, str | None]:
+def _note_time(store: Store, seen: Seen, kind: NoteKind[Any]) -> tuple[float | None, str | None]:
     """When the note says it was written (its file's time if it does not read), and the
     version a removal re-checks (a digest of its bytes)."""
     data = store.read(seen.key)
     if data is None:
         return None, None
-    codecs: dict[str, RecordCodec[Any]] = {
-        "failure-note": FAILURE_NOTES, "quarantine-note": QUARANTINE_NOTES,
-        "owed-note": OWED_NOTES}  # fmt: skip
-    codec = codecs[kind]
     try:
-        at = float(codec.decode(data, source=seen.key).at)
+        at = float(kind.codec.decode(data, source=seen.key).at)
     except RecordError:
         at = seen.mtime
     return at, _fingerprint(data)
@@ -298,25 +305,29 @@ def _remove(store: Store, item: GcItem) -> str | None:
     if item.debris is not None:
         done = store.remove_debris(item.debris)
         return "changed since the plan (in use)" if done == "changed" else None
-    if item.kind in ("failure-note", "quarantine-note", "owed-note"):
-        return _remove_note(store, item)
-    if item.kind == "entry":
-        return _withdraw(store, item)
-    if item.kind == "unpacked":
+    kind = kind_named(item.kind)
+    if kind is not None and kind.layout is Layout.COPY:
         if store.unpublish(item.where, version=item.version) or not store.published(item.where):
             return None
         return "republished since the plan"
+    if kind is not None:
+        return _remove_note(store, item, kind)
+    if item.kind == "entry":
+        return _withdraw(store, item)
     raise ValueError(f"cannot remove a {item.kind!r}")
 
 
-def _remove_note(store: Store, item: GcItem) -> str | None:
-    """Remove a note still as planned. On a tier whose processes share a kernel, under its
-    key's lock, which whoever rewrites a note there holds (a compile writing its failure
-    note, a process owing a promotion), so the note cannot be rewritten between the
-    comparison and the removal; a key whose lock is held keeps its note for the next pass."""
-    if not store.capabilities.kernel_locks:
+def _remove_note(store: Store, item: GcItem, kind: NoteKind[Any]) -> str | None:
+    """Remove a note still as planned. On a tier whose processes share a kernel, and for a
+    kind whose writers hold its key's lock (`NoteKind.key_lock`: a compile writing its
+    failure note, a process owing a promotion), under that lock, so the note cannot be
+    rewritten between the comparison and the removal; a key whose lock is held keeps its
+    note for the next pass. A kind written without the lock (a host's load-failure note)
+    is compared and removed: a lock its writers never take would not keep them out."""
+    parsed = kind.parse(item.where)
+    if parsed is None or not kind.key_lock or not store.capabilities.kernel_locks:
         return _remove_note_as_planned(store, item)
-    lock = store.lock(item.where.rsplit("/", 1)[-1].removesuffix(".json"))
+    lock = store.lock(parsed[1])
     try:
         lock.acquire(0)
     except LockTimeout:

@@ -55,18 +55,16 @@ from vllm_neuron.backends import (
     Store,
     encode,
     fault_point,
-    join,
 )
 
 from ..entry.check import KEY_RE
 from ..entry.events import CACHE_EVENTS, EVENTS_STREAM, CacheHit, Compiled, Evicted, Fetched
+from ..entry.notes import PIN_RECORDS, PINS, PINS_DIR, Pin
 from ..tiers.inventory import EntryInfo, list_entries
 from ..tiers.unpacked import drop_unpacked, unpacked_sizes
 
 logger = logging.getLogger("vllm_neuron.compile")
 
-PINS_DIR = ".pins"
-"""``<tier>/.pins/<key>.json``: an entry that no size bound or prune removes."""
 EVICT_LOCK = "evict"
 """The tier-wide lock of an eviction pass (``.locks/evict.lock`` on local disk)."""
 RECENT_USE_SECONDS = 60.0
@@ -81,22 +79,12 @@ _USES = (CacheHit, Compiled, Fetched)
 
 
 # ------------------------------------------------------------------ pins
-class Pin(Record, frozen=True, tag="pin"):
-    """Why an entry is kept whatever the bound: who pinned it, when, and a note."""
-
-    key: str
-    at: float
-    by: str = ""  # host:pid
-    note: str = ""
-
-
-_PINS = RecordCodec(Pin)
-
-
+# A pin's directory and record (`Pin`) are declared with every per-key note's in
+# `entry/notes.py` (`PINS`: never collected).
 def _pin_key(key: str) -> str:
     if not KEY_RE.fullmatch(key):
         raise ValueError(f"{key!r} is not a cache key (32 lower-case hex characters)")
-    return join(PINS_DIR, f"{key}.json")
+    return PINS.path(key)
 
 
 def pin(store: Store, key: str, *, note: str = "") -> bool:
@@ -124,7 +112,7 @@ def read_pins(store: Store) -> dict[str, Pin | None]:
     out: dict[str, Pin | None] = {}
     for key in sorted(pinned_keys(store)):
         try:
-            out[key] = _PINS.read(store, _pin_key(key))
+            out[key] = PIN_RECORDS.read(store, _pin_key(key))
         except Exception:  # noqa: BLE001 - an unreadable pin still pins
             out[key] = None
     return out

@@ -19,7 +19,8 @@ work on the key after that keeps its note, for the next start): the note gone al
 settled by another process; no local entry -> nothing to share, the note goes; else the
 key's remote lease (the same wait), `promote_entry` (a no-op when the remote has the
 entry), and the note goes. A corrupt local entry is quarantined, never shared. A remote
-that fails or refuses writes ends the pass with the notes kept.
+that fails or refuses writes ends the pass with the notes kept. The note's directory,
+record and age rule (`cache gc`) are declared in `entry/notes.py` (`OWED`).
 """
 
 from __future__ import annotations
@@ -32,32 +33,23 @@ import socket
 import time
 from collections.abc import Callable
 
-from vllm_neuron.backends import LockTimeout, Record, Store, join
-from vllm_neuron.backends.records import RecordCodec, RecordError, encode
+from vllm_neuron.backends import LockTimeout, Store
+from vllm_neuron.backends.records import RecordError, encode
 
+from ..entry.notes import OWED, OWED_DIR, OWED_NOTES, OwedPromotion
 from ..tiers.promote import CannotSign, LocalEntryProblem, promote_entry
 from ..tiers.remote import RemoteTier
 
 logger = logging.getLogger("vllm_neuron.compile")
 
-OWED_DIR = ".promote"
+__all__ = ["OWED_DIR", "OWED_NOTES", "OwedPromotion", "owe_promotion", "owed_keys",
+           "promotion_settled", "read_owed", "settle_owed"]  # fmt: skip
+
 _NOTE_NAME = re.compile(r"([0-9a-f]{32})\.json")
 
 
-class OwedPromotion(Record, frozen=True, tag="promotion-owed"):
-    """``.promote/<key>.json``: a compile for the fleet whose promotion is not done yet."""
-
-    at: float
-    remote: str  # the remote it was compiled for (for people; any writable remote settles it)
-    pid: int
-    host: str
-
-
-OWED_NOTES = RecordCodec(OwedPromotion)
-
-
 def _note_key(key: str) -> str:
-    return join(OWED_DIR, f"{key}.json")
+    return OWED.path(key)
 
 
 def owe_promotion(local: Store, key: str, remote_url: str) -> None:
