@@ -16,7 +16,10 @@ period (`_beat`), and every renewal changes the record's bytes (its `renewal` co
 up, whatever the holder's clock says). A waiter judges expiry on its *own monotonic clock*:
 the lease is expired once this process has seen the same latest generation with the same
 record bytes for one lease period (the holder's `duration`, as its record says; a record
-without one, by a version before it: this lock's `lease_duration`). The record's `expires`
+without one, by a version before it: this lock's `lease_duration`) - never longer than this
+lock's own `lease_duration`, whatever the record says: a record claiming a ten-year period
+(anyone who can write the store can write one) costs a waiter one of its own periods past
+the last change it saw. The record's `expires`
 (the holder's wall clock) is still written, for readers that predate this rule and for
 `cache gc` (`debris.py`), but no waiter reads it: a node whose clock is minutes off neither
 takes over a live lease nor waits on a dead one for longer than a period after the last
@@ -29,12 +32,24 @@ full period from its first look, even for a lease whose holder died long ago (a 
 that finds a dead holder's lease pays one period). No lease, or a released one, is free at
 once. While the record stays as seen, a look is one read of it (`_glance`); a listing is
 added only when it changed, went, or ran out.
+
+**A malformed lease is held by an unknown owner, for one period.** A lease directory holds
+only records named by their generation (`generation_of`: twelve to eighteen ASCII digits,
+as `_key` writes them). A name that is none (a stray file, ``"²"``, ``"1e9"``, a 5,000-digit
+number) is ignored while a record with a generation is there; a directory holding only such
+names, or a latest record that is not there to read (a directory in its place) is "busy,
+held by an unknown owner" - watched like a record that does not decode, and taken over (the
+next generation created on top) after one of this lock's own periods. Nothing in a lease
+directory makes a look raise: what a writer of the store left there costs a waiter at most
+one period, never the store (a caller that sets the whole store aside on an error would
+otherwise lose every key for one name in one directory).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import socket
 import threading
 import time
@@ -144,6 +159,24 @@ class _Sighting(NamedTuple):
     period: float  # the holder's lease period: unchanged for this long, it expired
 
 
+_GENERATION_NAME = re.compile(r"[0-9]{12,18}")
+"""A generation record's name: `LeaseLock._key` writes at least twelve digits; eighteen
+bound what a name may hold (a longer one is no generation, however many digits)."""
+
+_UNKNOWN_OWNER = b""
+"""The bytes a sighting of a malformed lease holds (nothing read, or nothing to read): the
+same whatever the junk, so new junk does not restart the period."""
+
+
+def generation_of(name: str) -> int | None:
+    """The generation a lease record named `name` holds; None when `name` is no generation
+    record's name (not ASCII digits, not as `LeaseLock._key` writes it, or 0)."""
+    if not _GENERATION_NAME.fullmatch(name):
+        return None
+    generation = int(name)
+    return generation if generation > 0 and f"{generation:012d}" == name else None
+
+
 _SIGHTINGS: dict[tuple[str, str], _Sighting] = {}
 """(store URL, lease directory) -> what this process saw last. Plain dict operations (atomic
 under the GIL, no lock a fork could inherit held): two threads racing on one entry can only
@@ -192,59 +225,84 @@ class LeaseLock(Lock):
                                   released=released, renewal=self._renewal,
                                   duration=self.lease_duration))  # fmt: skip
 
+    def _listing(self) -> tuple[int, bool]:
+        """The latest generation in the store (one listing; 0 when there is none), and
+        whether the directory holds a name that is no generation record's."""
+        latest, odd = 0, False
+        for name in self.store.list_dir(self.directory):
+            generation = generation_of(name)
+            if generation is None:
+                odd = True
+            elif generation > latest:
+                latest = generation
+        return latest, odd
+
     def _newest(self) -> int:
         """The latest generation in the store (one listing); 0 when there is none."""
-        return max((int(n) for n in self.store.list_dir(self.directory) if n.isdigit()),
-                   default=0)  # fmt: skip
+        return self._listing()[0]
 
-    def _look(self) -> tuple[int, bytes | None]:
-        """The latest generation and its record's bytes (None: gone since the listing)."""
-        latest = self._newest()
-        return latest, None if latest == 0 else self.store.read(self._key(latest))
+    def _look(self) -> tuple[int, bytes | None, bool]:
+        """The latest generation, its record's bytes (None: gone since the listing, or not
+        a file), and whether the directory holds a name that is no record's."""
+        latest, odd = self._listing()
+        return latest, None if latest == 0 else self.store.read(self._key(latest)), odd
 
     def _decode(self, generation: int, data: bytes) -> LeaseRecord:
         try:
             return LEASE_RECORDS.decode(data, source=f"{self.store.url}/{self._key(generation)}")
-        except RecordError:
+        except (RecordError, ValueError, RecursionError):
             # A torn or foreign record (or a newer version's): never trusted to be held for
             # longer than this lock's own period, and watched like any other.
             return LeaseRecord(owner="", generation=generation, expires=0.0)
 
     def _latest(self) -> tuple[int, LeaseRecord | None]:
-        latest, data = self._look()
+        latest, data, _ = self._look()
         return latest, None if data is None else self._decode(latest, data)
 
     # ----------------------------------------------------------- judgement
-    def _judge(self, generation: int, data: bytes | None) -> tuple[float, LeaseRecord | None]:
+    def _judge(self, generation: int, data: bytes | None, odd: bool = False
+               ) -> tuple[float, LeaseRecord | None]:  # fmt: skip
         """How long the lease as read stays held on this process's monotonic clock (0: free
         now), and its record: no record or a released one is free at once; any other is
-        held for one period from the first look that found these very bytes."""
+        held for one period from the first look that found these very bytes - the holder's
+        period as its record says, never longer than this lock's own. A malformed lease
+        (`odd` names and no record; a latest record not there to read) is held by an
+        unknown owner (a record without one) for this lock's own period."""
         where = (self.store.url, self.directory)
-        if generation == 0:
+        if generation == 0 and not odd:
             _SIGHTINGS.pop(where, None)
             return 0.0, None
-        if data is None:  # removed between the listing and the read: look again
-            return self.poll_interval, None
+        if generation == 0 or data is None:  # junk only; a directory in a record's place;
+            # or removed since the listing (a collector: the next look finds it free)
+            unknown = LeaseRecord(owner="", generation=generation, expires=0.0)
+            return self._held_for(where, generation, _UNKNOWN_OWNER, self.lease_duration), unknown
         record = self._decode(generation, data)
         if record.released:
             _SIGHTINGS.pop(where, None)
             return 0.0, record
+        period = record.duration
+        if not 0 < period <= self.lease_duration:  # NaN fails too
+            period = self.lease_duration  # none (a version before `duration`), or too long
+        return self._held_for(where, generation, data, period), record
+
+    def _held_for(self, where: tuple[str, str], generation: int, data: bytes,
+                  period: float) -> float:  # fmt: skip
+        """Seconds the lease seen as (`generation`, `data`) stays held on this process's
+        monotonic clock: `period` from the first look that found it so."""
         now = time.monotonic()
         seen = _SIGHTINGS.get(where)
         if seen is None or seen.generation != generation or seen.data != data:
-            period = record.duration
-            if not (period > 0 and math.isfinite(period)):
-                period = self.lease_duration  # written by a version before `duration`
             seen = _SIGHTINGS[where] = _Sighting(generation, data, now, period)
-        return max(0.0, seen.since + seen.period - now), record
+        return max(0.0, seen.since + seen.period - now)
 
     def _glance(self) -> tuple[float, LeaseRecord | None] | None:
         """The judgement from one read of the record this process watches, while that is
         enough: it is still there, not released, and unchanged within its period or
         renewed. None when only a full look (listing, then read) can tell."""
         seen = _SIGHTINGS.get((self.store.url, self.directory))
-        if seen is None or time.monotonic() >= seen.since + seen.period:
-            return None
+        if seen is None or seen.data == _UNKNOWN_OWNER \
+                or time.monotonic() >= seen.since + seen.period:  # fmt: skip
+            return None  # a malformed lease is looked at whole: it may have been taken
         data = self.store.read(self._key(seen.generation))
         if data is None:
             return None
@@ -256,8 +314,8 @@ class LeaseLock(Lock):
         glanced = self._glance()
         if glanced is not None:
             return -1, *glanced
-        latest, data = self._look()
-        return latest, *self._judge(latest, data)
+        latest, data, odd = self._look()
+        return latest, *self._judge(latest, data, odd)
 
     # ------------------------------------------------------------ protocol
     def acquire(self, timeout: float | None = None) -> None:
@@ -294,7 +352,8 @@ class LeaseLock(Lock):
         self._lost = False
         self._stop.clear()
         for old in self.store.list_dir(self.directory):
-            if old.isdigit() and int(old) < generation - 1:
+            older = generation_of(old)
+            if older is not None and older < generation - 1:
                 self.store.delete(join(self.directory, old))
         self._heartbeat = threading.Thread(
             target=self._beat, name=f"lease-heartbeat-{self.name}", daemon=True

@@ -161,15 +161,27 @@ def test_a_new_lock_object_goes_on_from_what_the_process_saw(store: Any, clocks:
     later.release()
 
 
-def test_the_period_is_the_holders_as_its_record_says(store: Any, clocks: Clocks) -> None:
-    """A holder with a longer lease renews less often: a waiter configured shorter still
-    gives it the holder's own period."""
+def test_the_period_is_the_holders_as_its_record_says_up_to_the_waiters_own(
+    store: Any, clocks: Clocks
+) -> None:
+    """A holder with a shorter lease is given its own period; one whose record claims a
+    longer one than the waiter's is given the waiter's: what a record says never holds a
+    waiter longer than its own setting (a writer of the store can write any record)."""
+    name = unique()
+    holder = frozen_holder(store, name, clocks, period=PERIOD / 2)
+    waiter = lease(store, name)
+    assert refused(waiter)
+    clocks.advance(PERIOD / 2)
+    waiter.acquire(timeout=0)
+    assert waiter.took_over_from == holder.owner
+    waiter.release()
+    holder.release()
+
     name = unique()
     holder = frozen_holder(store, name, clocks, period=3 * PERIOD)
     waiter = lease(store, name)
     assert refused(waiter)
-    clocks.advance(2 * PERIOD)
-    assert refused(waiter)
+    assert waiter.seconds_until_free() == PERIOD
     clocks.advance(PERIOD)
     waiter.acquire(timeout=0)
     assert waiter.took_over_from == holder.owner
