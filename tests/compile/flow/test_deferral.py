@@ -145,7 +145,7 @@ def test_a_remote_that_fails_to_answer_after_the_lease_is_won_is_an_outage_not_a
 
     looks: list[str] = []
 
-    def unanswered(store: Any, key: str, *, since: float) -> None:
+    def unanswered(store: Any, key: str, **_: Any) -> None:
         looks.append(key)  # the failure-note read, on a remote that stopped answering
         raise ConnectionError("the remote did not answer")
 

@@ -259,14 +259,27 @@ def run_get(args: Mapping[str, Any]) -> dict[str, Any]:
             hold_dir=args.get("hold_dir"),
         )
 
-    try:
-        result = cache.get_or_compile(key, compile_fn)
-    except Exception as exc:  # reported to the test, which asserts on it
-        return {"ok": False, "error_type": type(exc).__name__, "error": str(exc),
-                "started": t0, "finished": time.time(), "pid": os.getpid(),
-                "local_dir": cache.local_dir}
+    # ``retry_for``: a node asked for the graph again after each failure (vLLM restarted on
+    # it), for that many seconds at most; ``refused``: how many asks failed, and for how long
+    # (monotonic seconds from the first failure to the last).
+    retry_until = time.monotonic() + float(args.get("retry_for", 0))
+    refused: list[float] = []
+    while True:
+        try:
+            result = cache.get_or_compile(key, compile_fn)
+            break
+        except Exception as exc:  # reported to the test, which asserts on it
+            refused.append(time.monotonic())
+            if time.monotonic() < retry_until:
+                time.sleep(0.05)
+                continue
+            return {"ok": False, "error_type": type(exc).__name__, "error": str(exc),
+                    "started": t0, "finished": time.time(), "pid": os.getpid(),
+                    "local_dir": cache.local_dir, "refused": len(refused)}
     assert result.path is not None
     return {
+        "refused": len(refused),
+        "refused_for": refused[-1] - refused[0] if refused else 0.0,
         "ok": True,
         "source": result.source,
         "local_dir": cache.local_dir,

@@ -11,7 +11,8 @@ node, ``cache prune``). A new publication of the key (a promotion after the old 
 pruned) forgets the notes, and ``cache gc`` collects a note older than its bound and at
 least a week (`notes.LOAD_FAILURES`, `Expiry.FOR_OPERATORS`: as a quarantine note, it is for
 the operators to read). Best-effort: a remote that refuses the note costs nothing but the
-note.
+note. The error passes the secret redactor (`vllm_neuron.envs.redact_text`) and is capped at
+`NOTE_TEXT_LIMIT` characters before it is written: the remote is shared.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import time
 
 from vllm_neuron.backends import Store, join
 from vllm_neuron.backends.records import encode
+from vllm_neuron.envs import redact_text
 
+from .failure_notes import NOTE_TEXT_LIMIT
 from .notes import LOAD_FAILURES, LOAD_NOTES_DIR, LoadFailureNote
 
 __all__ = [
@@ -40,7 +43,8 @@ logger = logging.getLogger("vllm_neuron.compile")
 def note_load_failure(remote: Store, key: str, error: str) -> None:
     """Leave this host's note on ``key`` in ``remote``; never raises."""
     host = socket.gethostname()
-    note = LoadFailureNote(key=key, at=time.time(), host=host, error=error[:2000])
+    note = LoadFailureNote(key=key, at=time.time(), host=host,
+                           error=redact_text(error)[:NOTE_TEXT_LIMIT])  # fmt: skip
     try:
         remote.write(LOAD_FAILURES.path(key, host), encode(note))
     except Exception as exc:  # noqa: BLE001 - see the module docstring

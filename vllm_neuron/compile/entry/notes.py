@@ -81,12 +81,20 @@ read why."""
 
 # ------------------------------------------------------------------ records
 class FailureNote(Record, frozen=True, tag="compile-failure"):
-    """``.failures/<key>.json``: the last failed compile of a key."""
+    """``.failures/<key>.json``: the last failed compile of a key.
+
+    ``signer`` and ``signature``: a builder's key id and its Ed25519 signature (hex) over
+    the note (`failure_notes.note_payload`), so that under ``require`` only a builder's
+    word stops a compile; empty in a note written without a key, or before notes were
+    signed (such a note reads as before: readers that predate the fields ignore them).
+    """
 
     at: float
     error: str  # "<type>: <message>"
     pid: int
     host: str
+    signer: str = ""
+    signature: str = ""
 
 
 class LoadFailureNote(Record, frozen=True, tag="load-failure-note"):

@@ -68,7 +68,7 @@ from ..entry.events import (
     LockWaited,
     Untrusted,
 )
-from ..entry.failure_notes import clear_failure_note, recent_failure
+from ..entry.failure_notes import clear_failure_note, note_message, recent_failure
 from ..entry.load_failure_notes import note_load_failure
 from ..entry.outcomes import (
     CacheResult,
@@ -188,7 +188,7 @@ class TwoTierCache:
                                   write=remote_write)  # fmt: skip
         self._fleet = RemoteSingleFlight(
             self._remote, lease_seconds=remote_lease_seconds, retry_after=compile_retry_after,
-            timeout=timeout, record=record)  # fmt: skip
+            timeout=timeout, record=record, trust=self.trust)  # fmt: skip
         self._slots = None if compile_workers is None else CompileSlots(
             self.local, compile_workers, lease_duration=lease_duration, peers=tensor_parallel_size)
         self._in_flight: dict[str, PendingCompile] = {}  # begin's worker compiles, by key
@@ -385,12 +385,10 @@ class TwoTierCache:
                                           compile_seconds=hit.record.compile_seconds))
                 return self.local_tier.result(key, hit.prefix, hit.record, "local-after-wait",
                                               waited)  # fmt: skip
-            failure = recent_failure(self.local, key, since=wait_start)
+            failure = recent_failure(self.local, key, since=wait_start,
+                                     retry_after=self._fleet.retry_after)  # fmt: skip
             if failure is not None:
-                raise CompileError(
-                    f"compile of {key} failed in process {failure.pid} on {failure.host}: "
-                    f"{failure.error}"
-                )
+                raise CompileError(note_message(key, failure))
             fetched = self.fetch_remote(key)
             if fetched is not None:
                 return fetched

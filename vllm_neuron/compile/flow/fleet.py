@@ -21,7 +21,10 @@ What a dead or failing compiler costs:
 * a compile that fails leaves a failure note on the remote (`entry/failure_notes.py`); waiters on
   every node raise its error at once, and processes that start within the cool-down
   (`VLLM_NEURON_COMPILE_RETRY_AFTER`) raise it too instead of compiling the same failing
-  graph again;
+  graph again. A note is advice, bounded (anyone who can write the remote can write one):
+  it stops a process's compile of a key for one cool-down at most, on that process's own
+  clock; one dated past the clock-skew margin is ignored; under ``require`` only a note
+  signed by a trusted builder's key counts (a builder signs the notes it writes);
 * a remote that fails (unreachable, denied) is set aside by `RemoteTier` with one
   warning, and the process compiles locally, as without a remote.
 """
@@ -35,9 +38,19 @@ from collections.abc import Callable
 from vllm_neuron.backends import LeaseLost, Lock, LockTimeout, Record, Store
 
 from ..entry.events import LeaseTakenOver, LeaseWaited
-from ..entry.failure_notes import FailureNote, describe, recent_failure, write_failure_note
+from ..entry.failure_notes import (
+    FailureNote,
+    NoteSigner,
+    describe,
+    note_message,
+    printable,
+    recent_failure,
+    write_failure_note,
+)
 from ..entry.outcomes import CacheResult, CompileError, FetchedFromFleet, Wait, Won
 from ..tiers.remote import RemoteTier
+from ..trust.policy import TrustPolicy
+from ..trust.signing import judge_note, sign_note
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -55,10 +68,8 @@ class FleetCompileError(CompileError):
 
 
 def failure_message(key: str, note: FailureNote, remote: Store) -> str:
-    return (
-        f"compile of {key} failed in process {note.pid} on {note.host} "
-        f"(recorded in {remote.url}): {note.error}"
-    )
+    """What `FleetCompileError` says: the note's text capped and escaped (`printable`)."""
+    return note_message(key, note, remote.url)
 
 
 class RemoteSingleFlight:
@@ -72,12 +83,19 @@ class RemoteSingleFlight:
         retry_after: float,
         timeout: float,
         record: Callable[[Record], None],
+        trust: TrustPolicy | None = None,
     ) -> None:
         self.tier = tier
         self.timeout = timeout  # NEURON_LIBTORCH_COMPILATION_TIMEOUT, for the message
         self.lease_seconds = lease_seconds
         self.retry_after = retry_after
         self._record = record
+        # Whose failure notes stop a compile (``require``: a trusted key's only), and the
+        # key this process signs its own with (a builder's).
+        self.trust = TrustPolicy() if trust is None else trust
+        signer = self.trust.signer
+        self._note_signer = None if signer is None else NoteSigner(
+            signer.key_id, lambda payload: sign_note(signer, payload))
 
     def claim(
         self,
@@ -166,7 +184,8 @@ class RemoteSingleFlight:
                 self._record(LeaseTakenOver(key=key, at=time.time(), previous_owner=previous,
                                             remote=remote.url))  # fmt: skip
                 logger.warning("compile cache: took over the compile of %s from %s, whose "
-                               "lease on %s expired", key, previous, remote.url)  # fmt: skip
+                               "lease on %s expired", key, printable(previous, 200),
+                               remote.url)  # fmt: skip
             fetched = fetch()  # published between our last look and the lease
         except BaseException:
             self._let_go(lease)
@@ -238,7 +257,7 @@ class RemoteSingleFlight:
         except Exception as remote_error:  # noqa: BLE001 - the remote is best-effort
             self.tier.failed(remote_error)
             return
-        refused = write_failure_note(won.remote, key, describe(exc))
+        refused = write_failure_note(won.remote, key, describe(exc), sign=self._note_signer)
         if isinstance(refused, PermissionError):
             self.tier.write_denied(refused)
         elif refused is not None:
@@ -280,10 +299,17 @@ class RemoteSingleFlight:
         """`FleetCompileError` when a compile of `key` failed in the fleet during this wait
         (or within `retry_after`): every waiter raises it at once, not at its timeout."""
         since = min(started, time.time() - self.retry_after)
-        note = recent_failure(remote, key, since=since)
+        verify = self._note_untrusted if self.trust.requires else None
+        note = recent_failure(remote, key, since=since, retry_after=self.retry_after,
+                              verify=verify)  # fmt: skip
         if note is not None:
             self._waited(key, wait_start, waited, "failed-elsewhere")
             raise FleetCompileError(failure_message(key, note, remote))
+
+    def _note_untrusted(self, note: FailureNote, payload: bytes) -> str | None:
+        """Why a failure note is not a trusted builder's (``require``), or None."""
+        verdict = judge_note(self.trust.keys, note.signer, note.signature, payload)
+        return None if verdict.trusted else verdict.reason
 
     def _best_effort_failure_look(self, remote: Store, key: str, started: float,
                                   wait_start: float, waited: bool) -> None:  # fmt: skip

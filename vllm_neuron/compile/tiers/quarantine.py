@@ -11,6 +11,9 @@ version (`Publication.version`, carried by a `PublicationProblem`), and an entry
 node has published in its place meanwhile stays (the storage layer's conditional
 `Store.unpublish`). Only a caller holding the key's lock, which nobody can publish past,
 may leave the version out.
+
+The reason passes the secret redactor (`vllm_neuron.envs.redact_text`) before it is written:
+a quarantine note may sit on the shared remote, and a reason quotes an error.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import Any
 
 from vllm_neuron.backends import Store
 from vllm_neuron.backends.records import encode
+from vllm_neuron.envs import redact_text
 
 from ..entry.notes import QUARANTINE, QUARANTINE_DIR, QUARANTINE_NOTES, QuarantineNote
 from ..entry.record import EntryProblem
@@ -64,7 +68,7 @@ def quarantine_entry(
             "a miss", store.url, key, reason,
         )  # fmt: skip
     with contextlib.suppress(Exception):
-        note = QuarantineNote(key=key, at=time.time(), reason=reason)
+        note = QuarantineNote(key=key, at=time.time(), reason=redact_text(reason))
         store.write(QUARANTINE.path(key), encode(note))
     try:
         withdrawn = store.unpublish(key, version=version)

@@ -46,9 +46,11 @@ __all__ = [
     "Verdict",
     "decode_signature",
     "generate_key_pair",
+    "judge_note",
     "key_id_of",
     "load_public_keys",
     "load_signer",
+    "sign_note",
     "signed_payload",
 ]
 
@@ -183,6 +185,34 @@ class TrustedKeys:
             return Verdict("bad-signature", sig.key_id, f"the signature by key {sig.key_id} "
                            "does not verify (the entry or its signature was changed)")  # fmt: skip
         return Verdict("trusted", sig.key_id, f"signed by trusted key {sig.key_id}")
+
+
+# Notes ----------------------------------------------------------------------------------------
+
+
+def sign_note(signer: Signer, payload: bytes) -> str:
+    """`signer`'s signature (hex) over a note's canonical `payload` (a failure note:
+    `entry/failure_notes.note_payload`, which names the signer's key id and a domain string
+    other than an entry's, so neither signature can pass for the other)."""
+    return str(signer._key.sign(payload).hex())  # type: ignore[attr-defined]
+
+
+def judge_note(keys: TrustedKeys, key_id: str, signature: str, payload: bytes) -> Verdict:
+    """Whether a note's `signature` (hex) by `key_id` over `payload` is a trusted key's."""
+    if not key_id or not signature:
+        return Verdict("unsigned", reason="the note is not signed")
+    public = keys.keys.get(key_id)
+    if public is None:
+        return Verdict("untrusted", key_id, f"signed by key {key_id[:16]!r}, which is not "
+                                            "trusted here")  # fmt: skip
+    from cryptography.exceptions import InvalidSignature
+
+    try:
+        public.verify(bytes.fromhex(signature), payload)  # type: ignore[attr-defined]
+    except (InvalidSignature, ValueError):
+        return Verdict("bad-signature", key_id, f"the signature by key {key_id} does not "
+                                                "verify (the note was changed)")  # fmt: skip
+    return Verdict("trusted", key_id, f"signed by trusted key {key_id}")
 
 
 # Key files ------------------------------------------------------------------------------------
