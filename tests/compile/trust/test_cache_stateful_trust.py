@@ -27,7 +27,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from hypothesis_profiles import examples  # tests/hypothesis_profiles.py
-from test_cache_stateful import FILES, KEYS, Tiers, expected  # tests/compile/
+from tier_model import FILES, KEYS, Tiers, expected  # tests/compile/helpers/
 
 from vllm_neuron.backends import join, open_store
 from vllm_neuron.backends.digests import digest_bytes
