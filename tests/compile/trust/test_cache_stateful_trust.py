@@ -11,6 +11,8 @@ the builder ever changes the remote, and what the remote's signature verifies ag
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
 from collections.abc import Iterator
 from typing import Any
@@ -27,7 +29,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 from hypothesis_profiles import examples  # tests/hypothesis_profiles.py
-from test_cache_stateful import FILES, KEYS, Tiers, expected  # tests/compile/
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                                "flow"))  # run alone too, not only after tests/compile/flow
+from test_cache_stateful import FILES, KEYS, Tiers, expected  # noqa: E402 - tests/compile/flow/
 
 from vllm_neuron.backends import join, open_store
 from vllm_neuron.backends.digests import digest_bytes

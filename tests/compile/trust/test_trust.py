@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -262,10 +263,23 @@ def test_keygen_sign_and_verify_migrate_an_unsigned_tier(tmp_path: Path, compile
     pair = json.loads(made.stdout)
     assert (Path(pair["private_key"]).stat().st_mode & 0o777) == 0o600
     assert cli("cache", "keygen", str(tmp_path / "k")).returncode == 2  # never overwritten
-    # Unsigned: verify with the key names both entries and exits 1.
-    before = cli("cache", "verify", str(tier), "--trusted-keys", pair["public_key"], "--json")
+    # This node's own tier (private to this user): its own compiles are trusted unsigned.
+    own = cli("cache", "verify", str(tier), "--keep", "--trusted-keys", pair["public_key"],
+              "--json")  # fmt: skip
+    assert own.returncode == 0, own.stdout + own.stderr
+    assert {(e["trust"], e["signer"]) for e in json.loads(own.stdout)} == {("trusted", None)}
+    # The same entries in a folder others may write (a shared tier, however it is named):
+    # judged by signature - unsigned, exit 1 - and never signed (their origin is unknown).
+    shared = tmp_path / "shared"
+    shutil.copytree(tier, shared)
+    shared.chmod(0o775)
+    before = cli("cache", "--cache-dir", str(shared), "verify", "--keep", "--trusted-keys",
+                 pair["public_key"], "--json")  # fmt: skip
     assert before.returncode == 1
     assert {e["trust"] for e in json.loads(before.stdout)} == {"unsigned"}
+    refused = cli("cache", "sign", str(shared), "--key", pair["private_key"], "--entry", KEY)
+    assert refused.returncode == 1 and "origin is unknown" in refused.stdout, refused.stdout
+    assert not (shared / KEY / SIGNATURE_FILE).exists()
     # A corrupted entry is never signed.
     record = decode_record((tier / KEY / ENTRY_RECORD).read_bytes())
     victim = tier / "6f6f6f6f6f6f6f6f6f6f6f6f6f6f6f6f" / sorted(record.files)[0]
