@@ -15,7 +15,8 @@ The node key (:func:`node_key`) is 32 random bytes in a file beside the tier, ne
 ``<tier>.node-key`` (``$VLLM_CACHE_ROOT/neuron/compile_cache.node-key`` by default), created
 ``0600`` exclusively on first use by a process that writes an entry. A key file that is not
 a regular file of this user's, or that group or others may read or write, is refused with
-one warning: nothing is sealed then, and every local entry is of unknown origin. Deleting
+one warning: this process seals with a key of its own then (what it compiles serves it),
+and every other entry of the tier is of unknown origin. Deleting
 the file costs only re-verification (entries are judged by their signature, and under
 ``require`` unsigned ones of this node are compiled again); it is never needed elsewhere.
 A tier that is not a directory (a memory store in tests, a bypassed tier) uses a key that
@@ -80,7 +81,7 @@ class NodeKey:
 
 
 _PROCESS_KEY = NodeKey(secrets.token_bytes(_KEY_BYTES), None)  # tiers that are not directories
-_KEYS: dict[str, NodeKey | None] = {}  # store URL -> its key (None: its file refused)
+_KEYS: dict[str, NodeKey] = {}  # store URL -> its key (the process's: its file refused)
 _LOCK = threading.Lock()
 
 
@@ -88,7 +89,6 @@ def forget_node_keys() -> None:
     """Read the key files again at next use (tests that delete or replace one)."""
     with _LOCK:
         _KEYS.clear()
-        _UNWRITABLE.clear()
 
 
 def node_key_path(store: Store) -> str | None:
@@ -103,43 +103,35 @@ def node_key_path(store: Store) -> str | None:
 
 def node_key(store: Store, *, create: bool = False) -> NodeKey | None:
     """The key of ``store``'s tier; None when there is none yet (``create``: made now, by a
-    process about to write an entry), or its file is refused or cannot be made (said once
-    per tier)."""
+    process about to write an entry). A key file that is refused or cannot be made or read
+    is said once per tier, and this process's own key stands in for it: what the process
+    seals it trusts itself (its compiles serve), and every other process judges by
+    signature - the cache never fails for it."""
     url = store.url
-    known = _KEYS.get(url, _UNKNOWN)
-    if known is not _UNKNOWN:
-        return known  # type: ignore[return-value]
+    known = _KEYS.get(url)
+    if known is not None:
+        return known
     path = node_key_path(store)
     if path is None:
         return _PROCESS_KEY
     try:
         secret = _read_or_create_key(path) if create else _read_key(path)
-    except _Refused as exc:
+    except (_Refused, OSError) as exc:
+        why = f"it is refused: {exc}" if isinstance(exc, _Refused) else (
+            f"it cannot be {'made' if create else 'read'}: {exc.strerror or exc}")
         with _LOCK:
-            _KEYS[url] = None  # refused for the process's life: said once
-        logger.warning("compile cache: the node key %s is refused: %s; every entry of %s is "
-                       "of unknown origin (judged by its signature); remove the file (that "
-                       "costs only re-verification)", path, exc, url)  # fmt: skip
-        return None
-    except OSError as exc:
-        with _LOCK:
-            first = url not in _UNWRITABLE
-            _UNWRITABLE.add(url)
-        if first:
-            logger.warning("compile cache: cannot make the node key %s (%s): what this node "
-                           "puts in %s is of unknown origin (judged by its signature)", path,
-                           exc.strerror or exc, url)  # fmt: skip
-        return None
+            _KEYS[url] = _PROCESS_KEY
+        logger.warning("compile cache: the node key %s: %s; what this process puts in %s is "
+                       "trusted by this process only, every other entry there is of unknown "
+                       "origin (judged by its signature); remove or fix the file (that costs "
+                       "only re-verification)", path, why, url)  # fmt: skip
+        return _PROCESS_KEY
     if secret is None:
         return None  # not made yet (not memoised: a writer makes it): nothing carries its seal
     key = NodeKey(secret, path)
     with _LOCK:
-        key = _KEYS.setdefault(url, key) or key
+        key = _KEYS.setdefault(url, key)
     return key
-
-
-_UNKNOWN = object()
-_UNWRITABLE: set[str] = set()
 
 
 class _Refused(Exception):
@@ -208,10 +200,10 @@ def _read_or_create_key(path: str) -> bytes:
 
 def seal(store: Store, record: EntryRecord) -> EntryRecord:
     """``record`` sealed by the node key of ``store``'s tier (made if need be): what this node
-    writes there as its own compile or its own verified fetch. Unsealed when there is no key
-    (refused or not writable: said once): of unknown origin then."""
+    writes there as its own compile or its own verified fetch (`node_key`: a key file that
+    cannot be used is said once, and the process's own key seals)."""
     key = node_key(store, create=True)
     unsealed = msgspec.structs.replace(record, sealed=msgspec.UNSET)
-    if key is None:
+    if key is None:  # pragma: no cover - create=True always gives a key
         return unsealed
     return msgspec.structs.replace(unsealed, sealed=key.seal(unsealed))
