@@ -23,7 +23,6 @@ from test_trust import (  # tests/compile/trust/test_trust.py
     build_and_promote,
     builder_policy,
     cli,
-    keys,  # noqa: F401 - the fixture
     serving_policy,
 )
 
@@ -36,7 +35,7 @@ from vllm_neuron.compile.tiers.promote import CannotSign, promote_entry
 from vllm_neuron.compile.tiers.remote import RemoteTier
 from vllm_neuron.compile.trust.origin import NODE_KEY_SUFFIX, forget_node_keys
 from vllm_neuron.compile.trust.policy import TrustPolicy, forget_trust_policy, load_trust_policy
-from vllm_neuron.compile.trust.signing import SIGNATURE_FILE
+from vllm_neuron.compile.trust.signing import SIGNATURE_FILE, generate_key_pair
 from vllm_neuron.compile.upkeep.owed import owe_promotion, settle_owed
 from vllm_neuron.envs import load_trust_settings, reset_for_tests
 from vllm_neuron.manifest.inspect import check_startup
@@ -45,6 +44,12 @@ from vllm_neuron.manifest.schema import GraphEntry, Manifest
 OTHER = "6f" * 16
 THIRD = "7a" * 16
 STRANGER_UID = 65534
+
+
+@pytest.fixture
+def keys(tmp_path: Path) -> dict[str, Any]:
+    """The builder's key pair (as test_trust.py's fixture)."""
+    return {"builder": generate_key_pair(str(tmp_path / "keys"), "builder")}
 
 
 @pytest.fixture(autouse=True)
