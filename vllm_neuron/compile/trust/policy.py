@@ -18,7 +18,9 @@ A local tier's copy of a fetched entry records, in its ``entry.json`` (``fetched
 id that verified it (or none, when it was fetched unsigned under ``off``/``warn``), so a
 local hit of a fetched entry is judged again by key id alone - removing a key from the
 trusted set revokes its entries on every node, at no cost to a hit. Entries this node
-compiled itself have no ``fetched``: they are this node's own code.
+compiled itself say ``compiled_on``: they are this node's own code. Both count only under
+this node's seal (:mod:`.origin`): a record anyone else wrote is of unknown origin, judged
+by its signature.
 """
 
 from __future__ import annotations
