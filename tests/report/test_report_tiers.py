@@ -6,9 +6,9 @@ read back from the DOM it built. (The demo's own output: tests/cli/test_demo.py,
 runs the demo once for both.)
 
 The tiers are made with the real writers: a node's cache compiles five keys (two naming a
-piece of the model), `save_cache` promotes them to the remote, `sign_tier` signs one, a host
-leaves a load-failure note on another, one is quarantined, and one has a file rewritten
-short - all through the `Store`, so the S3 tier is made exactly as the folder is.
+piece of the model), `save_cache` promotes them to the remote, one gets a builder's
+signature, a host leaves a load-failure note on another, one is quarantined, and one has
+a file rewritten short - all through the `Store`, so the S3 tier is made exactly as the folder is.
 """
 
 from __future__ import annotations
@@ -27,8 +27,7 @@ from vllm_neuron.compile.entry.record import read_record
 from vllm_neuron.compile.flow.cache import TwoTierCache
 from vllm_neuron.compile.tiers.promote import save_cache
 from vllm_neuron.compile.tiers.quarantine import quarantine_entry
-from vllm_neuron.compile.trust.policy import sign_tier
-from vllm_neuron.compile.trust.signing import generate_key_pair, load_signer
+from vllm_neuron.compile.trust.signing import SIGNATURE_FILE, generate_key_pair, load_signer
 from vllm_neuron.report.tier_table import ROW_CAP, render_entries
 from vllm_neuron.report.tiers import EntryRow, TierEntries, read_entries
 
@@ -57,7 +56,12 @@ def fill_remote(node: Path, remote: str, keys_dir: Path) -> str:
         assert save_cache(local, remote, key)
     store = open_store(remote, create=False)
     private, _, key_id = generate_key_pair(str(keys_dir))
-    assert sign_tier(store, load_signer(private), [SIGNED]) == [(SIGNED, "signed")]
+    # As a builder's promotion leaves it, signed (`sign_tier` never signs a remote's entries:
+    # their origin is unknown to this process).
+    signed_at = store.published(SIGNED)
+    assert signed_at is not None
+    store.write(join(signed_at, SIGNATURE_FILE),
+                load_signer(private).sign_bytes(read_record(store, signed_at)))
     note_load_failure(store, NOT_LOADED, "cannot load AOTInductor package: bad magic")
     assert quarantine_entry(store, QUARANTINED, "graph.bin fails its sha256 check", warn=False)
     prefix = store.published(SHORT)

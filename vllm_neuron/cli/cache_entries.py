@@ -17,7 +17,7 @@ from dataclasses import asdict
 from typing import Any
 
 from vllm_neuron.backends import check_location, open_store, probe_store
-from vllm_neuron.compile.commands.load_check import LoadCheck, check_loads
+from vllm_neuron.compile.commands.load_check import LoadCheck, check_loads, is_own_tier
 from vllm_neuron.compile.commands.prune import plan_prune
 from vllm_neuron.compile.entry.check import verify_entry
 from vllm_neuron.compile.entry.load_failure_notes import read_load_failures
@@ -164,6 +164,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     loads: dict[str, LoadCheck] = {}
     if args.load:  # this node's word only: reported, never quarantined for it
         policy = load_policy(args)
+        own = is_own_tier(store)  # by the filesystem, not by which option named the tier
         never_here = incompatible_here(store)  # another target or CPU: not this node's to say
         for r in results:
             if not r.ok:
@@ -171,7 +172,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             why = never_here.get(r.key)
             loads[r.key] = (LoadCheck(None, f"cannot check here: {why}") if why
                             else check_loads(store, r.key, policy=policy,
-                                             own_tier=not args.url))  # fmt: skip
+                                             own_tier=own))  # fmt: skip
     unloadable = [k for k, c in loads.items() if c.loads is False]
     trust = trust_check(args, store)
     untrusted = [] if trust is None else [r.key for r in results

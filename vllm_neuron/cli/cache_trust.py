@@ -14,6 +14,7 @@ import argparse
 import sys
 from typing import Any
 
+from vllm_neuron.compile.commands.load_check import is_own_tier
 from vllm_neuron.compile.trust.policy import TrustPolicy, judge_tier, sign_tier, trust_policy
 from vllm_neuron.compile.trust.signing import (
     KeyProblem,
@@ -82,7 +83,7 @@ def cmd_sign(args: argparse.Namespace) -> int:
         print(f"vllm-neuron: --key: {exc}", file=sys.stderr)
         return 2
     store = tier(args)
-    results = sign_tier(store, signer, args.entry)
+    results = sign_tier(store, signer, args.entry, trusted=trust_policy().keys)
     failed = [(k, o) for k, o in results if o.startswith("not signed")]
     if args.json:
         print_json({"key_id": signer.key_id,
@@ -121,4 +122,6 @@ def trust_check(args: argparse.Namespace, store: Any) -> dict[str, Verdict] | No
         if not policy.checking:
             return None
         keys = policy.keys
-    return dict(judge_tier(store, keys, own_tier=not getattr(args, "url", None)))
+    # This node's own tier (by the filesystem, not by which option named it): its entries
+    # are judged as a hit judges them (this node's seal, else the signature).
+    return dict(judge_tier(store, keys, own_tier=is_own_tier(store)))

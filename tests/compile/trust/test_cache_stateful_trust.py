@@ -3,21 +3,32 @@ and two serving nodes under ``VLLM_NEURON_CACHE_TRUST=require`` (docs/trust.md).
 
 Node 0 holds the signing key; nodes 1 and 2 hold only the public key. Rules forge a remote
 entry (a file replaced and every digest recomputed, the signature kept), strip its
-signature, and rotate the key (the builder signs with a new one; every node trusts only the
-new one, so everything the old key signed is revoked). The model says where each get is
-served from; the invariants say that no node's tier ever holds a forged artifact, that only
-the builder ever changes the remote, and what the remote's signature verifies against.
+signature, rotate the key (the builder signs with a new one; every node trusts only the
+new one, so everything the old key signed is revoked), and have the builder promote again
+what its tier holds (`cache promote`: its own compiles are signed with the current key and
+replace a revoked or forged remote entry; what it fetched under a revoked key is never
+re-signed). The model says where each get is served from; the invariants say that no node's
+tier ever holds a forged artifact, that only the builder ever changes the remote, and what
+the remote's signature verifies against.
+
+Coverage shows in hypothesis' statistics (``pytest --hypothesis-show-statistics``) as
+`event` lines: a fetch after a rotation, a re-promotion that replaced a revoked entry, a
+refused re-signing. The examples are derandomized (a fixed seed): CI runs the same ones.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import tempfile
+import time
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -26,7 +37,7 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from hypothesis_profiles import examples  # tests/hypothesis_profiles.py
+from hypothesis_profiles import CI, current_profile, examples  # tests/hypothesis_profiles.py
 from tier_model import FILES, KEYS, Tiers, expected  # tests/compile/helpers/
 
 from vllm_neuron.backends import join, open_store
@@ -34,9 +45,25 @@ from vllm_neuron.backends.digests import digest_bytes
 from vllm_neuron.backends.records import encode
 from vllm_neuron.compile.entry.record import ENTRY_RECORD, decode_record
 from vllm_neuron.compile.flow.cache import TwoTierCache
+from vllm_neuron.compile.tiers.promote import CannotSign, promote_entry
 from vllm_neuron.compile.trust.policy import TrustPolicy, load_trust_policy
 from vllm_neuron.compile.trust.signing import SIGNATURE_FILE, generate_key_pair, load_public_keys
 from vllm_neuron.envs import load_trust_settings
+
+REACHED: Counter[str] = Counter()
+"""How often each `event` was reached, over all examples of a run: the test asserts that the
+transitions it exists for were reached at all."""
+
+FETCH_AFTER_ROTATION = "fetched an entry signed after a key rotation"
+REVOKED_RECOMPILED = "a get of an entry fetched under a key revoked since"
+REPLACED = "re-promotion replaced a revoked, forged or absent remote entry"
+RESIGN_REFUSED = "re-signing an entry fetched under a revoked key refused"
+
+
+def _reached(what: str) -> None:
+    event(what)
+    REACHED[what] += 1
+
 
 NODES = 3
 BUILDER = 0
@@ -110,6 +137,11 @@ class TrustModel(RuleBasedStateMachine):
             want = "compiled"
         result = self.caches[node].get_or_compile(key, self._compile_fn(key))
         assert result.source == want, (node, key, result.source, want, here, there, self.gen)
+        _reached(f"get served from {want}")
+        if want == "remote" and self.gen > 0:
+            _reached(FETCH_AFTER_ROTATION)
+        if isinstance(here, tuple) and here[1] < self.gen and want != "memory":
+            _reached(REVOKED_RECOMPILED)  # compiled, or fetched as the current key signed it
         if want == "remote":
             self.local[(node, key)] = ("fetched", self.gen)
         elif want == "compiled":
@@ -148,6 +180,37 @@ class TrustModel(RuleBasedStateMachine):
         self.caches = [self._boot(n) for n in range(NODES)]
         self.loaded = [set() for _ in range(NODES)]
 
+    @precondition(lambda self: any(isinstance(s, tuple) and s[1] < self.gen
+                                   for s in self.local.values()))
+    @rule(data=st.data())
+    def get_revoked(self, data: st.DataObject) -> None:
+        """A get of an entry a node fetched under a key revoked since: never a local hit."""
+        node, key = data.draw(st.sampled_from(sorted(
+            place for place, s in self.local.items() if isinstance(s, tuple) and s[1] < self.gen)))
+        self.get(node, key)
+
+    @precondition(lambda self: any(self.local[(BUILDER, k)] != ABSENT for k in KEYS))
+    @rule(data=st.data())
+    def promote_again(self, data: st.DataObject) -> None:
+        """The builder promotes an entry of its tier again (`cache promote`): its own
+        compile is signed with the current key and replaces a remote entry that key did not
+        sign; one it fetched is re-signed only while the key that verified it is trusted."""
+        key = data.draw(st.sampled_from(sorted(k for k in KEYS
+                                               if self.local[(BUILDER, k)] != ABSENT)))
+        here, there = self.local[(BUILDER, key)], self.remote_state[key]
+        cache = self.caches[BUILDER]
+        try:
+            published = promote_entry(cache.local, self.remote, key, policy=cache.trust)
+        except CannotSign:
+            assert isinstance(here, tuple) and here[1] < self.gen, (key, here, self.gen)
+            _reached(RESIGN_REFUSED)
+            return
+        assert here == OWN or here == ("fetched", self.gen), (key, here, self.gen)
+        assert published == (there != ("good", self.gen)), (key, here, there, published)
+        if published:
+            _reached(REPLACED if there != ABSENT else "re-promotion published")
+            self.remote_state[key] = ("good", self.gen)
+
     @rule(node=st.integers(0, NODES - 1))
     def restart(self, node: int) -> None:
         self.caches[node] = self._boot(node)
@@ -181,8 +244,15 @@ class TrustModel(RuleBasedStateMachine):
 
 def test_trust_model_in_memory(key_pairs: list[tuple[str, str, str]]) -> None:
     TrustModel.pairs = key_pairs
+    REACHED.clear()
+    start = time.monotonic()
     run_state_machine_as_test(
         TrustModel,
         settings=settings(max_examples=examples(ci=150), stateful_step_count=30, deadline=None,
+                          derandomize=True, database=None,
                           suppress_health_check=[HealthCheck.too_slow]),
     )
+    print(f"trust model: {time.monotonic() - start:.1f} s; reached: {dict(REACHED)}")
+    if current_profile() == CI:  # what the model exists for, reached in the fixed examples
+        for what in (FETCH_AFTER_ROTATION, REVOKED_RECOMPILED, REPLACED):
+            assert REACHED[what] > 0, (what, dict(REACHED))

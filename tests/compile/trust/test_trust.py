@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -142,9 +143,8 @@ def test_under_require_an_untrusted_remote_entry_is_never_copied_and_the_graph_i
     assert stats.untrusted == 1 and stats.fetches == 0 and stats.promotions == 0
     said = [w for w in cache_warnings() if "untrusted" in w]
     assert len(said) == 1, cache_warnings()
-    # It never leased or promoted: the remote still holds the forged entry, and no lease.
-    assert not (Path(remote) / ".locks" / KEY).exists() or not os.listdir(
-        Path(remote) / ".locks" / KEY)
+    # It promoted nothing (the stats above). That it never leases is seen while it compiles,
+    # on every kind of remote: test_trust_origin.py.
 
 
 def test_a_trusted_entry_is_fetched_and_its_signer_recorded_and_a_revoked_one_is_refused(
@@ -191,14 +191,15 @@ def test_warn_uses_an_untrusted_entry_with_one_warning(
     assert read_stats(str(node_dir)).untrusted == 1
 
 
-def test_a_node_that_cannot_sign_neither_promotes_nor_leases(
+def test_a_node_that_cannot_sign_never_promotes(
     tmp_path: Path, compile_fn: Any, keys: dict[str, Any]
 ) -> None:
+    """(That it never takes the remote lease either is seen while it compiles, on a folder
+    with kernel locks, one with leases, and S3: test_trust_origin.py.)"""
     remote = tmp_path / "remote"
     node = TwoTierCache(str(tmp_path / "serving"), remote=str(remote), trust=serving_policy(keys))
     assert node.get_or_compile(KEY, compile_fn(KEY)).source == "compiled"
     assert not (remote / KEY).exists()  # nothing shared
-    assert not (remote / ".locks").exists() or not any((remote / ".locks").rglob("0*"))
     with pytest.raises(CannotSign, match="VLLM_NEURON_CACHE_SIGNING_KEY"):
         promote_entry(node.local, open_store(str(remote)), KEY, policy=node.trust)
 
@@ -262,10 +263,23 @@ def test_keygen_sign_and_verify_migrate_an_unsigned_tier(tmp_path: Path, compile
     pair = json.loads(made.stdout)
     assert (Path(pair["private_key"]).stat().st_mode & 0o777) == 0o600
     assert cli("cache", "keygen", str(tmp_path / "k")).returncode == 2  # never overwritten
-    # Unsigned: verify with the key names both entries and exits 1.
-    before = cli("cache", "verify", str(tier), "--trusted-keys", pair["public_key"], "--json")
+    # This node's own tier (private to this user): its own compiles are trusted unsigned.
+    own = cli("cache", "verify", str(tier), "--keep", "--trusted-keys", pair["public_key"],
+              "--json")  # fmt: skip
+    assert own.returncode == 0, own.stdout + own.stderr
+    assert {(e["trust"], e["signer"]) for e in json.loads(own.stdout)} == {("trusted", None)}
+    # The same entries in a folder others may write (a shared tier, however it is named):
+    # judged by signature - unsigned, exit 1 - and never signed (their origin is unknown).
+    shared = tmp_path / "shared"
+    shutil.copytree(tier, shared)
+    shared.chmod(0o775)
+    before = cli("cache", "--cache-dir", str(shared), "verify", "--keep", "--trusted-keys",
+                 pair["public_key"], "--json")  # fmt: skip
     assert before.returncode == 1
     assert {e["trust"] for e in json.loads(before.stdout)} == {"unsigned"}
+    refused = cli("cache", "sign", str(shared), "--key", pair["private_key"], "--entry", KEY)
+    assert refused.returncode == 1 and "origin is unknown" in refused.stdout, refused.stdout
+    assert not (shared / KEY / SIGNATURE_FILE).exists()
     # A corrupted entry is never signed.
     record = decode_record((tier / KEY / ENTRY_RECORD).read_bytes())
     victim = tier / "6f6f6f6f6f6f6f6f6f6f6f6f6f6f6f6f" / sorted(record.files)[0]

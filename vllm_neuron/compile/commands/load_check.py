@@ -10,6 +10,7 @@ an entry of a remote tier is first fetched, verified, into a temporary local tie
 
 from __future__ import annotations
 
+import os
 import tempfile
 from dataclasses import dataclass
 
@@ -17,6 +18,7 @@ from vllm_neuron.backends import Store, open_store
 
 from ..entry.outcomes import CacheResult
 from ..entry.record import read_record
+from ..tiers.health import not_own_tier
 from ..tiers.remote import fetch_entry
 from ..tiers.unpacked import load_entry
 from ..toolchains.base import ARTIFACTS, ToolchainUnavailable
@@ -24,7 +26,17 @@ from ..toolchains.op_libraries import MissingOpLibrary
 from ..toolchains.select import select_toolchain
 from ..trust.policy import TrustPolicy, UntrustedEntry, refusal, trust_policy
 
-__all__ = ["LoadCheck", "check_loads"]
+__all__ = ["LoadCheck", "check_loads", "is_own_tier"]
+
+
+def is_own_tier(store: Store) -> bool:
+    """Whether ``store`` is a tier of this node's own - a directory no other local user can
+    change (`health.not_own_tier`) - whose entries may be judged as this node's
+    (`TrustPolicy.judge_local`: by this node's seal, else by signature) and loaded where
+    they are. Decided by the filesystem, never by which option named the tier: a shared
+    folder given as ``--cache-dir`` is a shared tier."""
+    staging = store.local_dir_of(".staging")
+    return staging is not None and not_own_tier(os.path.dirname(staging)) is None
 
 
 def _load(store: Store, key: str) -> None:
@@ -57,10 +69,12 @@ def check_loads(store: Store, key: str, *, policy: TrustPolicy | None = None,
                 own_tier: bool = False) -> LoadCheck:  # fmt: skip
     """Load entry ``key`` of ``store`` in this process, as a serving process would - never
     one the trust policy (default: the process's) forbids, which is not checked (None).
-    ``own_tier``: ``store`` is this node's local tier (its own compiles need no signature)."""
+    ``own_tier``: the caller takes ``store`` for this node's local tier (its own compiles
+    need no signature); it is loaded in place only when the filesystem agrees
+    (`is_own_tier`), else fetched as any other tier's."""
     policy = trust_policy() if policy is None else policy
     try:
-        if own_tier and store.local_dir_of(".staging") is not None:
+        if own_tier and is_own_tier(store):
             # This node's own tier: loaded where it is. Any other tier (a remote folder
             # too) is fetched first: judged, and every file verified as it is copied.
             why = refusal(policy, store, key, own_tier=own_tier)
@@ -70,7 +84,7 @@ def check_loads(store: Store, key: str, *, policy: TrustPolicy | None = None,
             return LoadCheck(True)
         with tempfile.TemporaryDirectory(prefix="vllm-neuron-load-check-") as tmp:
             local = open_store(tmp)
-            if fetch_entry(store, key, local, policy=policy) is None:
+            if fetch_entry(store, key, local, policy=policy, sealed=False) is None:
                 return LoadCheck(False, f"{store.url}: no entry {key}")
             _load(local, key)
     except UntrustedEntry as exc:

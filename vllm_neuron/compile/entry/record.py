@@ -80,6 +80,10 @@ class EntryRecord(Document, frozen=True, kw_only=True, gc=False):
     # Only in a local tier's copy of an entry this node compiled (the host's name): its own
     # code, trusted without a signature. Never leaves the node (a promotion strips it).
     compiled_on: str | msgspec.UnsetType = msgspec.UNSET
+    # Only in a local tier's record: this node's seal over the rest of the record (an
+    # HMAC under the tier's node key, compile/trust/origin.py), without which `fetched` and
+    # `compiled_on` mean nothing (the entry is of unknown origin). Never leaves the node.
+    sealed: str | msgspec.UnsetType = msgspec.UNSET
 
     @property
     def total_size(self) -> int:

@@ -31,6 +31,7 @@ from ..entry.events import CacheMiss, Compiled, CompileFailed
 from ..entry.failure_notes import clear_failure_note, describe, write_failure_note
 from ..entry.outcomes import CompileWorkerLost
 from ..entry.record import ENTRY_RECORD, EntryRecord, build_record, encode_record
+from ..trust.origin import seal
 from ..trust.signing import SIGNATURE_FILE
 from .health import (
     COMPILE_SPACE_RESERVE,
@@ -116,7 +117,7 @@ def compile_and_publish(
             raise
         try:
             _write_signature(staging, record, sign)
-            record = _compiled_here(record)
+            record = _compiled_here(local, record)
             staging.write(ENTRY_RECORD, encode_record(record))
             fault_point("compile.record-written")
             staging.commit()
@@ -129,10 +130,11 @@ def compile_and_publish(
     return record, seconds
 
 
-def _compiled_here(record: EntryRecord) -> EntryRecord:
+def _compiled_here(local: Store, record: EntryRecord) -> EntryRecord:
     """The local tier's record of an entry this node compiled: ``compiled_on`` says it is
-    this node's own code (docs/trust.md), and is stripped when the entry is promoted."""
-    return msgspec.structs.replace(record, compiled_on=socket.gethostname())
+    this node's own code (docs/trust.md), sealed by the tier's node key so that nobody else
+    can say so (`trust.origin`); both are stripped when the entry is promoted."""
+    return seal(local, msgspec.structs.replace(record, compiled_on=socket.gethostname()))
 
 
 def _write_signature(staging: Staging, record: EntryRecord, sign: Signing | None) -> None:
@@ -164,7 +166,7 @@ def adopt_into_tier(local: Store, key: str, out_dir: str, record: EntryRecord,
             for name in record.files:
                 staging.put_file(name, os.path.join(out_dir, name))
             _write_signature(staging, record, sign)
-            staging.write(ENTRY_RECORD, encode_record(_compiled_here(record)))
+            staging.write(ENTRY_RECORD, encode_record(_compiled_here(local, record)))
             return bool(staging.commit())
         except OSError as exc:
             staging.abort()

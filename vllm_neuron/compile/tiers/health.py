@@ -44,6 +44,8 @@ __all__ = [
     "unwritable_cause",
     "check_private_directory",
     "local_tier_problem",
+    "make_private_dirs",
+    "not_own_tier",
     "why_unwritable",
 ]
 
@@ -93,3 +95,75 @@ def check_private_directory(path: str) -> str:
             "could replace what this process would load; make it 0700 or remove it"
         )
     return path
+
+
+def make_private_dirs(path: str) -> None:
+    """Create the missing directories of ``path`` ``0700`` (whatever the umask), so that a
+    tier made here passes `not_own_tier` at the next start; what exists is left as it is.
+    Best-effort: a directory that cannot be made is the write probe's to report."""
+    missing = []
+    current = os.path.abspath(path)
+    while not os.path.lexists(current):
+        missing.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    for directory in reversed(missing):
+        try:
+            os.mkdir(directory, 0o700)
+        except FileExistsError:
+            pass
+        except OSError:
+            return
+
+
+def not_own_tier(path: str) -> str | None:
+    """Why the directory ``path`` is not this node's own tier - one that no other local user
+    can change - or None when it is.
+
+    Decided by the filesystem, never by how the tier was named: ``path`` itself (followed to
+    where it really is) belongs to this user and no group or other may write it; every
+    directory above it, on the path as given and on the real path, belongs to this user or
+    root and no group or other may write it, unless it is sticky (as ``/tmp`` is: nobody
+    else can rename or remove what this user made there). A part that does not exist yet
+    is made by this user later and is not judged. As root every root-owned directory is
+    this user's."""
+    uid = os.getuid()
+    leaf = os.path.realpath(path)
+    chains: list[str] = []
+    for start in (os.path.abspath(path), leaf):
+        current = start
+        while True:
+            if current not in chains:
+                chains.append(current)
+            parent = os.path.dirname(current)
+            if parent == current:
+                break
+            current = parent
+    for directory in chains:
+        try:
+            info = os.stat(directory)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            return f"{directory}: cannot look at it ({exc.strerror})"
+        mode = stat.S_IMODE(info.st_mode)
+        if not stat.S_ISDIR(info.st_mode):
+            return f"{directory} is not a directory"
+        if directory == leaf:
+            if info.st_uid != uid:
+                return (f"{directory} belongs to uid {info.st_uid}, not to this user (uid "
+                        f"{uid}): another user could replace what this process would load")
+            if mode & 0o022:
+                return (f"{directory} is writable by group or others (mode {mode:04o}): they "
+                        "could replace what this process would load; chmod go-w it")
+            continue
+        if info.st_uid not in (0, uid):
+            return (f"{directory}, above the tier, belongs to uid {info.st_uid}: that user "
+                    "could put another directory in the tier's place")
+        if mode & 0o022 and not mode & stat.S_ISVTX:
+            return (f"{directory}, above the tier, is writable by group or others (mode "
+                    f"{mode:04o}, not sticky): they could put another directory in the "
+                    "tier's place")
+    return None

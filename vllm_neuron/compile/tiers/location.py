@@ -7,8 +7,10 @@ renames coordinate the ranks of one node, and on NFS they are slow or unreliable
 decision belongs to the compile feature. A home directory on NFS is common on clusters,
 so when VLLM_CACHE_ROOT is unset and its default is on NFS the local tier moves to
 ``/tmp/vllm_neuron_wdir_$USER``; sharing through NFS is the remote tier's job. An explicit
-VLLM_CACHE_ROOT is the user's decision and is never second-guessed. That fallback lives in
-a directory every local user can write, so it must be this user's own (`tier_health`).
+VLLM_CACHE_ROOT is the user's decision as to where, never moved. Wherever it is, the tier
+must be this user's own - no other local user able to change what it holds - or it is not
+used at all (`trusted_local_tier_dir`, `health.not_own_tier`): the /tmp fallback lives in a
+directory every local user can write, and an explicit root may too.
 """
 
 from __future__ import annotations
@@ -28,7 +30,13 @@ from vllm_neuron.envs import (
 )
 from vllm_neuron.envs.compile_cache import VLLM_CACHE_ROOT
 
-from .health import LocalTierUnusable, check_private_directory, local_tier_problem
+from .health import (
+    LocalTierUnusable,
+    check_private_directory,
+    local_tier_problem,
+    make_private_dirs,
+    not_own_tier,
+)
 
 __all__ = [
     "NFS_FALLBACK_BASE",
@@ -110,21 +118,34 @@ def trusted_local_tier_dir(
     *,
     environ: Mapping[str, str] | None = None,
     mounts_text: str | None = None,
+    make: bool = False,
 ) -> str:
-    """`get_neuron_compile_cache_dir`, for a process that will load what the tier holds: the
-    /tmp fallback is created 0700 when missing, and one that is not this user's private
-    directory raises :class:`LocalTierUnusable` naming it (never used)."""
+    """`get_neuron_compile_cache_dir`, for a process that will load what the tier holds: it
+    must be this user's own (`health.not_own_tier`: owned by this user, writable by no one
+    else, and so every directory above it unless sticky) - whatever root it is under, the
+    /tmp fallback (created 0700 when missing) or an explicit VLLM_CACHE_ROOT - else
+    :class:`LocalTierUnusable` names the setting and the reason (never used: the caller
+    bypasses the cache). ``make``: the missing directories are created 0700 first."""
     settings = _settings(settings, environ)
     local_dir = get_neuron_compile_cache_dir(settings, environ=environ, mounts_text=mounts_text)
+    root = os.path.dirname(os.path.dirname(local_dir))  # <root>/neuron/compile_cache
     if local_tier_moves(settings, mounts_text):
-        root = os.path.dirname(os.path.dirname(local_dir))  # <root>/neuron/compile_cache
+        setting = f"{VLLM_CACHE_ROOT} (unset; its default {settings.cache_root} is on NFS)"
         try:
             check_private_directory(root)
         except LocalTierUnusable as exc:
-            raise LocalTierUnusable(
-                f"{VLLM_CACHE_ROOT} (unset; its default {settings.cache_root} is on NFS): "
-                f"refused the fallback directory: {exc}"
-            ) from None
+            raise LocalTierUnusable(f"{setting}: refused the fallback directory: {exc}"
+                                    ) from None  # fmt: skip
+    elif settings.cache_root_explicit:
+        setting = f"{VLLM_CACHE_ROOT}={settings.cache_root}"
+    else:
+        setting = f"{VLLM_CACHE_ROOT} (unset: its default {settings.cache_root})"
+    if make:
+        make_private_dirs(local_dir)
+    problem = not_own_tier(local_dir)
+    if problem is not None:
+        raise LocalTierUnusable(f"{setting}: the local compile cache {local_dir} is not this "
+                                f"user's own: {problem}")  # fmt: skip
     return local_dir
 
 
@@ -135,13 +156,17 @@ def resolve_local_tier(
     mounts_text: str | None = None,
 ) -> tuple[str, str | None]:
     """The local tier's directory and, when this process cannot use it, why (naming the
-    setting): the fallback refused, or the directory cannot be written (read-only, no
-    permission, no space). Probed with one real write, once per process (by the assembly);
-    with the cache disabled nothing is probed. A malformed setting still raises ConfigError.
+    setting): not this user's own (`trusted_local_tier_dir`: another local user could
+    change what it holds, so it is bypassed - never used as a tier whose entries are merely
+    judged, which under ``off`` or ``warn`` would load them), or the directory cannot be
+    written (read-only, no permission, no space). Probed with one real write, once per
+    process (by the assembly); with the cache disabled nothing is made or probed. A
+    malformed setting still raises ConfigError.
     """
     settings = _settings(settings, environ)
     try:
-        local_dir = trusted_local_tier_dir(settings, environ=environ, mounts_text=mounts_text)
+        local_dir = trusted_local_tier_dir(settings, environ=environ, mounts_text=mounts_text,
+                                           make=not settings.disable_compile_cache)
     except LocalTierUnusable as exc:
         return "", str(exc)
     if settings.disable_compile_cache:

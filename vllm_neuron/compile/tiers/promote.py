@@ -48,6 +48,7 @@ from ..entry.record import (
     ENTRY_RECORD,
     EntryProblem,
     EntryRecord,
+    FetchedFrom,
     check_checksums,
     decode_record,
     encode_record,
@@ -86,24 +87,34 @@ class CannotSign(RuntimeError):
 
 def _signature_to_publish(local: Store, prefix: str, record: EntryRecord, key: str,
                           policy: TrustPolicy) -> bytes | None:  # fmt: skip
-    """The ``entry.sig`` the remote copy gets: this process's own, made now, when it signs
-    (never over an entry it fetched without a signature its keys trust, whatever the
-    policy: it signs only what it built or trusts); else the local entry's as it is (None:
-    unsigned, the trust policy being off)."""
+    """The ``entry.sig`` the remote copy gets: this process's own, made now, when it signs;
+    else the local entry's as it is (None: unsigned, the trust policy being off).
+
+    A process signs only what it compiled itself or verified against a key it trusts,
+    whatever its policy (``warn`` too): this node's seal must vouch for the local record's
+    origin (`TrustPolicy.origin_of`) and, for a fetched entry, the key that verified it must
+    be trusted still; an entry of unknown origin (no seal, or not this node's - whatever its
+    ``compiled_on`` or ``fetched`` say) is signed only when a trusted key signed it already.
+    Else `CannotSign`."""
     existing = local.read(join(prefix, SIGNATURE_FILE))
     if policy.signer is None:
         return existing
+    record_bytes = local.read(join(prefix, ENTRY_RECORD)) or b""
+    origin = policy.origin_of(record, record_bytes, local)
     fetched = record.fetched
-    if not isinstance(fetched, msgspec.UnsetType) and fetched.verified_by not in policy.keys.keys:
-        raise CannotSign(f"not promoting {key}: it was fetched from {fetched.remote} without a "
-                         "signature this process trusts; it signs only what it built or trusts")
-    if isinstance(fetched, msgspec.UnsetType) and isinstance(record.compiled_on,
-                                                             msgspec.UnsetType):
-        # Neither fetched nor compiled by this version: trusted only by its signature.
-        verdict = policy.judge(local.read(join(prefix, ENTRY_RECORD)) or b"", existing)
+    if origin == "fetched" and isinstance(fetched, FetchedFrom):
+        if fetched.verified_by not in policy.keys.keys:
+            raise CannotSign(f"not promoting {key}: it was fetched from {fetched.remote} "
+                             "without a signature this process trusts; it signs only what it "
+                             "built or trusts")  # fmt: skip
+    elif origin is None:
+        # Neither compiled nor fetched by this node, as far as its seal says: trusted only
+        # by its signature.
+        verdict = policy.judge(record_bytes, existing)
         if not verdict.trusted:
-            raise CannotSign(f"not promoting {key}: the local entry's origin is unknown and it "
-                             f"is not signed by a trusted key ({verdict.reason})")
+            raise CannotSign(f"not promoting {key}: the local entry's origin is unknown (no "
+                             "seal of this node's) and it is not signed by a trusted key "
+                             f"({verdict.reason}); it signs only what it built or trusts")
     return policy.signer.sign_bytes(record)
 
 
@@ -172,12 +183,13 @@ def promote_entry(
         with remote.stage(hash_key) as staging:
             if signature is not None:
                 staging.write(SIGNATURE_FILE, signature)
-            # The local record's notes of where the entry came from (fetched, compiled_on)
+            # The local record's notes of where the entry came from (fetched, compiled_on, sealed)
             # are this node's own: the remote gets the record without them.
             copy_tree(local, prefix, staging, keys=[*record.files, ENTRY_RECORD],
                       progress=progress)
             shared = msgspec.structs.replace(record, fetched=msgspec.UNSET,
-                                             compiled_on=msgspec.UNSET)  # fmt: skip
+                                             compiled_on=msgspec.UNSET,
+                                             sealed=msgspec.UNSET)  # fmt: skip
             if shared != record:
                 staging.write(ENTRY_RECORD, encode_record(shared))
             fault_point("promote.uploaded")

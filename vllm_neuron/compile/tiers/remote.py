@@ -41,6 +41,7 @@ from vllm_neuron.envs.compile_cache import REMOTE_WRITE_MODES, RemoteWrite
 
 from ..entry.events import RemoteUnavailable
 from ..entry.record import ENTRY_RECORD, EntryRecord, decode_record, encode_record
+from ..trust.origin import seal
 from ..trust.policy import TrustPolicy, UntrustedEntry, fetched_from
 from ..trust.signing import SIGNATURE_FILE, Verdict
 from .quarantine import PublicationProblem
@@ -199,6 +200,7 @@ class RemoteTier:
 def fetch_entry(
     remote: Store, key: str, local: Store, *, progress: Progress | None = None,
     policy: TrustPolicy | None = None, admit: Callable[[Verdict], bool] | None = None,
+    sealed: bool = True,
 ) -> EntryRecord | None:
     """Publish the remote entry `key` in `local`, every file verified as it is copied
     (`progress(done, total)` as the bytes land, within each file).
@@ -214,7 +216,8 @@ def fetch_entry(
 
     The entry's signature (``entry.sig``) comes along, and the local record notes where the
     entry came from and which trusted key verified it (``fetched``: a local hit judges it
-    again by that key id). Returns the local record.
+    again by that key id), sealed by the local tier's node key (`trust.origin`; not with
+    ``sealed=False``: a throw-away tier that nobody judges again). Returns the local record.
     """
     found = remote.publication(key)
     if found.state == "absent":
@@ -255,7 +258,12 @@ def fetch_entry(
             raise PublicationProblem(str(exc), version=found.version) from None
         if signature is not None:
             staging.write(SIGNATURE_FILE, signature)
-        record = msgspec.structs.replace(record, fetched=fetched_from(remote.url, verdict))
+        record = msgspec.structs.replace(record, fetched=fetched_from(remote.url, verdict),
+                                         compiled_on=msgspec.UNSET)  # fmt: skip
+        if sealed:  # this node's word that it fetched it, and which key verified it then
+            record = seal(local, record)
+        else:
+            record = msgspec.structs.replace(record, sealed=msgspec.UNSET)
         staging.write(ENTRY_RECORD, encode_record(record))
         fault_point("fetch.copied")
         staging.commit()

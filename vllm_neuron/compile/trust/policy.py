@@ -18,7 +18,9 @@ A local tier's copy of a fetched entry records, in its ``entry.json`` (``fetched
 id that verified it (or none, when it was fetched unsigned under ``off``/``warn``), so a
 local hit of a fetched entry is judged again by key id alone - removing a key from the
 trusted set revokes its entries on every node, at no cost to a hit. Entries this node
-compiled itself have no ``fetched``: they are this node's own code.
+compiled itself say ``compiled_on``: they are this node's own code. Both count only under
+this node's seal (:mod:`.origin`): a record anyone else wrote is of unknown origin, judged
+by its signature.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from vllm_neuron.envs.trust import (
 
 from ..entry.check import KEY_RE, check_entry
 from ..entry.record import ENTRY_RECORD, EntryRecord, FetchedFrom, decode_record, read_record
+from .origin import node_key
 from .signing import (
     SIGNATURE_FILE,
     KeyProblem,
@@ -151,28 +154,47 @@ class TrustPolicy:
         """Why a local entry is not trusted, or None when it is or needs no verdict.
 
         - the policy is off: None;
-        - compiled on this node (``compiled_on`` in its local record): this node's own code;
-        - fetched (``fetched``): judged by the key that verified it then, by key id alone -
-          still trusted, or not (revoked, or never);
-        - neither (an entry written before trust, by an older version or another tool):
-          judged by its signature (``entry.sig`` under ``prefix`` in ``store``), as a
-          remote one.
-        Every hit of a new entry is a field test and at most a set lookup, no file read."""
-        fetched = record.fetched
-        if fetched.__class__ is FetchedFrom:  # the hot case first: a fetched entry
+        - sealed by this node (`origin.NodeKey.vouches`: its record carries the HMAC of the
+          tier's node key, which only this node holds) and compiled here (``compiled_on``):
+          this node's own code;
+        - sealed and fetched (``fetched``): judged by the key that verified it then, by key
+          id alone - still trusted, or not (revoked, or never);
+        - anything else - no seal (written before seals, by another tool, or planted), or a
+          seal that does not verify (another node's, or forged): of unknown origin, judged
+          by its signature (``entry.sig`` under ``prefix`` in ``store``), as a remote one.
+        A hit of an entry seen before is a dict lookup and a set lookup, no file read; a new
+        entry costs one HMAC of its record per process."""
+        if self.mode == "off":
+            return None
+        if self.origin_of(record, record_bytes, store) is not None:
+            fetched = record.fetched
+            if fetched.__class__ is not FetchedFrom:
+                return None  # this node's own compile
             key_id = fetched.verified_by
-            if key_id in self.keys.keys or self.mode == "off":
+            if key_id in self.keys.keys:
                 return None
             if key_id is None:
                 return Verdict("unsigned", None, f"it was fetched from {fetched.remote} "
                                "without a trusted signature")  # fmt: skip
             return Verdict("untrusted", key_id, f"signed by key {key_id}, which is no "
                            "longer trusted here")  # fmt: skip
-        if self.mode == "off" or not isinstance(record.compiled_on, msgspec.UnsetType):
-            return None  # not looked at, or this node's own compile
         signature = store.read(join(prefix, SIGNATURE_FILE))  # of unknown origin: signed?
         verdict = self.judge(record_bytes, signature)
         return None if verdict.trusted else verdict
+
+    @staticmethod
+    def origin_of(record: EntryRecord, record_bytes: bytes, store: Store) -> str | None:
+        """What this node's seal says of a local entry of ``store``: ``"compiled"`` (here),
+        ``"fetched"`` (by this node, ``fetched.verified_by`` as it verified it), or None -
+        of unknown origin (no seal, or not this node's)."""
+        if not isinstance(record.sealed, str):
+            return None
+        key = node_key(store)
+        if key is None or not key.vouches(record, record_bytes):
+            return None
+        if record.fetched.__class__ is FetchedFrom:
+            return "fetched"
+        return None if isinstance(record.compiled_on, msgspec.UnsetType) else "compiled"
 
 
 def refusal(policy: TrustPolicy, store: Store, key: str, *, own_tier: bool) -> str | None:
@@ -264,12 +286,15 @@ def judge_tier(store: Store, keys: TrustedKeys, *, own_tier: bool = False
         except RecordError:
             continue  # `cache verify` reports it as corrupt
         signature = store.read(join(prefix, SIGNATURE_FILE))
+        signed = keys.judge(record, signature, source=f"{store.url}/{key}")
         if local is not None:
             verdict = local.judge_local(record, data, store, prefix)
-            out.append((key, verdict or Verdict("trusted", None, "this node's own, or "
-                                                "signed by a trusted key")))  # fmt: skip
+            if verdict is None and not signed.trusted:  # trusted as this node's, unsigned
+                verdict = Verdict("trusted", None, "this node's own (compiled, or fetched "
+                                  "verified, here)")  # fmt: skip
+            out.append((key, verdict or signed))
             continue
-        out.append((key, keys.judge(record, signature, source=f"{store.url}/{key}")))
+        out.append((key, signed))
     return out
 
 
@@ -290,13 +315,17 @@ def trust_summary(store: Store, keys: TrustedKeys | None) -> dict[str, int]:
     return counts
 
 
-def sign_tier(store: Store, signer: Signer, keys: list[str] | None = None
-              ) -> list[tuple[str, str]]:  # fmt: skip
+def sign_tier(store: Store, signer: Signer, keys: list[str] | None = None, *,
+              trusted: TrustedKeys | None = None) -> list[tuple[str, str]]:  # fmt: skip
     """Sign the published entries of ``store`` (``keys``, default all) whose every checksum
-    verifies: a builder that pre-compiled, or the migration of an unsigned tier. (key,
-    outcome): "signed", "already signed" (by this key, and it verifies) or the problem that
-    kept it unsigned."""
+    verifies and whose origin this node vouches for: compiled here, or fetched verified by
+    a key of ``trusted`` (or the signer's own), as this node's seal on the record says
+    (`TrustPolicy.origin_of`); or already signed by such a key. An entry of unknown origin -
+    no seal of this node's (a remote tier's entries, a planted or copied-in one) and no
+    trusted signature - is never signed, whatever its record says. (key, outcome): "signed",
+    "already signed" (by this key, and it verifies) or the problem that kept it unsigned."""
     own = TrustedKeys({signer.key_id: signer.public_key})
+    vouching = TrustedKeys({**(trusted.keys if trusted is not None else {}), **own.keys})
     out = []
     for key in keys if keys is not None else sorted(store.published_children("")):
         if not KEY_RE.fullmatch(key):
@@ -306,10 +335,22 @@ def sign_tier(store: Store, signer: Signer, keys: list[str] | None = None
         if not checked.ok or prefix is None:
             out.append((key, f"not signed: {checked.problem or 'withdrawn'}"))
             continue
+        record_bytes = store.read(join(prefix, ENTRY_RECORD)) or b""
         record = read_record(store, prefix)
         existing = store.read(join(prefix, SIGNATURE_FILE))
         if own.judge(record, existing).trusted:
             out.append((key, "already signed"))
+            continue
+        origin = TrustPolicy.origin_of(record, record_bytes, store)
+        fetched = record.fetched
+        if origin == "fetched" and isinstance(fetched, FetchedFrom):
+            if fetched.verified_by not in vouching.keys:
+                out.append((key, f"not signed: it was fetched from {fetched.remote} without "
+                                 "a trusted signature"))  # fmt: skip
+                continue
+        elif origin is None and not vouching.judge(record, existing).trusted:
+            out.append((key, "not signed: its origin is unknown (no seal of this node's: "
+                             "not compiled or fetched here) and no trusted key signed it"))
             continue
         store.write(join(prefix, SIGNATURE_FILE), signer.sign_bytes(record))
         out.append((key, "signed"))
