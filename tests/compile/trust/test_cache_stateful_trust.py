@@ -19,7 +19,6 @@ refused re-signing. The examples are derandomized (a fixed seed): CI runs the sa
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -111,7 +110,6 @@ class TrustModel(RuleBasedStateMachine):
 
     def _compile_fn(self, key: str):  # noqa: ANN202 - a CompileFn
         def compile_into(out_dir: str) -> dict[str, str]:
-            import os
 
             for name in FILES:
                 path = os.path.join(out_dir, name)
