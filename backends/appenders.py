@@ -49,7 +49,10 @@ class SegmentAppender(Appender):
 
 
 class FdAppender(Appender):
-    """O_APPEND descriptor; each `write` is one `os.write`, so lines survive `os._exit()`."""
+    """O_APPEND descriptor; each `write` is one `os.write`, so lines survive `os._exit()`.
+
+    Created ``0600``: what is appended is a process's own output (a profiled server's log,
+    which prints its command line and may print its environment), for its user only."""
 
     __slots__ = ("_fd", "_pid", "_path")
 
@@ -57,7 +60,7 @@ class FdAppender(Appender):
         os.makedirs(os.path.dirname(path), exist_ok=True)
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | (os.O_TRUNC if truncate else 0)
         self._path = path
-        self._fd = os.open(path, flags, 0o644)
+        self._fd = os.open(path, flags, 0o600)
         self._pid = os.getpid()
 
     def write(self, data: bytes) -> None:

@@ -18,7 +18,12 @@ import sys
 from collections.abc import Sequence
 
 from vllm_neuron.backends import StoreError
-from vllm_neuron.envs import RedactingFilter, fault_settings, redact_text
+from vllm_neuron.envs import (
+    RedactingFilter,
+    fault_settings,
+    install_log_redaction,
+    redact_text,
+)
 from vllm_neuron.version import __version__
 
 from . import cache as cache_cmd
@@ -70,6 +75,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    install_log_redaction()  # on our loggers: whichever handler prints a line of ours
     handler = logging.StreamHandler()  # used only if the root logger has no handler yet
     handler.addFilter(RedactingFilter())  # no secret in a log line (envs/secrets.py)
     logging.basicConfig(

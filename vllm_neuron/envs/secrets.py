@@ -44,7 +44,9 @@ __all__ = [
     "NOT_SECRET_NAMES",
     "REDACTED",
     "RedactingFilter",
+    "PACKAGE_LOGGERS",
     "environment_with",
+    "install_log_redaction",
     "has_url_credentials",
     "is_secret_name",
     "redact_argv",
@@ -270,8 +272,9 @@ def redact_environment(
 
 
 class RedactingFilter(logging.Filter):
-    """A handler's filter that redacts each record's message (and traceback) before it is
-    formatted, for the handlers this package installs (the plugin's, the CLI's)."""
+    """A filter that redacts each record's message (and traceback) before it is formatted:
+    on every logger of this package (`install_log_redaction`) and on the handlers this
+    package installs (the plugin's, the CLI's)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         try:
@@ -284,3 +287,34 @@ class RedactingFilter(logging.Filter):
         except Exception:  # noqa: BLE001 - a malformed record is logging's own error to report
             pass
         return True
+
+
+PACKAGE_LOGGERS = ("vllm_neuron", "vllm_neuron.compile", "vllm_neuron.manifest",
+                   "vllm_neuron.metrics", "vllm_neuron.plugin", "vllm_neuron.snapshot")  # fmt: skip
+"""Every logger this package logs through (tests/test_secrets.py checks the source for any
+other): each carries the redaction."""
+
+_REDACTION = RedactingFilter()
+
+
+def install_log_redaction() -> None:
+    """Put `RedactingFilter` on every logger of this package (`PACKAGE_LOGGERS`, and any
+    other ``vllm_neuron.*`` logger that exists), once each.
+
+    On the loggers, not on handlers: a logger's filters see every record logged through it
+    before any handler does, wherever the record then goes - handlers of ours, vLLM's, the
+    root logger's of an application that called ``logging.basicConfig`` first, or handlers
+    added later. (A logger's filters do not see its children's records, so each logger
+    carries it.) Done when this module is imported, so a line of ours is redacted however
+    and whenever logging is configured; idempotent."""
+    names = set(PACKAGE_LOGGERS)
+    existing = list(logging.Logger.manager.loggerDict.items())
+    names.update(name for name, item in existing
+                 if name.startswith("vllm_neuron.") and isinstance(item, logging.Logger))
+    for name in sorted(names):
+        found = logging.getLogger(name)
+        if _REDACTION not in found.filters:
+            found.addFilter(_REDACTION)
+
+
+install_log_redaction()

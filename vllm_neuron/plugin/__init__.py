@@ -45,6 +45,7 @@ from vllm_neuron.envs import (
     compile_cache_settings,
     fault_settings,
     host_mode_settings,
+    install_log_redaction,
     load_compile_cache_settings,
     load_host_mode_settings,
     load_run_id,
@@ -150,9 +151,12 @@ def _show_logs() -> None:
     """Make this package's INFO lines visible in the server log, like vLLM's own.
 
     vLLM configures only its own ``vllm`` logger; without a handler ours would print
-    warnings only (through logging's last-resort handler). The handler redacts secrets
-    (`RedactingFilter`): a line of ours may quote a URL or a command line.
+    warnings only (through logging's last-resort handler). A line of ours may quote a URL
+    or a command line: every logger of ours redacts secrets (`install_log_redaction`,
+    whichever handlers then print it, however logging was configured), and so does the
+    handler.
     """
+    install_log_redaction()  # done at import already; again for loggers made since
     pkg = logging.getLogger("vllm_neuron")
     if pkg.handlers or logging.getLogger().handlers:
         return

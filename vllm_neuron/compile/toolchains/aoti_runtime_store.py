@@ -8,8 +8,8 @@ version) and by the SHA-256 of its own bytes, checked before each use: a torn or
 object is removed and made again. It is made under a kernel lock (dropped if its maker
 dies) from a source and a staging file of that attempt's own, and renamed into place whole.
 It is used only from a directory this user owns and no one else can write, under
-directories no one else can replace (`_trusted`): it is linked into every artifact the node
-compiles, and those are published to the fleet.
+directories no one else can replace (private_dirs.py `why_not_private`): it is linked into
+every artifact the node compiles, and those are published to the fleet.
 """
 
 from __future__ import annotations
@@ -20,13 +20,13 @@ import hashlib
 import logging
 import os
 import shlex
-import stat
 import subprocess
 import tempfile
 import time
 
 from vllm_neuron.backends import KernelLock, LockTimeout
 from vllm_neuron.backends.digests import file_digest
+from vllm_neuron.compile.toolchains.private_dirs import make_private_dir
 from vllm_neuron.compile.toolchains.torn_headers import run_healing_torn_headers
 
 __all__ = ["FAILED", "RUNTIME_DIR", "KeptRuntime", "private_runtime_dir", "run",
@@ -51,41 +51,18 @@ def runtime_objects_dir() -> str:
 
 
 def private_runtime_dir() -> str | None:
-    """`runtime_objects_dir`, made if needed; None (said once) when another user could
-    change what it holds."""
+    """`runtime_objects_dir`, made ``0700`` if needed; None (said once, with why) when
+    another user could change what it holds (private_dirs.py `why_not_private`): the
+    wrappers are then compiled whole, which needs no kept object at all."""
     directory = runtime_objects_dir()
-    with contextlib.suppress(FileExistsError):
-        os.mkdir(directory, 0o700)
-    if _trusted(directory):
+    why = make_private_dir(directory)
+    if why is None:
         return directory
     if directory not in FAILED:
         FAILED.add(directory)
-        logger.info("vllm_neuron: %s is not private to this user (or a directory above it "
-                    "can be changed by another); AOTInductor wrappers compile whole",
-                    directory)  # fmt: skip
+        logger.info("vllm_neuron: %s is not private to this user (%s); AOTInductor wrappers "
+                    "compile whole", directory, why)  # fmt: skip
     return None
-
-
-def _trusted(directory: str) -> bool:
-    """Whether no other user can change what `directory` holds: it is this user's, a
-    directory (no symlink), writable by no one else; and every directory above it belongs
-    to root or this user and is writable by no one else, or is sticky (as ``/tmp`` is), so
-    no one else can put another directory in its place. What is kept there is linked into
-    every artifact this node compiles, and those are published to the fleet."""
-    uid = os.getuid()
-    st = os.lstat(directory)
-    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o022:
-        return False
-    parent = os.path.dirname(directory)
-    while True:
-        st = os.stat(parent)
-        if st.st_uid not in (0, uid):
-            return False
-        if st.st_mode & 0o022 and not st.st_mode & stat.S_ISVTX:
-            return False
-        if os.path.dirname(parent) == parent:
-            return True
-        parent = os.path.dirname(parent)
 
 
 class KeptRuntime:

@@ -56,6 +56,7 @@ from vllm_neuron.compile.toolchains.aoti_runtime_store import (
     runtime_objects_dir,
     swap,
 )
+from vllm_neuron.compile.toolchains.private_dirs import secure_inductor_dirs
 from vllm_neuron.compile.toolchains.torn_headers import run_healing_torn_headers
 from vllm_neuron.compile.toolchains.vector_isa import ask_first_valid_only
 
@@ -86,6 +87,7 @@ def compile_and_package(program: Any, package_path: str,
     # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
+    secure_inductor_dirs()  # its cache and headers go into the artifact: private ones only
     ask_first_valid_only()  # Inductor's CPU probe tests only the ISA it will pick
     with split_wrapper_builds():
         torch._inductor.aoti_compile_and_package(
@@ -101,6 +103,7 @@ def prepare_runtime(program: Any, package_path: str,
     # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
+    secure_inductor_dirs()
     ask_first_valid_only()
     try:
         with split_wrapper_builds(stop_after_runtime=True):

@@ -29,6 +29,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+from vllm_neuron.compile.toolchains.private_dirs import secure_inductor_dirs
+
 __all__ = ["ask_first_valid_only", "pick_vector_isa"]
 
 logger = logging.getLogger("vllm_neuron.compile")
@@ -42,6 +44,7 @@ def pick_vector_isa() -> Any:
     (`ask_first_valid_only`): what a compile worker or the cold start's probe pays once."""
     from torch._inductor import cpu_vec_isa
 
+    secure_inductor_dirs()  # its test programs are built in Inductor's cache directory
     ask_first_valid_only()
     return cpu_vec_isa.pick_vec_isa()
 

@@ -1,10 +1,11 @@
 """Where a graph prepared for a compile off the tracing thread waits: its job directory.
 
-A job directory is private to the process that prepared it (``vllm_neuron_compile_job_<pid>_*``
-in the temporary directory), holds an owner file that process keeps locked, and is removed
-when the job is done (`PreparedJob.discard`). A process that dies leaves it behind; the next
-process of the host that prepares a job removes every directory whose owner's lock is gone
-(`sweep_dead_jobs`).
+A job directory is private to the process that prepared it (``vllm_neuron_compile_job_<pid>_*``,
+made ``0700`` in the temporary directory, or in this user's own when another user could
+replace a directory there: toolchains/private_dirs.py `private_temp_root`), holds an owner
+file that process keeps locked, and is removed when the job is done (`PreparedJob.discard`).
+A process that dies leaves it behind; the next process of the host that prepares a job
+removes every directory of this user's whose owner's lock is gone (`sweep_dead_jobs`).
 
 Two kinds of job live in one: an exported graph for a compile worker (`pool.py`,
 the host toolchain), and a graph lowered by a toolchain whose compiler is a process of its
@@ -20,6 +21,7 @@ import fcntl
 import logging
 import os
 import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Sequence
@@ -27,6 +29,7 @@ from typing import IO, Any
 
 from ..entry.outcomes import CompileWorkerLost
 from ..toolchains.base import CompiledArtifact, CompilerKilled, LoweredGraph, Toolchain
+from ..toolchains.private_dirs import private_temp_root
 
 __all__ = ["JOB_PREFIX", "LoweredJob", "PreparedJob", "job_space_floor", "lowered_job",
            "owned_job_dir", "sweep_dead_jobs", "warn_once"]
@@ -127,7 +130,7 @@ def owned_job_dir(*, keep_free: bool = True) -> tuple[str, IO[bytes]]:
     Not with `keep_free=False`: a directory held for a moment only (a package unpacked to
     be loaded, then removed), where the alternative would leave its bytes for good.
     """
-    root = tempfile.gettempdir()
+    root = private_temp_root()  # the temporary directory, unless another user can change it
     try:
         usage = shutil.disk_usage(root)
     except OSError:
@@ -136,7 +139,7 @@ def owned_job_dir(*, keep_free: bool = True) -> tuple[str, IO[bytes]]:
         raise OSError(errno.ENOSPC, f"{usage.free / GIB:.1f} GiB free, below the "
                       f"{job_space_floor(usage.total) / GIB:.1f} GiB that compile jobs leave "
                       "free", root)  # fmt: skip
-    job_dir = tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}_")
+    job_dir = tempfile.mkdtemp(prefix=f"{JOB_PREFIX}{os.getpid()}_", dir=root)  # 0700
     try:
         owner = open(os.path.join(job_dir, OWNER), "wb")  # noqa: SIM115 - held by the job
         fcntl.flock(owner, fcntl.LOCK_EX)
@@ -149,36 +152,56 @@ def owned_job_dir(*, keep_free: bool = True) -> tuple[str, IO[bytes]]:
 def sweep_dead_jobs() -> None:
     """Remove the job directories that processes which are gone (a server that was killed)
     left in the temporary directory; once per process, when its first job is prepared or
-    its cache's upkeep pass runs. Never raises."""
+    its cache's upkeep pass runs. Never raises, and never blocks: the temporary directory
+    is shared with every user of the node, so an entry that is not this user's own
+    directory is passed over unopened (`_abandoned`)."""
     global _swept
     if _swept:
         return
     _swept = True
     with contextlib.suppress(OSError):  # no usable temporary directory: nothing to sweep
-        root = tempfile.gettempdir()
-        for name in os.listdir(root):
+        root = private_temp_root()
+        with os.scandir(root) as entries:
+            names = [entry.name for entry in entries if entry.name.startswith(JOB_PREFIX)]
+        for name in names:
             path = os.path.join(root, name)
-            if name.startswith(JOB_PREFIX) and _abandoned(path):
+            if _abandoned(path):
                 shutil.rmtree(path, ignore_errors=True)
 
 
+_OPEN_OWNER = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+
+
 def _abandoned(job_dir: str) -> bool:
+    """Whether `job_dir` is a job directory of this user's whose process is gone. Only a
+    directory this user owns (not followed if a link) is looked into, and only a regular
+    owner file of this user's is locked: opened without following a link and without
+    blocking (a FIFO planted there would hold an open, and with it the upkeep's lock, for
+    good), its lock tried without waiting."""
+    uid = os.getuid()
     try:
-        owner = open(os.path.join(job_dir, OWNER), "rb")  # noqa: SIM115 - closed below
-    except FileNotFoundError:  # its process died before it locked it, or it is not ours
-        try:
-            return time.time() - os.stat(job_dir).st_mtime > ORPHAN_AGE
-        except OSError:
-            return False
+        st = os.lstat(job_dir)
     except OSError:
         return False
-    with owner:
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid:
+        return False  # another user's, or not a directory: never ours to open or remove
+    try:
+        fd = os.open(os.path.join(job_dir, OWNER), _OPEN_OWNER)
+    except FileNotFoundError:  # its process died before it locked it
+        return time.time() - st.st_mtime > ORPHAN_AGE
+    except OSError:  # a link, or not to be opened: not a job of ours
+        return False
+    try:
+        owner = os.fstat(fd)
+        if not stat.S_ISREG(owner.st_mode) or owner.st_uid != uid:
+            return False
         try:
-            fcntl.flock(owner, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:  # held: its process lives
             return False
         return True
-
+    finally:
+        os.close(fd)
 
 
 _WARNED: set[str] = set()
