@@ -47,7 +47,7 @@ import filelock
 from .errors import LeaseLost, LockTimeout
 from .faults import fault_point
 from .keys import join
-from .records import LEASE_RECORDS, LeaseRecord, RecordError, encode
+from .records import LEASE_RECORDS, RECORD_MAX_BYTES, LeaseRecord, RecordError, encode
 
 if TYPE_CHECKING:
     from .base import StoreBase
@@ -200,7 +200,15 @@ class LeaseLock(Lock):
     def _look(self) -> tuple[int, bytes | None]:
         """The latest generation and its record's bytes (None: gone since the listing)."""
         latest = self._newest()
-        return latest, None if latest == 0 else self.store.read(self._key(latest))
+        return latest, None if latest == 0 else self._read(latest)
+
+    def _read(self, generation: int) -> bytes | None:
+        """One generation's record, bounded (`RECORD_MAX_BYTES`); one that is too large or
+        not a regular file reads as empty bytes: a torn record, judged as such (`_decode`)."""
+        try:
+            return self.store.read(self._key(generation), max_size=RECORD_MAX_BYTES)
+        except RecordError:
+            return b""
 
     def _decode(self, generation: int, data: bytes) -> LeaseRecord:
         try:
@@ -245,7 +253,7 @@ class LeaseLock(Lock):
         seen = _SIGHTINGS.get((self.store.url, self.directory))
         if seen is None or time.monotonic() >= seen.since + seen.period:
             return None
-        data = self.store.read(self._key(seen.generation))
+        data = self._read(seen.generation)
         if data is None:
             return None
         remaining, record = self._judge(seen.generation, data)
