@@ -148,8 +148,8 @@ def register_upcaster(tag: str, from_version: int) -> Callable[[Upcaster], Upcas
 
 _STRUCTURE = bytes.maketrans(b"[{]}", b"(())")
 """Opening brackets as ``(``, closing ones as ``)``; with `_NOT_STRUCTURE` deleted, what is
-left of a JSON text is its brackets and its quotes."""
-_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"')
+left of a JSON text is its brackets, its quotes and its backslashes (escapes)."""
+_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"\\')
 
 
 def nesting_problem(data: bytes, limit: int = MAX_DEPTH) -> str | None:
@@ -158,17 +158,18 @@ def nesting_problem(data: bytes, limit: int = MAX_DEPTH) -> str | None:
 
     Cheap where it runs on every cache hit (about a microsecond for an entry record of a
     few files; benchmarks/RESULTS.md): C-speed bytes operations only, no Python loop per
-    byte. Escapes are dropped (when there is a backslash at all), everything but brackets
-    and quotes deleted in one `translate`; at most `limit` opening brackets left cannot
-    nest deeper. Otherwise the strings are removed (a string without brackets is then
-    ``""``) and innermost bracket pairs at most `limit` times: what is left then nests
-    deeper than `limit`.
+    byte. Everything but brackets, quotes and backslashes is deleted in one `translate`;
+    at most `limit` opening brackets left cannot nest deeper. Otherwise escapes are
+    dropped (when there is a backslash at all), the strings removed (a string without
+    brackets is then ``""``) and innermost bracket pairs at most `limit` times: what is
+    left then nests deeper than `limit`.
     """
-    if b"\\" in data:  # escapes: drop escaped backslashes, then escaped quotes
-        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
     kept = data.translate(_STRUCTURE, _NOT_STRUCTURE)
     if kept.count(b"(") <= limit:  # so few opening brackets cannot nest deeper
         return None
+    if b"\\" in kept:  # escapes: drop escaped backslashes, then escaped quotes
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+        kept = data.translate(_STRUCTURE, _NOT_STRUCTURE)
     kept = kept.replace(b'""', b"")
     if b'"' in kept:  # a string held brackets: every other piece is outside the strings
         kept = b"".join(kept.split(b'"')[::2])
