@@ -113,11 +113,17 @@ class UntrustedReadContractTests:
                 sock.bind(path)
         return path
 
-    @pytest.mark.parametrize("kind", ["fifo", "link", "socket"])
+    @pytest.mark.parametrize("kind", ["fifo", "link", "link-to-file", "socket"])
     def test_a_file_that_is_not_regular_is_refused_without_blocking(
             self, store: Store, kind: str) -> None:  # fmt: skip
-        self._folder(store)
-        path = self._plant(store, "e/entry.json", kind)
+        root = self._folder(store)
+        target = "/dev/zero"
+        if kind == "link-to-file":  # a node-local regular file: never followed either
+            target = os.path.join(os.path.dirname(root.rstrip("/")), "node-local.json")
+            with open(target, "wb") as f:
+                f.write(b"{}")
+            kind = "link"
+        path = self._plant(store, "e/entry.json", kind, target=target)
         fifo = path if kind == "fifo" else None
         for max_size in (RECORD_MAX_BYTES, None):
             with pytest.raises(NotRegularFile):
