@@ -181,3 +181,21 @@ def test_an_oversize_record_on_s3_is_never_downloaded_whole(
     _assert_remote_kept(node, good, compile_fn, [])
     warnings = cache_warnings()
     assert not any("NEURON_LIBTORCH_REMOTE_CACHE) failed" in w for w in warnings), warnings
+
+
+@pytest.mark.parametrize("what", ["fifo", "link", "huge", "deep"])
+def test_a_hostile_local_entry_record_is_a_miss(tmp_path, compile_fn, what) -> None:
+    """The same in the node's own tier (its lookup runs on every hit, unlocked first):
+    a miss and a quarantine, the graph compiled again, never an exception or a hang."""
+    node_dir = str(tmp_path / "node")
+    key = _keys(1)[0]
+    TwoTierCache(node_dir).get_or_compile(key, compile_fn(key))
+    node = TwoTierCache(node_dir)
+    prefix = node.local.published(key)
+    assert prefix is not None
+    record = node.local.local_path(join(prefix, "entry.json"))
+    assert record is not None
+    _plant(record, what)
+    result = bounded(lambda: node.get_or_compile(key, compile_fn(key)),
+                     [record] if what == "fifo" else [])  # fmt: skip
+    _assert_served(node, result, key)
