@@ -32,7 +32,6 @@ from typing import IO
 from fsspec.implementations.local import LocalFileSystem
 
 from ._atomic import (
-    O_READ,
     copy_replacing,
     fsync_dir,
     fsync_tree,
@@ -48,6 +47,8 @@ from .digests import Expected, FileDigest, file_digest
 from .errors import IntegrityError
 from .keys import GOOD_KEYS, remember_good, validate_key, validate_prefix
 from .operations import where
+from .records import RECORD_MAX_BYTES
+from .regular import kind_of, open_regular, read_regular
 from .store import Store
 
 PROFILES = ("local", "nfs", "lustre")
@@ -56,34 +57,16 @@ EMPTY_MARKER = ".empty"
 """The one file of a published directory that was staged empty (see `_rename_dir`)."""
 
 
-def read_local_file(path: str) -> bytes | None:
+def read_local_file(path: str, max_size: int | None = None) -> bytes | None:
     """The bytes of the local file at `path`, or None when there is no such file.
 
-    The one way this package reads a whole local file: a descriptor, one `fstat` and one
-    `os.read` (no buffered file object), which is what makes reading thousands of small
-    records (cache entries at manifest emit) cheap.
+    The one way this package reads a whole local file (`regular.read_regular`): regular
+    files only, a final symbolic link never followed, a FIFO never waited on
+    (`NotRegularFile`), and at most `max_size` bytes (`RecordTooLarge`). A descriptor, one
+    `fstat` and one `os.read`, which keeps reading thousands of small records (cache
+    entries at manifest emit) cheap.
     """
-    try:
-        fd = os.open(path, O_READ)
-    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
-        return None
-    try:
-        # Files are replaced, never rewritten in place, so the size is final, and a read
-        # asking for one byte more that comes back short has reached EOF.
-        size = os.fstat(fd).st_size
-        data = os.read(fd, size + 1)
-        if len(data) == size:
-            return data
-        # The file grew (an appended log segment) or the read was short (> 2 GiB on
-        # Linux): read on to EOF.
-        parts = [data]
-        while chunk := os.read(fd, 1 << 24):
-            parts.append(chunk)
-        return b"".join(parts)
-    except IsADirectoryError:
-        return None
-    finally:
-        os.close(fd)
+    return read_regular(path, max_size)
 
 
 def _dir_identity(st: os.stat_result) -> str:
@@ -136,8 +119,8 @@ class LocalStore(Store):
         self._root_slash = self.root.rstrip("/") + "/"
 
     # ------------------------------------------------------------ primitives
-    def read(self, key: str) -> bytes | None:
-        return read_local_file(self._key_path(key))
+    def read(self, key: str, *, max_size: int | None = None) -> bytes | None:
+        return read_regular(self._key_path(key), max_size)
 
     def write(self, key: str, data: bytes) -> None:
         path = self._key_path(key)
@@ -158,8 +141,9 @@ class LocalStore(Store):
         return True
 
     def info(self, key: str) -> FileInfo | None:
+        # lstat: a symbolic link at a key is no file of the store (never followed).
         try:
-            st = os.stat(self._key_path(key))
+            st = os.lstat(self._key_path(key))
         except (FileNotFoundError, NotADirectoryError):
             return None
         if not stat.S_ISREG(st.st_mode):
@@ -203,13 +187,16 @@ class LocalStore(Store):
         copy_replacing(local_path, self._key_path(key), durable=self._durable)
 
     def open_read(self, key: str) -> IO[bytes]:
-        return open(self._path(validate_key(key)), "rb")
+        # Regular files only (`NotRegularFile`), a final link never followed.
+        fd, _size = open_regular(self._path(validate_key(key)))
+        return os.fdopen(fd, "rb")
 
     def open_appender(self, key: str, *, truncate: bool) -> Appender:
         return FdAppender(self._path(validate_key(key)), truncate)
 
     # ------------------------------------------- operations the domain code needs
-    def read_published(self, final: str, rel: str) -> tuple[str, bytes | None] | None:
+    def read_published(self, final: str, rel: str, *, max_size: int | None = RECORD_MAX_BYTES
+                       ) -> tuple[str, bytes | None] | None:  # fmt: skip
         # The hot path of every cache hit: the keys are checked (cached), the path joined
         # by hand, and the directory is only stat'ed when the file is not there.
         try:
@@ -220,7 +207,7 @@ class LocalStore(Store):
         except TypeError:  # unhashable, so not a str: InvalidKey
             remember_good(final)
             remember_good(rel)
-        data = read_local_file(f"{self._root_slash}{final}/{rel}")
+        data = read_regular(f"{self._root_slash}{final}/{rel}", max_size)
         if data is not None:
             return final, data
         return (final, None) if os.path.isdir(self._root_slash + final) else None
@@ -234,14 +221,20 @@ class LocalStore(Store):
         if not known:
             prefix = validate_prefix(prefix)  # the root ("") and a trailing "/" too
         base = f"{self._root_slash}{prefix}/" if prefix else self._root_slash
-        stat_, good = os.stat, GOOD_KEYS
+        # lstat: as cheap as stat, and a link is never followed; anything but a regular
+        # file (a FIFO, a device, a link to one) is this entry's defect, like a wrong size.
+        lstat_, good, regular = os.lstat, GOOD_KEYS, stat.S_ISREG
         for rel, expected in files.items():
             if rel not in good:
                 remember_good(rel)
             try:
-                size = stat_(base + rel).st_size
+                st = lstat_(base + rel)
             except OSError:
                 raise IntegrityError(where(self, prefix), rel, "is missing") from None
+            if not regular(st.st_mode):
+                raise IntegrityError(where(self, prefix), rel,
+                                     f"is {kind_of(st.st_mode)}, not a regular file")
+            size = st.st_size
             if size != expected.size:
                 raise IntegrityError(where(self, prefix), rel,
                                      f"has {size} bytes, expected {expected.size}")

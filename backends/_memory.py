@@ -22,6 +22,7 @@ from fsspec.implementations.memory import MemoryFileSystem
 
 from .base import Appender, Capabilities, FileInfo, SegmentAppender
 from .debris import Seen
+from .errors import RecordTooLarge
 from .keys import validate_key
 from .store import Store
 
@@ -63,13 +64,18 @@ class MemoryStore(Store):
             durable=False,
         )
 
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str, *, max_size: int | None = None) -> bytes | None:
         path = self._path(validate_key(key))
         with self._mutex:
             try:
-                return bytes(self.fs.cat_file(path))
+                data = self.fs.cat_file(path, start=0, end=None if max_size is None
+                                        else max_size + 1)  # fmt: skip
             except (FileNotFoundError, IsADirectoryError):
                 return None
+        if max_size is not None and len(data) > max_size:
+            raise RecordTooLarge(f"{self.url}/{key}", f"is larger than the {max_size} bytes "
+                                                      "a record may have; not read")  # fmt: skip
+        return bytes(data)
 
     def write(self, key: str, data: bytes) -> None:
         path = self._path(validate_key(key))

@@ -25,6 +25,7 @@ is the one request that checks a store can serve (a one-key listing of its prefi
 from __future__ import annotations
 
 import builtins
+import errno
 import os
 import time
 from collections.abc import Mapping
@@ -44,7 +45,7 @@ from ._s3_client import (
 from .base import Appender, Capabilities, FileInfo, SegmentAppender
 from .debris import Seen, Upload
 from .digests import Expected
-from .errors import MissingDependency
+from .errors import MissingDependency, RecordTooLarge
 from .keys import validate_key, validate_prefix
 from .store import Store
 
@@ -113,14 +114,27 @@ class S3Store(Store):
         )
 
     @_translated
-    def read(self, key: str) -> bytes | None:
+    def read(self, key: str, *, max_size: int | None = None) -> bytes | None:
         # One GET: with max_concurrency > 1, s3fs first asks the size (a HEAD, plus a
         # LIST when the key is missing) to split big objects; whole-object reads are small
         # here (records, notes, commit records; artifacts are streamed with open_read).
+        # With `max_size` (a record) the GET is ranged to the bound plus one byte, so an
+        # object of many GiB costs one small download and a `RecordTooLarge`.
+        path = self._path(validate_key(key))
         try:
-            return bytes(self.fs.cat_file(self._path(validate_key(key)), max_concurrency=1))
+            if max_size is None:
+                return bytes(self.fs.cat_file(path, max_concurrency=1))
+            data = self.fs.cat_file(path, start=0, end=max_size + 1, max_concurrency=1)
         except (FileNotFoundError, IsADirectoryError):
             return None
+        except OSError as exc:
+            if exc.errno != errno.EINVAL or "InvalidRange" not in f"{exc} {exc.__cause__}":
+                raise
+            return b""  # a range from byte 0 is unsatisfiable only for an empty object
+        if len(data) > max_size:
+            raise RecordTooLarge(f"{self.url}/{key}", f"is larger than the {max_size} bytes "
+                                                      "a record may have; not read")  # fmt: skip
+        return bytes(data)
 
     @_translated
     def write(self, key: str, data: bytes) -> None:

@@ -55,7 +55,7 @@ from .keys import join, validate_key, validate_prefix
 from .layout import COMMIT_RECORD, LOCKS_DIR, STAGING_DIR, TRASH_DIR, VERSIONS_DIR
 from .protocol import Capabilities, FileInfo
 from .publication import Publication
-from .records import Record, encode
+from .records import RECORD_MAX_BYTES, Record, encode
 from .staging import Staging
 
 if TYPE_CHECKING:
@@ -103,8 +103,16 @@ class StoreBase(ABC):
 
     # ------------------------------------------------------------ primitives
     @abstractmethod
-    def read(self, key: str) -> bytes | None:
-        """The bytes stored at `key`, or None when there is no such key."""
+    def read(self, key: str, *, max_size: int | None = None) -> bytes | None:
+        """The bytes stored at `key`, or None when there is no such key.
+
+        `max_size`: a reader of records gives `records.RECORD_MAX_BYTES` (`RecordCodec.read`
+        and `read_published` do): a larger file is `RecordTooLarge` and never read whole
+        (on S3 one ranged GET of the bound plus one byte). Without it the whole file is
+        read (streams, content). On a folder store anything but a regular file at `key` -
+        a symbolic link (never followed), a FIFO (never waited on), a device, a socket -
+        is `NotRegularFile` (`regular.py`); both are `RecordError`s, a defect of that key.
+        """
 
     @abstractmethod
     def write(self, key: str, data: bytes) -> None:
@@ -295,14 +303,17 @@ class StoreBase(ABC):
                 yield info
 
     # ------------------------------------------- operations the domain code needs
-    def read_published(self, final: str, rel: str) -> tuple[str, bytes | None] | None:
+    def read_published(self, final: str, rel: str, *, max_size: int | None = RECORD_MAX_BYTES
+                       ) -> tuple[str, bytes | None] | None:  # fmt: skip
         """`(prefix, bytes of rel in it)` for a published `final`, else None.
 
         The bytes are None when `final` is published but has no file `rel` (a defective
         publication, not a missing one). The first step of a cache hit in one call: on
         local disk one read of the file, the directory looked at only when it is absent.
+        `rel` is a record (entry.json, unpacked.json): read with `max_size`, by default
+        `RECORD_MAX_BYTES` (see `read`; `RecordTooLarge`, `NotRegularFile`).
         """
-        return operations.read_published(self, final, rel)
+        return operations.read_published(self, final, rel, max_size)
 
     def check_sizes(self, prefix: str, files: Mapping[str, Expected]) -> None:
         """Every one of `files` (keys relative to `prefix`) exists with its expected size.

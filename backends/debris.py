@@ -54,7 +54,7 @@ from .keys import join
 from .layout import COMMIT_RECORD, LOCKS_DIR, STAGING_DIR, TRASH_DIR, VERSIONS_DIR
 from .protocol import ByteStore
 from .publication import WITHDRAWAL, read_commit
-from .records import LEASE_RECORDS, RecordError
+from .records import LEASE_RECORDS, RECORD_MAX_BYTES, RecordError
 
 DebrisKind = Literal[
     "staging", "trash", "orphan-version", "tombstone", "upload", "partial", "lease"
@@ -330,12 +330,13 @@ def _leases(store: SurveyedStore, leases: dict[str, list[tuple[int, Seen]]], now
     for directory, generations in sorted(leases.items()):
         generations.sort()
         latest, seen = generations[-1]
-        data = store.read(seen.key)
-        if data is None:
-            continue  # taken and tidied meanwhile: someone is using it
+        data: bytes | None = b""  # what removal compares when the record does not read
         try:
+            data = store.read(seen.key, max_size=RECORD_MAX_BYTES)
+            if data is None:
+                continue  # taken and tidied meanwhile: someone is using it
             record = LEASE_RECORDS.decode(data, source=seen.key)
-        except RecordError:
+        except RecordError:  # torn, too large, not a regular file
             state, free_since, owner = "unreadable", seen.mtime, "?"
         else:
             owner = record.owner
@@ -349,7 +350,7 @@ def _leases(store: SurveyedStore, leases: dict[str, list[tuple[int, Seen]]], now
         if age <= grace:
             out.kept.append(Kept("lease", directory, age, f"{state} within the grace"))
             continue
-        handle = (*(s.key for _, s in generations), digest_of(data))
+        handle = (*(s.key for _, s in generations), digest_of(data or b""))
         out.debris.append(Debris(
             "lease", directory, sum(s.size for _, s in generations), age, free_since,
             f"{state}, generation {latest}, last held by {owner}", handle,

@@ -19,6 +19,7 @@ import os
 from .debris import TIME_SLACK, Debris, Removal, SurveyedStore, digest_of
 from .layout import VERSIONS_DIR
 from .publication import read_commit
+from .records import RECORD_MAX_BYTES, RecordError
 
 
 def remove(store: SurveyedStore, debris: Debris) -> Removal:
@@ -74,7 +75,10 @@ def _remove_lease(store: SurveyedStore, debris: Debris) -> Removal:
         return "gone"
     if max(int(n) for n in now_there) != max(int(k.rsplit("/", 1)[-1]) for k in keys):
         return "changed"  # taken again since the survey
-    data = store.read(keys[-1])
+    try:
+        data = store.read(keys[-1], max_size=RECORD_MAX_BYTES)
+    except RecordError:  # too large or not a regular file: as the survey saw it (debris.py)
+        data = b""
     if data is None or digest_of(data) != digest:
         return "changed" if data is not None else "gone"
     for key in keys:  # oldest first: a taker meanwhile sees a free latest, never a gap

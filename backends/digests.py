@@ -11,7 +11,6 @@ BLAKE3 was added.
 from __future__ import annotations
 
 import hashlib
-import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, Protocol
 
@@ -72,13 +71,18 @@ def file_digest(path: str) -> FileDigest:
     Each chunk feeds both hashers; on a large file SHA-256 (the slower) runs in a helper
     thread while BLAKE3 and the read of the next chunk run in this one (both hashers
     release the GIL), so the two digests cost about what SHA-256 alone used to.
-    FileNotFoundError when there is no such file.
+    FileNotFoundError when there is no such file; `NotRegularFile` when it is a symbolic
+    link, a FIFO, a device or a socket (`regular.open_regular`: never followed, never
+    waited on).
     """
+    from .regular import open_regular  # here: regular -> errors, never back to digests
+
     sha, b3 = hashlib.sha256(), Blake3()
     size = 0
-    with open(path, "rb", buffering=0) as f:
-        if os.fstat(f.fileno()).st_size <= DIGEST_CHUNK:
-            return digest_bytes(f.read())
+    fd, first_size = open_regular(path)
+    with open(fd, "rb", buffering=0) as f:
+        if first_size <= DIGEST_CHUNK:
+            return digest_bytes(f.read(DIGEST_CHUNK + 1))
         buffers = [bytearray(DIGEST_CHUNK), bytearray(DIGEST_CHUNK)]
         with ThreadPoolExecutor(max_workers=1) as helper:
             n = f.readinto(buffers[0])

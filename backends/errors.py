@@ -6,6 +6,8 @@ deployment can be traced to the setting that caused it without reading our code.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class StoreError(Exception):
     """Base class for every error the storage layer raises on purpose."""
@@ -72,3 +74,30 @@ class IntegrityError(StoreError):
 
     def __reduce__(self) -> tuple[type[IntegrityError], tuple[str, str, str]]:
         return type(self), (self.where, self.rel, self.problem)
+
+
+class RecordError(StoreError, ValueError):
+    """A persisted record that cannot be read: `source` (the file) and `problem`."""
+
+    def __init__(self, source: str, problem: str) -> None:
+        super().__init__(f"{source}: {problem}")
+        self.source = source
+        self.problem = problem
+
+    def __reduce__(self) -> tuple[Any, ...]:  # raised in worker processes, pickled back
+        return type(self), (self.source, self.problem)
+
+
+class NotRegularFile(RecordError):
+    """The file at a key is not a regular file (a FIFO, a device, a socket, a directory or
+    a symbolic link): nothing this layer writes, so a defect of that path, never followed
+    nor opened for reading in a way that blocks (folder stores, `backends/regular.py`).
+
+    A `RecordError`, so every record reader treats it as the defective record it stands
+    for (a miss, a quarantine, a note that says nothing), and never an `OSError`, which
+    callers read as a full or read-only disk or an unreachable remote."""
+
+
+class RecordTooLarge(RecordError):
+    """A record larger than its reader's bound (`RECORD_MAX_BYTES`): a defect of that
+    record, of which at most the bound plus one byte was read."""

@@ -9,6 +9,7 @@ that does not decode (a torn tail, a newer schema) is skipped and counted.
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import weakref
@@ -16,12 +17,13 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
 from .keys import join, validate_key
-from .records import _ENCODER, Decoded, Record, RecordCodec, encode, encode_into
+from .records import _ENCODER, Decoded, Record, RecordCodec, RecordError, encode, encode_into
 
 if TYPE_CHECKING:
     from .base import Appender, StoreBase
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 SEGMENT_SUFFIX = ".jsonl"
 
 # `append` is the hot path (the benchmark's target is >= 300k records/s): bind what it calls.
@@ -148,9 +150,16 @@ class EventLog:
 
     def segment_data(self) -> Iterator[tuple[str, bytes]]:
         """Each non-empty segment's key and bytes, in segment order (for folds that work a
-        segment at a time: every segment has exactly one writer)."""
+        segment at a time: every segment has exactly one writer). A segment that is not a
+        regular file (`NotRegularFile`: a FIFO, a link) is skipped with a warning: one bad
+        segment never makes the stream unreadable, nor hangs its reader."""
         for key in self.segments():
-            data = self.store.read(key)
+            try:
+                data = self.store.read(key)
+            except RecordError as exc:
+                logger.warning("event stream %s/%s: segment %s skipped: %s",
+                               self.store.url, self.stream, key, exc.problem)  # fmt: skip
+                continue
             if data:
                 yield key, data
 

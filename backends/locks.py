@@ -62,7 +62,7 @@ import filelock
 from .errors import LeaseLost, LockTimeout
 from .faults import fault_point
 from .keys import join
-from .records import LEASE_RECORDS, LeaseRecord, RecordError, encode
+from .records import LEASE_RECORDS, RECORD_MAX_BYTES, LeaseRecord, RecordError, encode
 
 if TYPE_CHECKING:
     from .base import StoreBase
@@ -242,10 +242,18 @@ class LeaseLock(Lock):
         return self._listing()[0]
 
     def _look(self) -> tuple[int, bytes | None, bool]:
-        """The latest generation, its record's bytes (None: gone since the listing, or not
-        a file), and whether the directory holds a name that is no record's."""
+        """The latest generation, its record's bytes (None: gone since the listing), and
+        whether the directory holds a name that is no record's."""
         latest, odd = self._listing()
-        return latest, None if latest == 0 else self.store.read(self._key(latest)), odd
+        return latest, None if latest == 0 else self._read(latest), odd
+
+    def _read(self, generation: int) -> bytes | None:
+        """One generation's record, bounded (`RECORD_MAX_BYTES`); one that is too large or
+        not a regular file reads as empty bytes: a torn record, judged as such (`_decode`)."""
+        try:
+            return self.store.read(self._key(generation), max_size=RECORD_MAX_BYTES)
+        except RecordError:
+            return b""
 
     def _decode(self, generation: int, data: bytes) -> LeaseRecord:
         try:
@@ -303,7 +311,7 @@ class LeaseLock(Lock):
         if seen is None or seen.data == _UNKNOWN_OWNER \
                 or time.monotonic() >= seen.since + seen.period:  # fmt: skip
             return None  # a malformed lease is looked at whole: it may have been taken
-        data = self.store.read(self._key(seen.generation))
+        data = self._read(seen.generation)
         if data is None:
             return None
         remaining, record = self._judge(seen.generation, data)

@@ -29,12 +29,13 @@ def where(store: ByteStore, prefix: str) -> str:
     return base + prefix
 
 
-def read_published(store: ByteStore, final: str, rel: str) -> tuple[str, bytes | None] | None:
+def read_published(store: ByteStore, final: str, rel: str,
+                   max_size: int | None) -> tuple[str, bytes | None] | None:  # fmt: skip
     validate_key(rel)  # refused whether or not `final` is published
     prefix = store.published(final)
     if prefix is None:
         return None
-    return prefix, store.read(join(prefix, rel))
+    return prefix, store.read(join(prefix, rel), max_size=max_size)
 
 
 def check_sizes(store: ByteStore, prefix: str, files: Mapping[str, Expected]) -> None:

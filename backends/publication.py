@@ -55,7 +55,7 @@ from .keys import join, validate_key
 from .layout import COMMIT_RECORD, STAGING_DIR, TRASH_DIR, VERSIONS_DIR
 from .operations import where
 from .protocol import ByteStore
-from .records import COMMIT_RECORDS, CommitRecord, RecordError, encode
+from .records import COMMIT_RECORDS, RECORD_MAX_BYTES, CommitRecord, RecordError, encode
 
 WITHDRAWAL = "withdraw-"
 """``final/.v/withdraw-<version>/``: the tombstone of a withdrawal in progress."""
@@ -100,7 +100,11 @@ def read_commit(store: ByteStore, final: str) -> tuple[str, CommitRecord | None,
     and `problem` says why); otherwise `problem` is "".
     """
     key = join(final, COMMIT_RECORD)
-    data = store.read(key)
+    try:
+        data = store.read(key, max_size=RECORD_MAX_BYTES)
+    except RecordError as exc:  # too large, or not a regular file: unreadable, by its reason
+        return (UNREADABLE + hashlib.sha256(exc.problem.encode()).hexdigest()[:32], None,
+                f"{where(store, key)} does not read: {exc.problem}")
     if data is None:
         return None
     try:

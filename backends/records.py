@@ -28,23 +28,35 @@ from typing import Any, ClassVar, Generic, NamedTuple, TypeVar, Union
 
 import msgspec
 
-from .errors import StoreError
+from .errors import NotRegularFile, RecordError, RecordTooLarge
 from .protocol import ByteStore
+
+__all__ = [  # RecordError and its kinds live in errors.py (regular.py raises them too)
+    "COMMIT_RECORDS", "LEASE_RECORDS", "MAX_DEPTH", "MAX_ERRORS", "RECORD_MAX_BYTES",
+    "CommitRecord", "Decoded", "Document", "LeaseRecord",
+    "NotRegularFile", "Record", "RecordCodec", "RecordError", "RecordTooLarge", "Untagged",
+    "encode", "encode_document", "encode_into", "encode_line", "nesting_problem",
+    "register_upcaster", "Upcaster",
+]
 
 T = TypeVar("T")
 MAX_ERRORS = 20  # error messages a `Decoded` keeps (its count of skipped lines is exact)
 
-
-class RecordError(StoreError, ValueError):
-    """A persisted record that cannot be read: `source` (the file) and `problem`."""
-
-    def __init__(self, source: str, problem: str) -> None:
-        super().__init__(f"{source}: {problem}")
-        self.source = source
-        self.problem = problem
-
-    def __reduce__(self) -> tuple[Any, ...]:  # raised in worker processes, pickled back
-        return type(self), (self.source, self.problem)
+RECORD_MAX_BYTES = 1 << 20
+"""The most bytes a record may have (entry records, notes, leases, commit records,
+signatures, unpacked-copy records; the largest this project writes is an entry record of a
+few KiB per hundred files). Every record reader reads at most this many bytes plus one
+(`RecordCodec.read`, `Store.read_published`, `Store.read(key, max_size=...)`): a larger
+file is a defect of that record (`RecordTooLarge`), never read whole, so a hostile writer
+of a shared tier cannot grow a node's memory with it. The one bound of the storage layer
+for records; streams (event-log segments, ledgers) and content (tensors, HLO) are read
+unbounded by their own readers, or streamed."""
+MAX_DEPTH = 64
+"""The deepest nesting of JSON arrays and objects a record may have (ours nest at most 4
+deep). A deeper one is refused before it is decoded (`RecordCodec.decode`): msgspec
+recurses once per level, so 10,000 levels raised `RecursionError`, which no caller took
+for a bad record, and a few hundred levels decoded but could not be encoded again deeper
+in a stack."""
 
 
 class Record(msgspec.Struct, frozen=True, tag_field="type", kw_only=True, gc=False):
@@ -133,6 +145,42 @@ def register_upcaster(tag: str, from_version: int) -> Callable[[Upcaster], Upcas
 
 
 # ------------------------------------------------------------------ decoding
+
+_STRUCTURE = bytes.maketrans(b"[{]}", b"(())")
+"""Opening brackets as ``(``, closing ones as ``)``; with `_NOT_STRUCTURE` deleted, what is
+left of a JSON text is its brackets, its quotes and its backslashes (escapes)."""
+_NOT_STRUCTURE = bytes(c for c in range(256) if c not in b'[]{}"\\')
+
+
+def nesting_problem(data: bytes, limit: int = MAX_DEPTH) -> str | None:
+    """Why `data` nests too deep to be decoded safely (arrays and objects deeper than
+    `limit`, or brackets outside strings that do not balance), or None.
+
+    Cheap where it runs on every cache hit (about a microsecond for an entry record of a
+    few files; benchmarks/RESULTS.md): C-speed bytes operations only, no Python loop per
+    byte. Everything but brackets, quotes and backslashes is deleted in one `translate`;
+    at most `limit` opening brackets left cannot nest deeper. Otherwise escapes are
+    dropped (when there is a backslash at all), the strings removed (a string without
+    brackets is then ``""``) and innermost bracket pairs at most `limit` times: what is
+    left then nests deeper than `limit`.
+    """
+    kept = data.translate(_STRUCTURE, _NOT_STRUCTURE)
+    if kept.count(b"(") <= limit:  # so few opening brackets cannot nest deeper
+        return None
+    if b"\\" in kept:  # escapes: drop escaped backslashes, then escaped quotes
+        data = data.replace(b"\\\\", b"").replace(b'\\"', b"")
+        kept = data.translate(_STRUCTURE, _NOT_STRUCTURE)
+    kept = kept.replace(b'""', b"")
+    if b'"' in kept:  # a string held brackets: every other piece is outside the strings
+        kept = b"".join(kept.split(b'"')[::2])
+    for _ in range(limit):
+        if not kept:
+            return None
+        fewer = kept.replace(b"()", b"")
+        if len(fewer) == len(kept):
+            return "not JSON: its brackets do not balance"
+        kept = fewer
+    return f"nested deeper than {limit} levels" if kept else None
 
 
 @dataclass
@@ -239,11 +287,17 @@ class RecordCodec(Generic[T]):
         return all(getattr(r, by_type[type(r)].field) == by_type[type(r)].current for r in records)
 
     def decode(self, data: bytes, *, source: str = "record") -> T:
-        """One record from JSON bytes, upcast to the current version, or `RecordError`."""
+        """One record from JSON bytes, upcast to the current version, or `RecordError`
+        (also for a record nested deeper than `MAX_DEPTH`: `nesting_problem`)."""
+        if isinstance(data, str):
+            data = data.encode()
+        deep = nesting_problem(data)
+        if deep is not None:
+            raise RecordError(source, deep)
         if self._typed:
             try:
                 record = self._decoder.decode(data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
                 pass
             else:
                 one = self._one_version  # inlined: every local cache hit decodes a record
@@ -255,6 +309,8 @@ class RecordCodec(Generic[T]):
             raw = msgspec.json.decode(data)
         except msgspec.DecodeError as exc:
             raise RecordError(source, f"not JSON (garbage or truncated): {exc}") from exc
+        except RecursionError:  # deep in a stack: refused here, never seen as a crash
+            raise RecordError(source, "nested too deep to decode") from None
         return self.convert(raw, source=source)
 
     def convert(self, raw: Any, *, source: str = "record") -> T:
@@ -315,8 +371,8 @@ class RecordCodec(Generic[T]):
         if isinstance(data, bytes) and self._typed:
             try:
                 records = self._decoder.decode_lines(data)
-            except (msgspec.DecodeError, msgspec.ValidationError):
-                pass
+            except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+                pass  # the per-line path below refuses the deep line alone
             else:
                 if self._all_current(records):
                     return Decoded(records=records)
@@ -335,8 +391,9 @@ class RecordCodec(Generic[T]):
 
     def read(self, store: ByteStore, key: str) -> T | None:
         """The record at `key` of `store`; None when absent, `RecordError` naming
-        ``<store url>/<key>`` when it does not read."""
-        data = store.read(key)
+        ``<store url>/<key>`` when it does not read - a file larger than `RECORD_MAX_BYTES`
+        (`RecordTooLarge`, never read whole) or not a regular file (`NotRegularFile`) too."""
+        data = store.read(key, max_size=RECORD_MAX_BYTES)
         if data is None:
             return None
         url = store.url if store.url.endswith("/") else store.url + "/"

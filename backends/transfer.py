@@ -11,7 +11,6 @@ never has to fit in memory twice.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +19,7 @@ from typing import IO
 
 from .faults import fault_point
 from .keys import join, validate_prefix
+from .regular import lstat_regular, open_regular
 from .staging import Staging
 from .store import Store
 
@@ -92,13 +92,17 @@ def copy_file(src: Store, src_key: str, dst: Store | Staging, dst_key: str,
     src_path = src.local_path(src_key)
     if on_bytes is not None and (
             dst.store if isinstance(dst, Staging) else dst).capabilities.local_paths:
-        reader = open(src_path, "rb") if src_path is not None else src.open_read(src_key)  # noqa: SIM115
+        reader = (open(open_regular(src_path)[0], "rb")  # noqa: SIM115 - a link never followed
+                  if src_path is not None else src.open_read(src_key))
         with reader:
             size = dst.write_from(dst_key, _CountingReader(reader, on_bytes))  # type: ignore[arg-type]
         fault_point("promote.mid-upload")
         return size
     if src_path is not None:
-        size = os.stat(src_path).st_size
+        st = lstat_regular(src_path)  # a link or a FIFO is never uploaded (NotRegularFile)
+        if st is None:
+            raise FileNotFoundError(src_path)
+        size = st.st_size
         dst.put_file(dst_key, src_path)
         fault_point("promote.mid-upload")  # in the copying thread: the others are mid-way
     else:

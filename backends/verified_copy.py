@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import posixpath
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Protocol
@@ -29,10 +30,11 @@ from blake3 import blake3 as Blake3
 
 from ._kernel_copy import KERNEL_COPY_STEP, PIPELINE_MIN, SourceShrank, copy_and_hash
 from .digests import Expected
-from .errors import IntegrityError
+from .errors import IntegrityError, NotRegularFile
 from .faults import fault_point
 from .keys import join
 from .operations import where as where_of
+from .regular import inside_root, open_regular
 from .staging import Staging
 from .transfer import Progress, ProgressCounter
 
@@ -64,13 +66,13 @@ OnBytes = Callable[[int], None] | None
 
 def _kernel_copy(src_path: str, dst_path: str, rel: str, expected: Expected, where: str,
                  *, pipelined: bool, on_bytes: OnBytes = None) -> None:
-    """Copy one file between two local-disk paths, checking its size and BLAKE3."""
+    """Copy one file between two local-disk paths, checking its size and BLAKE3.
+
+    The source is opened as untrusted (`regular.open_regular`): a link, a FIFO or a device
+    is this file's defect, never followed nor waited on; exactly its recorded size is
+    copied, and a source that grew meanwhile is a defect too."""
+    src_fd, size = _open_regular_source(src_path, rel, where)
     try:
-        src_fd = os.open(src_path, os.O_RDONLY | _O_CLOEXEC)
-    except FileNotFoundError:
-        raise IntegrityError(where, rel, "is missing") from None
-    try:
-        size = os.fstat(src_fd).st_size
         if size != expected.size:
             raise IntegrityError(where, rel, f"has {size} bytes, expected {expected.size}")
         os.makedirs(os.path.dirname(dst_path), exist_ok=True)
@@ -85,16 +87,34 @@ def _kernel_copy(src_path: str, dst_path: str, rel: str, expected: Expected, whe
             raise IntegrityError(where, rel, "shrank while it was being copied") from None
         finally:
             os.close(dst_fd)
+        if os.fstat(src_fd).st_size != size:
+            raise IntegrityError(where, rel, "changed size while it was being copied")
     finally:
         os.close(src_fd)
     if actual != expected.blake3:
         raise IntegrityError(where, rel, "fails its BLAKE3 check")
 
 
-def _open_source(store: StoreBase, key: str) -> IO[bytes]:
+def _open_regular_source(path: str, rel: str, where: str) -> tuple[int, int]:
+    """``(descriptor, size)`` of a local source file; `IntegrityError` naming `rel` when it
+    is missing or not a regular file (a link, a FIFO, a device: `regular.open_regular`)."""
+    try:
+        return open_regular(path)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        raise IntegrityError(where, rel, "is missing") from None
+    except NotRegularFile as exc:
+        raise IntegrityError(where, rel, exc.problem) from None
+
+
+def _open_source(store: StoreBase, key: str, rel: str, where: str) -> IO[bytes]:
     path = store.local_path(key)
+    if path is None:
+        try:
+            return store.open_read(key)
+        except FileNotFoundError:
+            raise IntegrityError(where, rel, "is missing") from None
     # Unbuffered on local disk: readinto() of a large buffer is then one read(2).
-    return open(path, "rb", buffering=0) if path is not None else store.open_read(key)
+    return open(_open_regular_source(path, rel, where)[0], "rb", buffering=0)
 
 
 def _hasher_for(expected: Expected, where: str, rel: str) -> tuple[_Hasher, str, str]:
@@ -111,10 +131,7 @@ def _stream(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expe
     """Copy one file through memory in one pass: each chunk read, hashed and written."""
     hasher, digest, name = _hasher_for(expected, where, rel)
     size = 0
-    try:
-        reader = _open_source(src, src_key)
-    except FileNotFoundError:
-        raise IntegrityError(where, rel, "is missing") from None
+    reader = _open_source(src, src_key, rel, where)
     dst_path = dst.store.local_path(dst.key(rel))
     with reader:
         if dst_path is not None:
@@ -136,7 +153,7 @@ def _stream(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expe
             finally:
                 os.close(fd)
         else:
-            data = reader.read()
+            data = reader.read(expected.size + 1)  # never more than one byte too many
             hasher.update(data)
             size = len(data)
             dst.write(rel, data)
@@ -162,6 +179,22 @@ def _copy_one(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Ex
     fault_point("fetch.mid-copy")
 
 
+def _check_inside(src: StoreBase, src_prefix: str, files: Mapping[str, Expected],
+                  where: str) -> None:
+    """On a folder store, the directories the files are copied from must resolve inside
+    the store's root: a linked directory (an entry's, or one of its subdirectories) would
+    lead the copy, and the sizes an error names, to files outside the tier (node-local
+    ones). One `realpath` per directory of the entry, per fetch (`regular.inside_root`)."""
+    root = src.local_path("") if src.capabilities.local_paths else None
+    if root is None:
+        return
+    for sub in sorted({posixpath.dirname(rel) for rel in files}):
+        directory = src.local_path(join(src_prefix, sub) if sub else src_prefix)
+        if directory is not None and not inside_root(root, directory):
+            raise IntegrityError(where, sub or ".", "is a directory that resolves outside "
+                                                    "the tier (a link); not read")  # fmt: skip
+
+
 def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[str, Expected],
                   *, workers: int = 0, progress: Progress | None = None) -> None:
     """Copy `files` (keys relative to `src_prefix`) into `dst`, checking size and checksum.
@@ -178,6 +211,7 @@ def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[
     items = sorted(files.items(), key=lambda item: -item[1].size)
     if not items:
         return
+    _check_inside(src, src_prefix, files, where)
     workers = workers or min(len(items), max(2, os.cpu_count() or 2), 8)
     total = sum(expected.size for _, expected in items)
     on_bytes = None if progress is None else ProgressCounter(total, progress).add
@@ -202,10 +236,7 @@ def check_verified(store: StoreBase, prefix: str, files: Mapping[str, Expected])
     where = where_of(store, prefix)
     for rel, expected in files.items():
         hasher, digest, name = _hasher_for(expected, where, rel)
-        try:
-            reader = _open_source(store, join(prefix, rel))
-        except FileNotFoundError:
-            raise IntegrityError(where, rel, "is missing") from None
+        reader = _open_source(store, join(prefix, rel), rel, where)
         size = 0
         with reader:
             while chunk := reader.read(COPY_CHUNK):

@@ -23,6 +23,7 @@ from .contract_files import FileContractTests
 from .contract_keys import KeyContractTests
 from .contract_locks import LockContractTests
 from .contract_publication import PublicationContractTests
+from .contract_untrusted import UntrustedReadContractTests
 from .contract_withdrawal import WithdrawalContractTests
 
 
@@ -34,6 +35,7 @@ class StoreContractTests(
     EventLogContractTests,
     KeyContractTests,
     CopyContractTests,
+    UntrustedReadContractTests,
     StoreOperationTests,
 ):
     """The behaviour every `Store` promises. Subclasses supply a ``store`` fixture.

@@ -79,7 +79,7 @@ def _inside_withdrawal(store: Store) -> PauseAt:
     store's look at what it moved aside."""
     if store.capabilities.atomic_rename:
         return PauseAt(store, "_dir_version", lambda key: key.startswith(".trash/"))
-    return PauseAt(store, "read", lambda key: key.endswith(COMMIT_RECORD))
+    return PauseAt(store, "read", lambda key, **_: key.endswith(COMMIT_RECORD))
 
 
 class WithdrawalContractTests:

@@ -1,12 +1,14 @@
 """The store contract on local disk, in each of its profiles (forced, so they run here)."""
 
 import os
+import stat
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
 from vllm_neuron.backends import Store, open_store
+from vllm_neuron.backends.errors import RecordTooLarge
 from vllm_neuron.backends.testing import StoreContractTests
 
 
@@ -83,6 +85,13 @@ def test_read_goes_on_to_the_end_of_a_file_that_grew(
     store = open_store(tmp_path / "store")
     data = os.urandom(300_000)
     store.write("segment.jsonl", data)
-    stale = SimpleNamespace(st_size=1000)  # the size before the appends
+    stale = SimpleNamespace(st_size=1000, st_mode=stat.S_IFREG | 0o644)  # before the appends
     monkeypatch.setattr(os, "fstat", lambda fd: stale)
     assert store.read("segment.jsonl") == data
+    # A bounded read (a record) of a file that grew past the bound stops one byte past it.
+    reads: list[int] = []
+    real_read = os.read
+    monkeypatch.setattr(os, "read", lambda fd, n: reads.append(n) or real_read(fd, n))
+    with pytest.raises(RecordTooLarge, match="grew past"):
+        store.read("segment.jsonl", max_size=5000)
+    assert sum(reads) <= 5001

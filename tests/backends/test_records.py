@@ -15,6 +15,7 @@ import pytest
 
 from vllm_neuron.backends import open_store
 from vllm_neuron.backends.records import (
+    MAX_DEPTH,
     Document,
     Record,
     RecordCodec,
@@ -23,6 +24,7 @@ from vllm_neuron.backends.records import (
     encode,
     encode_document,
     encode_line,
+    nesting_problem,
     register_upcaster,
 )
 
@@ -221,3 +223,47 @@ def test_bad_codecs_are_refused_when_built(
 ) -> None:
     with pytest.raises((TypeError, ValueError), match=message):
         RecordCodec(types, **kwargs)
+
+
+# -- nesting: a record deeper than MAX_DEPTH is a defect of that record -----------------------
+
+
+class Loose(Record, tag="test-loose", frozen=True):
+    """A record with a free-form field, where JSON of any depth would decode."""
+
+    value: Any = None
+
+
+LOOSE: RecordCodec[Loose] = RecordCodec(Loose)
+
+
+def _nested(depth: int, inner: str = "1") -> bytes:
+    return ('{"type":"test-loose","value":' + "[" * (depth - 1) + inner + "]" * (depth - 1)
+            + "}").encode()  # fmt: skip
+
+
+@pytest.mark.parametrize("depth", [65, 500, 10_000, 100_000])
+def test_a_record_nested_too_deep_is_refused_not_a_crash(depth: int) -> None:
+    """10,000 levels raised RecursionError from msgspec (which callers took for an outage
+    of the remote); a few hundred decoded but could not be encoded again."""
+    refused(LOOSE, _nested(depth), "nested deeper than")
+    refused(LOOSE, b"[" * depth, "not JSON")  # unbalanced: torn, or hostile
+    refused(ENTRYLIKE, _nested(depth), "nested deeper than")
+
+
+ENTRYLIKE: RecordCodec[Doc] = RecordCodec(Doc)
+
+
+def test_nesting_up_to_the_bound_reads_and_brackets_in_strings_do_not_count() -> None:
+    assert LOOSE.decode(_nested(MAX_DEPTH)).value is not None
+    many = '"' + "[{" * 200 + '\\\\\\"' + "]" * 50 + '"'  # brackets, escapes in a string
+    record = LOOSE.decode(_nested(MAX_DEPTH, inner=many))
+    assert record.value is not None
+    assert nesting_problem(b"[" * MAX_DEPTH + b"]" * MAX_DEPTH) is None
+    assert nesting_problem(b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1)) is not None
+
+
+def test_a_stream_skips_a_line_nested_too_deep() -> None:
+    good = encode_line(Note(text="kept"))
+    decoded = TALLIES.decode_lines(good + b"[" * 10_000 + b"]" * 10_000 + b"\n" + good)
+    assert [r.text for r in decoded.records] == ["kept", "kept"] and decoded.skipped == 1

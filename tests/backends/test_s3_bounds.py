@@ -37,6 +37,8 @@ from vllm_neuron.backends import (
     probe_store,
 )
 from vllm_neuron.backends.digests import FileDigest
+from vllm_neuron.backends.errors import RecordTooLarge
+from vllm_neuron.backends.records import RECORD_MAX_BYTES
 
 BOUND = 40.0
 """Seconds: what the default 10 s request bound must stay under, with room for a loaded
@@ -248,3 +250,27 @@ def test_a_user_who_may_not_list_is_refused_by_the_probe(
         assert url in str(info.value) and "AccessDenied" in str(info.value)
         with pytest.raises(StoreAccessDenied):
             store.list("")
+
+
+def test_a_record_read_never_downloads_an_oversize_object_whole(
+        s3_server: str, s3_store_url: str) -> None:  # fmt: skip
+    """A record read is one GET ranged to the bound plus one byte: an 8 MiB object (it could
+    be many GiB) costs that much download and a `RecordTooLarge`; an empty object (a range
+    S3 cannot satisfy) reads as empty, never as an outage."""
+    store = open_store(s3_store_url, endpoint_url=s3_server)
+    store.write("r/huge", b"x" * (8 << 20))
+    store.write("r/empty", b"")
+    asked: list[dict[str, Any]] = []
+    real_call = store.fs._call_s3
+
+    async def spying(method: str, *args: Any, **kwargs: Any) -> Any:
+        if method == "get_object":
+            asked.append(kwargs)
+        return await real_call(method, *args, **kwargs)
+
+    store.fs._call_s3 = spying
+    with pytest.raises(RecordTooLarge):
+        store.read("r/huge", max_size=RECORD_MAX_BYTES)
+    assert [a.get("Range") for a in asked] == [f"bytes=0-{RECORD_MAX_BYTES}"], asked
+    assert store.read("r/empty", max_size=RECORD_MAX_BYTES) == b""
+    assert store.read("r/none", max_size=RECORD_MAX_BYTES) is None

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass
 
 from vllm_neuron.backends import Store, join
+from vllm_neuron.backends.records import RECORD_MAX_BYTES
 
 from .record import ENTRY_RECORD, EntryProblem, check_checksums, check_sizes, decode_record
 
@@ -33,7 +34,7 @@ def check_entry(store: Store, key: str, *, full: bool = True) -> VerifyResult:
             raise EntryProblem(f"{store.url}/{key} was withdrawn while verifying")
         if found.problem is not None or found.prefix is None:
             raise EntryProblem(str(found.problem))
-        data = store.read(join(found.prefix, ENTRY_RECORD))
+        data = store.read(join(found.prefix, ENTRY_RECORD), max_size=RECORD_MAX_BYTES)
         if data is None:
             raise EntryProblem(f"{store.url}/{key}: {ENTRY_RECORD} is missing")
         record = decode_record(data)

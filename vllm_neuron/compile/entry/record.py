@@ -29,7 +29,13 @@ import msgspec
 
 from vllm_neuron.backends import FileDigest, IntegrityError, Store, join
 from vllm_neuron.backends.digests import mismatch
-from vllm_neuron.backends.records import Document, RecordCodec, RecordError, encode
+from vllm_neuron.backends.records import (
+    RECORD_MAX_BYTES,
+    Document,
+    RecordCodec,
+    RecordError,
+    encode,
+)
 
 ENTRY_RECORD = "entry.json"
 ENTRY_SCHEMA_VERSION = 1
@@ -134,8 +140,12 @@ def build_record(
 
 
 def read_record(store: Store, prefix: str) -> EntryRecord:
-    """The commit record under `prefix`; `EntryProblem` when missing or unreadable."""
-    data = store.read(join(prefix, ENTRY_RECORD))
+    """The commit record under `prefix`; `EntryProblem` when missing or unreadable (also
+    when larger than `RECORD_MAX_BYTES` or not a regular file: refused unread)."""
+    try:
+        data = store.read(join(prefix, ENTRY_RECORD), max_size=RECORD_MAX_BYTES)
+    except RecordError as exc:
+        raise EntryProblem(f"{exc.source} is unreadable: {exc.problem}") from exc
     if data is None:
         raise EntryProblem(f"{store.url}/{prefix}: {ENTRY_RECORD} is missing")
     try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_neuron.backends import Store, join
+from vllm_neuron.backends.records import RECORD_MAX_BYTES
 from vllm_neuron.envs.compile_cache import parse_size as parse_size_setting
 
 from ..entry.check import KEY_RE, VerifyResult, check_entry
@@ -69,14 +70,13 @@ def list_entries(store: Store, *, sizes: bool = False) -> list[EntryInfo]:
             continue
         problem, record = found.problem, None
         if found.prefix is not None and problem is None:
-            data = store.read(join(found.prefix, ENTRY_RECORD))
-            if data is None:
-                problem = f"{ENTRY_RECORD} is missing"
-            else:
-                try:
-                    record = decode_record(data)
-                except Exception as exc:  # noqa: BLE001 - reported, not raised
-                    problem = f"unreadable record: {exc}"
+            try:  # bounded, regular files only (a FIFO or an oversized record: its problem)
+                data = store.read(join(found.prefix, ENTRY_RECORD), max_size=RECORD_MAX_BYTES)
+                record = None if data is None else decode_record(data)
+                if data is None:
+                    problem = f"{ENTRY_RECORD} is missing"
+            except Exception as exc:  # noqa: BLE001 - reported, not raised
+                problem = f"unreadable record: {exc}"
         if record is None:
             out.append(EntryInfo(key, 0, 0, 0.0, "?", "?", 0.0, problem, found.version))
             continue
@@ -126,7 +126,8 @@ def verify_entries(
 
 def _read_record(store: Store, key: str) -> EntryRecord:
     prefix = store.published(key)
-    data = None if prefix is None else store.read(join(prefix, ENTRY_RECORD))
+    data = (None if prefix is None
+            else store.read(join(prefix, ENTRY_RECORD), max_size=RECORD_MAX_BYTES))
     if data is None:
         raise KeyError(f"no entry {key} in {store.url}")
     return decode_record(data)

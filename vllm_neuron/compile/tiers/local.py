@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 
 from vllm_neuron.backends import EventLog, Record, Store
+from vllm_neuron.backends.records import RecordError
 
 from ..entry.check import verify_entry
 from ..entry.events import EVENTS_STREAM, VerificationFailed
@@ -99,8 +100,10 @@ class LocalTier:
             # One store operation for the record (on local disk: one read; the directory is
             # stat'ed only when the record is absent), one for the sizes (a stat per file).
             found = store.read_published(key, ENTRY_RECORD)
-        except OSError:
-            found = (key, b"")  # unreadable (an I/O error): a defective entry
+        except (OSError, RecordError):
+            # Unreadable (an I/O error; a record too large or not a regular file, refused
+            # unread): a defective entry.
+            found = (key, b"")
         if found is None:
             return None
         prefix, data = found

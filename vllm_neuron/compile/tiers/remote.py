@@ -36,7 +36,7 @@ from vllm_neuron.backends import (
     open_store,
     probe_store,
 )
-from vllm_neuron.backends.records import RecordError
+from vllm_neuron.backends.records import RECORD_MAX_BYTES, RecordError
 from vllm_neuron.envs.compile_cache import REMOTE_WRITE_MODES, RemoteWrite
 
 from ..entry.events import RemoteUnavailable
@@ -225,7 +225,13 @@ def fetch_entry(
     if found.problem is not None or found.prefix is None:
         raise PublicationProblem(str(found.problem), version=found.version)
     prefix = found.prefix
-    record_bytes = remote.read(join(prefix, ENTRY_RECORD))
+    try:
+        # Bounded, regular files only: a record too large or a FIFO is this entry's defect
+        # (`RecordError`), never read whole nor waited on, never an outage of the remote.
+        record_bytes = remote.read(join(prefix, ENTRY_RECORD), max_size=RECORD_MAX_BYTES)
+    except RecordError as exc:
+        raise PublicationProblem(f"{remote.url}/{key}/{ENTRY_RECORD} is unreadable: "
+                                 f"{exc.problem}", version=found.version) from exc  # fmt: skip
     if record_bytes is None:
         raise PublicationProblem(f"{remote.url}/{key}: {ENTRY_RECORD} is missing",
                                  version=found.version)  # fmt: skip
@@ -238,9 +244,9 @@ def fetch_entry(
         raise PublicationProblem(f"{remote.url}/{key}: record names key {record.key}",
                                  version=found.version)  # fmt: skip
     try:
-        signature = remote.read(join(prefix, SIGNATURE_FILE))
-    except OSError:  # an unreadable signature is this entry's problem, not a remote outage
-        signature = b""
+        signature = remote.read(join(prefix, SIGNATURE_FILE), max_size=RECORD_MAX_BYTES)
+    except (OSError, RecordError):  # unreadable (too large, not a file): this entry's
+        signature = b""  # problem (it is unsigned), not a remote outage
     verdict = None
     if policy is not None and policy.checking:
         verdict = policy.judge(record_bytes, signature, source=f"{remote.url}/{key}")

@@ -151,7 +151,10 @@ def unpacked_dir(store: Store, key: str, prefix: str, package: str, source: File
 def _sound(store: Store, name: str, key: str, package: str, source: FileDigest) -> str | None:
     """The prefix of copy `name` when it is sound, None when there is none; `_Unsound` when
     it is there but must not be loaded."""
-    found = store.read_published(name, UNPACKED_RECORD)
+    try:  # bounded, regular files only: too large or a FIFO is an unsound copy
+        found = store.read_published(name, UNPACKED_RECORD)
+    except RecordError as exc:
+        raise _Unsound(f"{exc.source} does not read: {exc.problem}") from None
     if found is None:
         return None
     prefix, data = found
