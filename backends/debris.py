@@ -52,6 +52,7 @@ from typing import Literal, NamedTuple, Protocol
 
 from .keys import join
 from .layout import COMMIT_RECORD, LOCKS_DIR, STAGING_DIR, TRASH_DIR, VERSIONS_DIR
+from .locks import generation_of
 from .protocol import ByteStore
 from .publication import WITHDRAWAL, read_commit
 from .records import LEASE_RECORDS, RECORD_MAX_BYTES, RecordError
@@ -204,8 +205,9 @@ def survey(
                 _judge(out, "partial", seen.key, _one(seen), now, older_than, "temp file")
             continue
         if head == LOCKS_DIR:
-            if not seen.directory and len(parts) >= 3 and parts[-1].isdigit():
-                leases.setdefault("/".join(parts[:-1]), []).append((int(parts[-1]), seen))
+            generation = None if seen.directory or len(parts) < 3 else generation_of(parts[-1])
+            if generation is not None:  # a record name as a lease writes it (junk is left)
+                leases.setdefault("/".join(parts[:-1]), []).append((generation, seen))
             continue  # kernel lock files, empty lease directories: never debris
         if seen.directory:
             if rename and len(parts) == 1 and not head.startswith("."):

@@ -18,6 +18,7 @@ import os
 
 from .debris import TIME_SLACK, Debris, Removal, SurveyedStore, digest_of
 from .layout import VERSIONS_DIR
+from .locks import generation_of
 from .publication import read_commit
 from .records import RECORD_MAX_BYTES, RecordError
 
@@ -70,10 +71,10 @@ def _directory_time(store: SurveyedStore, prefix: str) -> float:
 
 def _remove_lease(store: SurveyedStore, debris: Debris) -> Removal:
     *keys, digest = debris.handle
-    now_there = [n for n in store.list_dir(debris.prefix) if n.isdigit()]
+    now_there = [g for g in map(generation_of, store.list_dir(debris.prefix)) if g is not None]
     if not now_there:
         return "gone"
-    if max(int(n) for n in now_there) != max(int(k.rsplit("/", 1)[-1]) for k in keys):
+    if max(now_there) != max(generation_of(k.rsplit("/", 1)[-1]) or 0 for k in keys):
         return "changed"  # taken again since the survey
     try:
         data = store.read(keys[-1], max_size=RECORD_MAX_BYTES)

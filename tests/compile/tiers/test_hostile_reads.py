@@ -199,3 +199,25 @@ def test_a_hostile_local_entry_record_is_a_miss(tmp_path, compile_fn, what) -> N
     result = bounded(lambda: node.get_or_compile(key, compile_fn(key)),
                      [record] if what == "fifo" else [])  # fmt: skip
     _assert_served(node, result, key)
+
+
+@pytest.mark.parametrize("what", ["fifo", "link", "huge", "deep"])
+def test_a_promotion_replaces_a_hostile_remote_entry_record(tmp_path, compile_fn, what) -> None:
+    """A builder promoting a key whose remote publication has a hostile `entry.json`
+    judges that publication defective and replaces it (never blocks, never raises the
+    storage layer's error, which the flow would take for a remote outage)."""
+    from vllm_neuron.compile.tiers.promote import promote_entry
+
+    remote = str(tmp_path / "remote")
+    (key,) = _keys(1)
+    _publish(tmp_path, compile_fn, remote, FOLDER_OPTIONS, [key])
+    record = os.path.join(remote, key, "entry.json")
+    _plant(record, what)
+    fifos = [record] if what == "fifo" else []
+    builder = TwoTierCache(str(tmp_path / "second-builder"))
+    builder.get_or_compile(key, compile_fn(key))
+    remote_store = open_store(remote, lock="lease")
+    assert bounded(lambda: promote_entry(builder.local, remote_store, key), fifos) is True
+    assert os.path.isfile(record) and not os.path.islink(record)
+    fetched = TwoTierCache(str(tmp_path / "node"), remote=remote, remote_options=FOLDER_OPTIONS)
+    assert fetched.get_or_compile(key, compile_fn(key)).source == "remote"

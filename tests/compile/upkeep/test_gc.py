@@ -768,3 +768,23 @@ def test_the_cli_names_every_kind_of_note_it_kept():
 
     for kind in NOTE_KINDS:
         assert KEPT[kind.name] == kind.plural and WHAT[kind.name] == kind.what
+
+
+@pytest.mark.parametrize("junk", ["²", "٣", "000000000000", "notes.txt", "1e3"])
+def test_junk_names_in_a_lease_folder_neither_crash_gc_nor_pass_for_records(tier, junk):
+    """A writer without a key puts a file named like no lease record (a superscript or an
+    Arabic-Indic digit, which `str.isdigit` accepts and `int` may refuse; zero; a note) in a
+    key's lease folder: `cache gc` plans and executes without raising, and leaves the junk
+    alone (no lease judged from it), while the key's real, released lease record is still
+    collected once old."""
+    lease = dead_lease(tier, "junk")
+    folder = lease.directory
+    tier.write(join(folder, junk), b"{}")
+    plan = plan_gc(tier, lease_grace=0.0, now=time.time() + 3600)
+    planned = {item.where for item in plan.items}
+    assert join(folder, junk) not in planned
+    assert any(item.kind == "lease" and item.where.startswith(folder) for item in plan.items), \
+        plan.items
+    outcome = plan.execute()
+    assert not outcome.failed, outcome.failed
+    assert tier.read(join(folder, junk)) == b"{}"

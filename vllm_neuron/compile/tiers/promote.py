@@ -39,7 +39,7 @@ from vllm_neuron.backends import (
     open_store,
     validate_hex,
 )
-from vllm_neuron.backends.records import RecordError
+from vllm_neuron.backends.records import RECORD_MAX_BYTES, RecordError
 from vllm_neuron.envs.trust import VLLM_NEURON_CACHE_SIGNING_KEY, VLLM_NEURON_CACHE_TRUSTED_KEYS
 
 from ..entry.events import EVENTS_STREAM, Promoted
@@ -128,7 +128,12 @@ def _remote_problem(remote: Store, hash_key: str, there: Publication,
         return None
     if there.problem is not None or there.prefix is None:
         return str(there.problem)
-    record_bytes = remote.read(join(there.prefix, ENTRY_RECORD))  # read once: judged as read
+    try:  # read once, bounded: judged as read
+        record_bytes = remote.read(join(there.prefix, ENTRY_RECORD), max_size=RECORD_MAX_BYTES)
+        signature = None if not (policy.checking and policy.signer is not None) else \
+            remote.read(join(there.prefix, SIGNATURE_FILE), max_size=RECORD_MAX_BYTES)
+    except RecordError as exc:  # too large, or not a regular file: a defect of this entry
+        return f"{remote.url}/{hash_key}: {exc}"
     if record_bytes is None:
         return f"{remote.url}/{hash_key}: {ENTRY_RECORD} is missing"
     try:
@@ -138,7 +143,7 @@ def _remote_problem(remote: Store, hash_key: str, there: Publication,
     if found.key != hash_key:
         return f"{remote.url}/{hash_key}: record names key {found.key}"
     if policy.checking and policy.signer is not None:
-        verdict = policy.judge(record_bytes, remote.read(join(there.prefix, SIGNATURE_FILE)))
+        verdict = policy.judge(record_bytes, signature)
         if not verdict.trusted:
             return f"{remote.url}/{hash_key}: untrusted: {verdict.reason}"
     return None

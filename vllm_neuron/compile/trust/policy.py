@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from vllm_neuron.backends import Store, join
-from vllm_neuron.backends.records import RecordError
+from vllm_neuron.backends.records import RECORD_MAX_BYTES, RecordError
 from vllm_neuron.envs import ConfigError, TrustSettings, trust_settings
 from vllm_neuron.envs.trust import (
     VLLM_NEURON_CACHE_SIGNING_KEY,
@@ -178,7 +178,8 @@ class TrustPolicy:
                                "without a trusted signature")  # fmt: skip
             return Verdict("untrusted", key_id, f"signed by key {key_id}, which is no "
                            "longer trusted here")  # fmt: skip
-        signature = store.read(join(prefix, SIGNATURE_FILE))  # of unknown origin: signed?
+        signature = store.read(join(prefix, SIGNATURE_FILE),  # of unknown origin: signed?
+                               max_size=RECORD_MAX_BYTES)
         verdict = self.judge(record_bytes, signature)
         return None if verdict.trusted else verdict
 
@@ -202,16 +203,19 @@ def refusal(policy: TrustPolicy, store: Store, key: str, *, own_tier: bool) -> s
     not signed by a trusted key), or None. ``own_tier``: ``store`` is this node's local tier,
     whose own compiles need no signature (`TrustPolicy.judge_local`)."""
     prefix = store.published(key)
-    data = None if prefix is None else store.read(join(prefix, ENTRY_RECORD))
-    if not policy.requires or prefix is None or data is None:
+    if not policy.requires or prefix is None:
         return None
-    if own_tier:
-        try:
+    try:  # bounded, regular files only: a hostile record is a refusal, never a crash
+        data = store.read(join(prefix, ENTRY_RECORD), max_size=RECORD_MAX_BYTES)
+        if data is None:
+            return None
+        if own_tier:
             verdict = policy.judge_local(decode_record(data), data, store, prefix)
-        except RecordError as exc:
-            return f"{ENTRY_RECORD} does not read: {exc.problem}"
-    else:
-        verdict = policy.judge(data, store.read(join(prefix, SIGNATURE_FILE)))
+        else:
+            verdict = policy.judge(data, store.read(join(prefix, SIGNATURE_FILE),
+                                                    max_size=RECORD_MAX_BYTES))  # fmt: skip
+    except RecordError as exc:
+        return f"{ENTRY_RECORD} or {SIGNATURE_FILE} does not read: {exc.problem}"
     return None if verdict is None or verdict.trusted else verdict.reason
 
 
