@@ -17,6 +17,8 @@ from typing import Any
 
 import msgspec
 
+from vllm_neuron.envs import redact_config
+
 from .entry.outcomes import CompileError, PendingCompile
 from .flow.cache import CacheResult, TwoTierCache
 from .tiers.build import CompileFn
@@ -155,11 +157,15 @@ class CompileRuntime:
             replica_groups=self.replica_groups,
         )
 
+        # What the key was made of (cache explain; readers of the artifact ignore it), with
+        # secrets redacted: the record is signed and published to the shared tier, and a
+        # compiler flag may carry a token (the key's hash covers the flags as given).
+        recorded_inputs = redact_config(msgspec.to_builtins(key.inputs), by_key=False)
+
         def compile_into(out_dir: str) -> dict[str, Any]:
             artifact = toolchain.compile(gm, example_inputs, out_dir)
             meta: dict[str, Any] = msgspec.to_builtins(artifact)
-            # What the key was made of (cache explain); readers of the artifact ignore it.
-            meta["key_inputs"] = msgspec.to_builtins(key.inputs)
+            meta["key_inputs"] = recorded_inputs
             return meta
 
         traced = TracedGraph(key=key.key, components=dict(key.components), gm=gm,
@@ -173,7 +179,7 @@ class CompileRuntime:
 
             def compile_in_worker(out_dir: str) -> dict[str, Any]:
                 meta: dict[str, Any] = msgspec.to_builtins(job.compile(out_dir))
-                meta["key_inputs"] = msgspec.to_builtins(key.inputs)
+                meta["key_inputs"] = recorded_inputs
                 return meta
 
             return compile_in_worker, job.discard
