@@ -159,9 +159,14 @@ class _Sighting(NamedTuple):
     period: float  # the holder's lease period: unchanged for this long, it expired
 
 
-_GENERATION_NAME = re.compile(r"[0-9]{12,18}")
-"""A generation record's name: `LeaseLock._key` writes at least twelve digits; eighteen
-bound what a name may hold (a longer one is no generation, however many digits)."""
+_GENERATION_NAME = re.compile(r"[0-9]{12,15}")
+"""A generation record's name: `LeaseLock._key` writes at least twelve digits."""
+
+MAX_GENERATION = 10**15 - 1
+"""The highest generation a record may name (a million acquisitions a second for thirty
+years stay below it). A name above it is junk, not the key's latest lease: a writer who
+planted ``999999999999999999`` would otherwise push the next taker's generation past any
+name a generation may have, and the key could never be leased again."""
 
 _UNKNOWN_OWNER = b""
 """The bytes a sighting of a malformed lease holds (nothing read, or nothing to read): the
@@ -174,7 +179,8 @@ def generation_of(name: str) -> int | None:
     if not _GENERATION_NAME.fullmatch(name):
         return None
     generation = int(name)
-    return generation if generation > 0 and f"{generation:012d}" == name else None
+    ok = 0 < generation <= MAX_GENERATION and f"{generation:012d}" == name
+    return generation if ok else None
 
 
 _SIGHTINGS: dict[tuple[str, str], _Sighting] = {}

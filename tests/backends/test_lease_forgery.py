@@ -85,6 +85,7 @@ def test_a_forged_record_claiming_a_long_period_is_held_one_period_of_the_waiter
     "1e9", "notes.txt", "0000000000001",  # 13 digits: not how a generation is written
     "000000000000",  # generation 0 is never written
     "9" * 200,  # more digits than any generation
+    "9" * 18,  # above MAX_GENERATION: its successor would have no name a generation may have
 ])  # fmt: skip
 def test_a_directory_of_junk_names_is_busy_one_period_then_taken(
     store: Any, clocks: Clocks, junk: str
@@ -170,7 +171,8 @@ def test_a_forged_newer_generation_fences_the_holder_out(store: Any, clocks: Clo
 
 def test_generation_names() -> None:
     assert generation_of("000000000001") == 1
-    assert generation_of("123456789012345678") == 123456789012345678
+    assert generation_of("123456789012345") == 123456789012345
     for name in ("1", "000000000000", "0000000000001", "\u00b2" * 12, "\u0661" * 12,
-                 "1234567890123456789", "00000000001a", " 00000000001"):
+                 "1234567890123456789", "123456789012345678", "999999999999999999",
+                 "00000000001a", " 00000000001"):
         assert generation_of(name) is None, name

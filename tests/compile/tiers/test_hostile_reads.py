@@ -221,3 +221,27 @@ def test_a_promotion_replaces_a_hostile_remote_entry_record(tmp_path, compile_fn
     assert os.path.isfile(record) and not os.path.islink(record)
     fetched = TwoTierCache(str(tmp_path / "node"), remote=remote, remote_options=FOLDER_OPTIONS)
     assert fetched.get_or_compile(key, compile_fn(key)).source == "remote"
+
+
+@pytest.mark.parametrize("files", [{"../outside": 4}, {"/etc/passwd": 4}, {"graph.bin": -5}])
+def test_an_unsigned_record_listing_unsound_files_costs_a_compile_only(
+        tmp_path, compile_fn, files) -> None:  # fmt: skip
+    """A writer without a key rewrites an entry's record (the trust policy off: nothing
+    checks a signature) to list a file outside the entry or a negative size: the node
+    judges that entry defective, compiles the graph, and still fetches other keys from the
+    remote, which it never sets aside."""
+    import json
+
+    remote = str(tmp_path / "remote")
+    bad, good = _keys(2)
+    _publish(tmp_path, compile_fn, remote, FOLDER_OPTIONS, [bad, good])
+    path = os.path.join(remote, bad, "entry.json")
+    with open(path, "rb") as f:
+        record = json.loads(f.read())
+    some = next(iter(record["files"].values()))
+    record["files"] = {name: {**some, "size": size} for name, size in files.items()}
+    with open(path, "w") as f:
+        json.dump(record, f)
+    node = TwoTierCache(str(tmp_path / "node"), remote=remote, remote_options=FOLDER_OPTIONS)
+    _assert_served(node, bounded(lambda: node.get_or_compile(bad, compile_fn(bad)), []), bad)
+    _assert_remote_kept(node, good, compile_fn, [])

@@ -35,11 +35,13 @@ from vllm_neuron.backends import (
     join,
     open_store,
     probe_store,
+    validate_key,
 )
 from vllm_neuron.backends.records import RECORD_MAX_BYTES, RecordError
 from vllm_neuron.envs.compile_cache import REMOTE_WRITE_MODES, RemoteWrite
 
 from ..entry.events import RemoteUnavailable
+from ..entry.failure_notes import printable
 from ..entry.record import ENTRY_RECORD, EntryRecord, decode_record, encode_record
 from ..trust.origin import seal
 from ..trust.policy import TrustPolicy, UntrustedEntry, fetched_from
@@ -255,6 +257,9 @@ def fetch_entry(
                         else policy.admits(key, remote.url, verdict, action="fetch"))  # fmt: skip
             if not admitted:
                 raise UntrustedEntry(key, remote.url, verdict)
+    unsound = _unsound_files(record)
+    if unsound is not None:  # whoever wrote the record: a defect of this entry, no outage
+        raise PublicationProblem(f"{remote.url}/{key}: {unsound}", version=found.version)
     with local.stage(key) as staging:
         try:
             copy_verified(remote, prefix, staging, record.files, progress=progress)
@@ -274,3 +279,18 @@ def fetch_entry(
         fault_point("fetch.copied")
         staging.commit()
     return record
+
+
+def _unsound_files(record: EntryRecord) -> str | None:
+    """Why the files a fetched record lists cannot be an entry's (a name no store key may
+    be - ``../x``, an absolute path - or a negative size), or None. Checked before any copy:
+    the storage layer would refuse them with its own errors, which the flow takes for a
+    remote that failed."""
+    for name, digest in record.files.items():
+        try:
+            validate_key(name)
+        except Exception as exc:  # noqa: BLE001 - InvalidKey, or a name that is no str
+            return f"{ENTRY_RECORD} lists a file no entry may hold ({printable(name)}): {exc}"
+        if digest.size < 0:
+            return f"{ENTRY_RECORD} gives {printable(name)} a negative size"
+    return None
