@@ -34,6 +34,9 @@ PREFIXES = ("VLLM_NEURON_", "NEURON_")
 # of settings. server_environment is named by its package: profiling's modules are being
 # split, and the function is the same wherever it lands.
 WHOLE_ENVIRONMENT_USES: dict[tuple[str, str], str] = {
+    ("vllm_neuron/compile/toolchains/private_dirs.py", "_secure_inductor_dirs"):
+        "torch's own TORCHINDUCTOR_CACHE_DIR, read as torch reads it and replaced for this "
+        "process (and the workers it starts) when the directory is not private",
     ("vllm_neuron/profiling/", "server_environment"):
         "the profiling server's environment is this process's, plus the capture's "
         "settings: a copy handed to a child process, which parses it itself",

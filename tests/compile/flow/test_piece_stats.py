@@ -114,7 +114,7 @@ def test_the_cache_records_the_piece_on_compile_and_failure_events(tmp_path, com
     assert stats.compiles == 4 and stats.compile_failures == 1
     assert stats.keys_by_piece == {FIRST: [K[0], K[1]], SECOND: [K[2]]}  # a failure is no key
     assert (stats.pieces_compiled, stats.rank_specific_compiles) == (2, 1)
-    events = [e for e in rank0._events.read(CACHE_EVENTS).records
+    events = [e for e in rank0.local_tier._events.read(CACHE_EVENTS).records
               if isinstance(e, CompileFailed)]  # fmt: skip
     assert [(e.key, e.piece) for e in events] == [(K[4], SECOND)]
     assert read_stats(str(tmp_path / "off")).keys_by_piece == {SECOND: [K[5]]}
