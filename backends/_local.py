@@ -44,7 +44,7 @@ from .appenders import FdAppender
 from .base import Appender, Capabilities, FileInfo
 from .debris import Seen
 from .digests import Expected, FileDigest, file_digest
-from .errors import IntegrityError
+from .errors import IntegrityError, too_many_names
 from .keys import GOOD_KEYS, remember_good, validate_key, validate_prefix
 from .operations import where
 from .records import RECORD_MAX_BYTES
@@ -161,9 +161,20 @@ class LocalStore(Store):
                     out.append(name if rel_dir == "." else f"{rel_dir}/{name}")
         return sorted(out)
 
-    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+    def list_dir(self, prefix: str = "", *,
+                 max_names: int | None = None) -> builtins.list[str]:  # fmt: skip
         try:
-            return sorted(n for n in os.listdir(self._path(prefix)) if not is_temp(n))
+            if max_names is None:
+                return sorted(n for n in os.listdir(self._path(prefix)) if not is_temp(n))
+            names: builtins.list[str] = []
+            with os.scandir(self._path(prefix)) as entries:  # read no further than the bound
+                for entry in entries:
+                    if is_temp(entry.name):
+                        continue
+                    if len(names) == max_names:
+                        raise too_many_names(self.url, prefix, max_names)
+                    names.append(entry.name)
+            return sorted(names)
         except (FileNotFoundError, NotADirectoryError):
             return []
 

@@ -107,9 +107,10 @@ class MemoryStore(Store):
         with self._mutex:
             return super().list(prefix)
 
-    def list_dir(self, prefix: str = "") -> builtins.list[str]:
+    def list_dir(self, prefix: str = "", *,
+                 max_names: int | None = None) -> builtins.list[str]:  # fmt: skip
         with self._mutex:
-            return super().list_dir(prefix)
+            return super().list_dir(prefix, max_names=max_names)
 
     def delete(self, key: str) -> bool:
         path = self._path(validate_key(key))

@@ -45,7 +45,7 @@ from ._s3_client import (
 from .base import Appender, Capabilities, FileInfo, SegmentAppender
 from .debris import Seen, Upload
 from .digests import Expected
-from .errors import MissingDependency, RecordTooLarge
+from .errors import MissingDependency, RecordTooLarge, too_many_names
 from .keys import validate_key, validate_prefix
 from .store import Store
 
@@ -174,8 +174,28 @@ class S3Store(Store):
         return super().list(prefix)
 
     @_translated
-    def list_dir(self, prefix: str = "") -> builtins.list[str]:
-        return super().list_dir(prefix)
+    def list_dir(self, prefix: str = "", *,
+                 max_names: int | None = None) -> builtins.list[str]:  # fmt: skip
+        if max_names is None:
+            return super().list_dir(prefix)
+        # Bounded: pages of at most the bound plus one name, no page past the bound (s3fs's
+        # `ls` would list a folder of millions whole, a request per 1,000 names).
+        bucket, _, path = self._path(prefix).partition("/")
+        base = path.rstrip("/") + "/" if path else ""
+        names: set[str] = set()
+        token: dict[str, str] = {}
+        while True:
+            page = self.fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=base,
+                                   Delimiter="/", MaxKeys=min(max_names + 1, 1000),
+                                   **token)  # fmt: skip
+            found = [o["Key"] for o in page.get("Contents", [])]
+            found += [p["Prefix"] for p in page.get("CommonPrefixes", [])]
+            names.update(n for n in (k[len(base):].rstrip("/") for k in found) if n)
+            if len(names) > max_names:
+                raise too_many_names(self.url, prefix, max_names)
+            if not page.get("IsTruncated") or not page.get("NextContinuationToken"):
+                return sorted(names)
+            token = {"ContinuationToken": page["NextContinuationToken"]}
 
     @_translated
     def delete(self, key: str) -> bool:

@@ -50,7 +50,7 @@ from ._atomic import replacing
 from .appenders import Appender, SegmentAppender
 from .debris import Debris, Removal, Seen, Survey, Upload
 from .digests import Expected, FileDigest, digest_stream
-from .errors import StoreError
+from .errors import StoreError, too_many_names
 from .keys import join, validate_key, validate_prefix
 from .layout import COMMIT_RECORD, LOCKS_DIR, STAGING_DIR, TRASH_DIR, VERSIONS_DIR
 from .protocol import Capabilities, FileInfo
@@ -75,6 +75,14 @@ __all__ = [  # the names other modules of the layer (and its tests) import from 
     "Staging",
     "StoreBase",
 ]
+
+
+def bounded_names(store: StoreBase, prefix: str, names: builtins.list[str],
+                  max_names: int | None) -> builtins.list[str]:  # fmt: skip
+    """`names` (a listing of `prefix`), or `ListingTooLarge` when more than `max_names`."""
+    if max_names is not None and len(names) > max_names:
+        raise too_many_names(store.url, prefix, max_names)
+    return names
 
 
 class StoreBase(ABC):
@@ -147,15 +155,19 @@ class StoreBase(ABC):
                 out.append(rel)
         return sorted(out)
 
-    def list_dir(self, prefix: str = "") -> builtins.list[str]:
-        """Names of the immediate children (files and directories) of `prefix`."""
+    def list_dir(self, prefix: str = "", *,
+                 max_names: int | None = None) -> builtins.list[str]:  # fmt: skip
+        """Names of the immediate children (files and directories) of `prefix`.
+
+        `max_names`: a folder of a shared tier holding more is `ListingTooLarge` (the
+        in-memory store lists it whole first; S3 and folders stop reading past it)."""
         base = self._path(prefix)
         try:
             entries = self.fs.ls(base, detail=False)
         except (FileNotFoundError, NotADirectoryError):
             return []
         names = {posixpath.basename(str(e).rstrip("/")) for e in entries}
-        return sorted(n for n in names if n)
+        return bounded_names(self, prefix, sorted(n for n in names if n), max_names)
 
     def delete(self, key: str) -> bool:
         """Delete the file at `key`; True if it existed."""

@@ -101,3 +101,16 @@ class NotRegularFile(RecordError):
 class RecordTooLarge(RecordError):
     """A record larger than its reader's bound (`RECORD_MAX_BYTES`): a defect of that
     record, of which at most the bound plus one byte was read."""
+
+
+class ListingTooLarge(RecordError):
+    """A folder holding more names than its reader's bound (`list_dir`'s ``max_names``):
+    on a shared tier, millions of names a writer without a key planted in a lease folder,
+    a version folder or a notes folder. A defect of that folder (and the key it belongs
+    to), never listed whole: at most the bound plus one name was read."""
+
+
+def too_many_names(url: str, prefix: str, bound: int) -> ListingTooLarge:
+    """The `ListingTooLarge` of folder `prefix` of the store at `url`."""
+    return ListingTooLarge(f"{url}/{prefix}", f"holds more than the {bound} names its "
+                                              "reader lists; not listed further")  # fmt: skip

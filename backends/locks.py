@@ -47,6 +47,7 @@ otherwise lose every key for one name in one directory).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -63,6 +64,7 @@ from .errors import LeaseLost, LockTimeout
 from .faults import fault_point
 from .keys import join
 from .records import LEASE_RECORDS, RECORD_MAX_BYTES, LeaseRecord, RecordError, encode
+from .regular import inside_root
 
 if TYPE_CHECKING:
     from .base import StoreBase
@@ -183,6 +185,11 @@ def generation_of(name: str) -> int | None:
     return generation if ok else None
 
 
+LEASE_MAX_NAMES = 100
+"""The most names a look lists in a lease folder (it holds one or two records; junk beside
+them is tolerated up to this). A fuller one is unusable (`LeaseLock._listing`): listing a
+folder of millions a writer without the lease planted would stall every waiter."""
+
 _SIGHTINGS: dict[tuple[str, str], _Sighting] = {}
 """(store URL, lease directory) -> what this process saw last. Plain dict operations (atomic
 under the GIL, no lock a fork could inherit held): two threads racing on one entry can only
@@ -219,6 +226,8 @@ class LeaseLock(Lock):
         self._free_at = 0.0  # monotonic: when the lease seen by the last failed try runs out
         self._stop = threading.Event()
         self._heartbeat: threading.Thread | None = None
+        self.unusable: RecordError | None = None
+        """Why the lease folder, as last looked at, cannot be used (`_listing`), or None."""
 
     # ------------------------------------------------------------- records
     def _key(self, generation: int) -> str:
@@ -233,15 +242,36 @@ class LeaseLock(Lock):
 
     def _listing(self) -> tuple[int, bool]:
         """The latest generation in the store (one listing; 0 when there is none), and
-        whether the directory holds a name that is no generation record's."""
+        whether the directory holds a name that is no generation record's.
+
+        A lease folder that cannot be used - more than `LEASE_MAX_NAMES` names (listed no
+        further), or on a folder store a link leading out of the store, where our records
+        would be written and deleted - reads as junk only (held one period by an unknown
+        owner), and `unusable` says why: `acquire` then raises it instead of writing."""
+        self.unusable = None
+        try:
+            if not self._inside_store():
+                raise RecordError(f"{self.store.url}/{self.directory}", "leads out of the "
+                                  "store (a symbolic link); never written")  # fmt: skip
+            names = self.store.list_dir(self.directory, max_names=LEASE_MAX_NAMES)
+        except RecordError as exc:
+            self.unusable = exc
+            return 0, True
         latest, odd = 0, False
-        for name in self.store.list_dir(self.directory):
+        for name in names:
             generation = generation_of(name)
             if generation is None:
                 odd = True
             elif generation > latest:
                 latest = generation
         return latest, odd
+
+    def _inside_store(self) -> bool:
+        """Whether the lease folder resolves inside the store (a store without local paths:
+        always). A few system calls per look at a lease, never on a hit's path."""
+        path = self.store.local_path(self.directory)
+        root = self.store.local_path("")
+        return path is None or root is None or inside_root(root, path)
 
     def _newest(self) -> int:
         """The latest generation in the store (one listing); 0 when there is none."""
@@ -340,6 +370,8 @@ class LeaseLock(Lock):
         while True:
             latest, remaining, record = self._watch()
             self._free_at = time.monotonic() + remaining
+            if self.unusable is not None and remaining <= 0:
+                raise self.unusable  # held its one period: the key's lease is unusable
             if latest >= 0 and remaining <= 0 and self.store.create(
                 self._key(latest + 1), self._record(latest + 1)
             ):
@@ -365,10 +397,11 @@ class LeaseLock(Lock):
         self._held = True
         self._lost = False
         self._stop.clear()
-        for old in self.store.list_dir(self.directory):
-            older = generation_of(old)
-            if older is not None and older < generation - 1:
-                self.store.delete(join(self.directory, old))
+        with contextlib.suppress(RecordError):  # filled up since the look: left as it is
+            for old in self.store.list_dir(self.directory, max_names=LEASE_MAX_NAMES):
+                older = generation_of(old)
+                if older is not None and older < generation - 1:
+                    self.store.delete(join(self.directory, old))
         self._heartbeat = threading.Thread(
             target=self._beat, name=f"lease-heartbeat-{self.name}", daemon=True
         )

@@ -50,7 +50,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import StoreError
+from .errors import ListingTooLarge, StoreError
 from .keys import join, validate_key
 from .layout import COMMIT_RECORD, STAGING_DIR, TRASH_DIR, VERSIONS_DIR
 from .operations import where
@@ -143,11 +143,20 @@ def publication(store: ByteStore, final: str) -> Publication:
     if record is None:
         return Publication("broken", None, version, problem)
     prefix = join(final, VERSIONS_DIR, version)
-    if not record.empty and not store.list_dir(prefix):
+    if not record.empty and _empty(store, prefix):
         record_at = where(store, join(final, COMMIT_RECORD))
         problem = f"{record_at} names version {version}, which has no files"
         return Publication("broken", prefix, version, problem)
     return Publication("published", prefix, version)
+
+
+def _empty(store: ByteStore, prefix: str) -> bool:
+    """Whether the version folder `prefix` holds nothing: one name is enough to tell, so
+    no more is listed (a hostile writer may have put millions of names there)."""
+    try:
+        return not store.list_dir(prefix, max_names=1)
+    except ListingTooLarge:
+        return False
 
 
 # ------------------------------------------------------------------ withdrawal

@@ -13,15 +13,16 @@ later" is a number the test adds. Each case runs on the memory store, a folder a
 
 from __future__ import annotations
 
+import os
 import uuid
 from typing import Any
 
 import pytest
 from lease_clocks import Clocks
 
-from vllm_neuron.backends import LeaseLock, LeaseLost, LockTimeout, open_store
+from vllm_neuron.backends import LeaseLock, LeaseLost, LockTimeout, locks, open_store
 from vllm_neuron.backends.locks import generation_of
-from vllm_neuron.backends.records import LeaseRecord, encode
+from vllm_neuron.backends.records import LeaseRecord, RecordError, encode
 
 PERIOD = 10.0
 TEN_YEARS = 10 * 365 * 86400.0
@@ -176,3 +177,54 @@ def test_generation_names() -> None:
                  "1234567890123456789", "123456789012345678", "999999999999999999",
                  "00000000001a", " 00000000001"):
         assert generation_of(name) is None, name
+
+
+def test_an_over_full_lease_folder_is_busy_one_period_then_unusable(
+    store: Any, clocks: Clocks, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Millions of names planted in ``.locks/<name>/`` (here the bound made small) are never
+    listed whole: the lease is held one period by an unknown owner, then `acquire` says it
+    cannot be used (a `RecordError`: the key's defect) - never a wait without end, never an
+    outage, nothing written."""
+    monkeypatch.setattr(locks, "LEASE_MAX_NAMES", 5)
+    name = unique()
+    for i in range(6):
+        store.write(f".locks/{name}/junk-{i}", b"junk")
+    listed: list[int | None] = []
+    real = store.list_dir
+
+    def spy(prefix: str = "", *, max_names: int | None = None) -> list[str]:
+        listed.append(max_names)
+        return real(prefix, max_names=max_names)
+
+    monkeypatch.setattr(store, "list_dir", spy)
+    waiter = lease(store, name)
+    assert refused(waiter) and waiter.busy()
+    assert listed and set(listed) == {5}  # every look is bounded
+    clocks.advance(PERIOD)
+    with pytest.raises(RecordError, match="more than the 5 names"):
+        waiter.acquire(timeout=0)
+    assert not waiter.held
+    assert sorted(real(f".locks/{name}")) == [f"junk-{i}" for i in range(6)]  # none written
+
+
+def test_a_lease_folder_linked_out_of_a_folder_store_is_never_written(
+    tmp_path: Any, clocks: Clocks
+) -> None:
+    """``.locks/<name>`` a symbolic link to a folder outside the store: our records would be
+    written (and old ones deleted) there. Held one period, then unusable; the folder it
+    leads to stays untouched."""
+    store = open_store(str(tmp_path / "store"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "000000000001").write_bytes(b"node-local, not a lease")
+    name = unique()
+    os.makedirs(tmp_path / "store" / ".locks")
+    os.symlink(outside, tmp_path / "store" / ".locks" / name)
+    waiter = lease(store, name)
+    assert refused(waiter)
+    clocks.advance(PERIOD)
+    with pytest.raises(RecordError, match="leads out of the store"):
+        waiter.acquire(timeout=0)
+    assert sorted(os.listdir(outside)) == ["000000000001"]
+    assert (outside / "000000000001").read_bytes() == b"node-local, not a lease"

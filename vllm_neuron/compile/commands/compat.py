@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from vllm_neuron.backends import Store, join
+from vllm_neuron.backends.records import RECORD_MAX_BYTES, RecordError
 from vllm_neuron.envs import compile_cache_settings, host_mode_settings
 
 from ..entry.record import ENTRY_RECORD, decode_record
@@ -116,7 +117,12 @@ def check_compat(store: Store, env: Environment) -> list[Compatibility]:
             out.append(Compatibility(info.key, None, problem=info.problem))
             continue
         prefix = store.published(info.key)
-        data = None if prefix is None else store.read(join(prefix, ENTRY_RECORD))
+        try:  # bounded, regular files only: a hostile record is that entry's problem
+            data = None if prefix is None else store.read(join(prefix, ENTRY_RECORD),
+                                                          max_size=RECORD_MAX_BYTES)  # fmt: skip
+        except RecordError as exc:
+            out.append(Compatibility(info.key, None, problem=f"unreadable record: {exc}"))
+            continue
         if data is None:
             out.append(Compatibility(info.key, None, problem="withdrawn while checking"))
             continue

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from vllm_neuron.backends import Record, Store, join
+from vllm_neuron.backends.records import RECORD_MAX_BYTES
 
 from ..entry.check import KEY_RE, check_entry
 from ..entry.events import Fetched
@@ -100,7 +101,8 @@ def warm_keys(
         """What fetching `key` copies (0 when the remote lacks it or it does not read)."""
         try:
             prefix = remote.published(key)
-            data = None if prefix is None else remote.read(join(prefix, ENTRY_RECORD))
+            data = None if prefix is None else remote.read(join(prefix, ENTRY_RECORD),
+                                                            max_size=RECORD_MAX_BYTES)
             return 0 if data is None else decode_record(data).total_size
         except Exception:  # noqa: BLE001 - the fetch itself reports what is wrong
             return 0

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable
 
 from vllm_neuron.backends import LeaseLost, Lock, LockTimeout, Record, Store
+from vllm_neuron.backends.records import RecordError
 
 from ..entry.events import LeaseTakenOver, LeaseWaited
 from ..entry.failure_notes import (
@@ -147,6 +148,14 @@ class RemoteSingleFlight:
                 pass
             except FleetCompileError:
                 raise
+            except RecordError as exc:  # the key's lease folder is unusable (held one period
+                # first): a defect of that key, never of the remote - compiled here alone
+                logger.warning("compile cache: the remote lease of %s cannot be used (%s); "
+                               "compiling it for this node only", key,
+                               printable(str(exc), 300))  # fmt: skip
+                self._waited(key, wait_start, waited, "alone")
+                fetched = fetch()
+                return Won(owes=False) if fetched is None else FetchedFromFleet(fetched)
             except PermissionError as exc:  # a read-only remote: fetch from it, write nothing
                 self.tier.write_denied(exc)
                 self._waited(key, wait_start, waited, "read-only")

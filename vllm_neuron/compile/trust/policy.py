@@ -43,7 +43,14 @@ from vllm_neuron.envs.trust import (
 )
 
 from ..entry.check import KEY_RE, check_entry
-from ..entry.record import ENTRY_RECORD, EntryRecord, FetchedFrom, decode_record, read_record
+from ..entry.record import (
+    ENTRY_RECORD,
+    EntryProblem,
+    EntryRecord,
+    FetchedFrom,
+    decode_record,
+    read_record,
+)
 from .origin import node_key
 from .signing import (
     SIGNATURE_FILE,
@@ -260,15 +267,20 @@ def forget_trust_policy() -> None:
 # Whole tiers (`vllm-neuron cache ls|verify|sign`) --------------------------------------------
 
 
+def _read_bounded(store: Store, key: str) -> bytes | None:
+    """A record file of an entry as every reader of a tier reads it: at most
+    `RECORD_MAX_BYTES`, a regular file (`RecordError` otherwise: a defect of that entry)."""
+    return store.read(key, max_size=RECORD_MAX_BYTES)
+
+
 def signer_of(store: Store, key: str) -> str | None:
     """The key id an entry's ``entry.sig`` names (not verified: `judge_tier` does), or None
     when it has none or it does not read."""
     prefix = store.published(key)
-    data = None if prefix is None else store.read(join(prefix, SIGNATURE_FILE))
-    if data is None:
-        return None
-    try:
-        return decode_signature(data).key_id
+    try:  # bounded, regular files only: a hostile entry.sig is "no signer", never a crash
+        data = None if prefix is None else store.read(join(prefix, SIGNATURE_FILE),
+                                                      max_size=RECORD_MAX_BYTES)  # fmt: skip
+        return None if data is None else decode_signature(data).key_id
     except RecordError:
         return None
 
@@ -282,14 +294,19 @@ def judge_tier(store: Store, keys: TrustedKeys, *, own_tier: bool = False
     out = []
     for key in store.published_children(""):
         prefix = store.published(key) if KEY_RE.fullmatch(key) else None
-        data = None if prefix is None else store.read(join(prefix, ENTRY_RECORD))
-        if prefix is None or data is None:
-            continue
-        try:
+        try:  # bounded, regular files only (`_read_bounded`): a defect of that entry
+            data = None if prefix is None else _read_bounded(store, join(prefix, ENTRY_RECORD))
+            if prefix is None or data is None:
+                continue
             record = decode_record(data)
         except RecordError:
             continue  # `cache verify` reports it as corrupt
-        signature = store.read(join(prefix, SIGNATURE_FILE))
+        try:
+            signature = _read_bounded(store, join(prefix, SIGNATURE_FILE))
+        except RecordError as exc:
+            out.append((key, Verdict("bad-signature", None, f"{SIGNATURE_FILE} does not "
+                                     f"read: {exc.problem}")))  # fmt: skip
+            continue
         signed = keys.judge(record, signature, source=f"{store.url}/{key}")
         if local is not None:
             verdict = local.judge_local(record, data, store, prefix)
@@ -339,9 +356,13 @@ def sign_tier(store: Store, signer: Signer, keys: list[str] | None = None, *,
         if not checked.ok or prefix is None:
             out.append((key, f"not signed: {checked.problem or 'withdrawn'}"))
             continue
-        record_bytes = store.read(join(prefix, ENTRY_RECORD)) or b""
-        record = read_record(store, prefix)
-        existing = store.read(join(prefix, SIGNATURE_FILE))
+        try:  # bounded, regular files only: a hostile record is not signed, never a crash
+            record_bytes = _read_bounded(store, join(prefix, ENTRY_RECORD)) or b""
+            record = read_record(store, prefix)
+            existing = _read_bounded(store, join(prefix, SIGNATURE_FILE))
+        except (RecordError, EntryProblem) as exc:
+            out.append((key, f"not signed: {exc}"))
+            continue
         if own.judge(record, existing).trusted:
             out.append((key, "already signed"))
             continue

@@ -52,7 +52,7 @@ from typing import Any
 
 from vllm_neuron.backends import LockTimeout, Store, fault_point
 from vllm_neuron.backends.debris import Debris, Seen, Survey
-from vllm_neuron.backends.records import RecordError
+from vllm_neuron.backends.records import RECORD_MAX_BYTES, RecordError
 from vllm_neuron.envs.compile_cache import DEFAULT_COMPILE_RETRY_AFTER
 
 from ..entry.notes import (
@@ -286,7 +286,10 @@ def _debris_reason(d: Debris, bound: float, grace: float) -> str:
 def _note_time(store: Store, seen: Seen, kind: NoteKind[Any]) -> tuple[float | None, str | None]:
     """When the note says it was written (its file's time if it does not read), and the
     version a removal re-checks (a digest of its bytes)."""
-    data = store.read(seen.key)
+    try:  # bounded, regular files only: a hostile note is judged by its file's time
+        data = store.read(seen.key, max_size=RECORD_MAX_BYTES)
+    except RecordError:
+        return seen.mtime, _UNREADABLE
     if data is None:
         return None, None
     try:
@@ -294,6 +297,11 @@ def _note_time(store: Store, seen: Seen, kind: NoteKind[Any]) -> tuple[float | N
     except RecordError:
         at = seen.mtime
     return at, _fingerprint(data)
+
+
+_UNREADABLE = "unreadable"
+"""The version of a note that does not read (too large, not a regular file): removed as
+planned while it still does not read."""
 
 
 def _fingerprint(data: bytes) -> str:
@@ -339,10 +347,14 @@ def _remove_note(store: Store, item: GcItem, kind: NoteKind[Any]) -> str | None:
 
 
 def _remove_note_as_planned(store: Store, item: GcItem) -> str | None:
-    data = store.read(item.where)
+    try:
+        data = store.read(item.where, max_size=RECORD_MAX_BYTES)
+        seen = None if data is None else _fingerprint(data)
+    except RecordError:
+        data, seen = b"", _UNREADABLE  # still the same unreadable file: it goes as planned
     if data is None:
         return None
-    if _fingerprint(data) != item.version:
+    if seen != item.version:
         return "rewritten since the plan"
     store.delete(item.where)
     return None
