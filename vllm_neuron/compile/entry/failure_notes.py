@@ -44,7 +44,14 @@ from vllm_neuron.backends import Store
 from vllm_neuron.backends.records import RecordError, encode
 from vllm_neuron.envs import redact_text
 
-from .notes import FAILURE_NOTES, FAILURES, FAILURES_DIR, FailureNote
+from .notes import (  # printable and its limit live with the notes (`read_all` uses them)
+    FAILURE_NOTES,
+    FAILURES,
+    FAILURES_DIR,
+    NOTE_TEXT_LIMIT,
+    FailureNote,
+    printable,
+)
 
 __all__ = ["CLOCK_SKEW", "FAILURES_DIR", "NOTE_TEXT_LIMIT", "FailureNote", "NoteSigner",
            "NoteVerifier", "clear_failure_note", "describe", "note_message", "note_payload",
@@ -56,9 +63,6 @@ CLOCK_SKEW = 300.0
 """Seconds a note may be dated ahead of this process's clock and still count: five minutes,
 well past what NTP-synchronised nodes drift, and what S3 itself tolerates (a request signed
 15 minutes off is refused). A note dated further ahead is ignored."""
-
-NOTE_TEXT_LIMIT = 2000
-"""Characters of a note's text (its error, its host) that reach a message or a note."""
 
 NOTE_DOMAIN = "vllm-neuron compile failure note v1"
 """What a failure note's signature covers first: no entry signature (another domain) passes
@@ -89,18 +93,6 @@ def _note_key(key: str) -> str:
 def describe(exc: BaseException) -> str:
     """How a failure is named in notes and events: ``"<type>: <message>"``."""
     return f"{type(exc).__name__}: {exc}"
-
-
-def printable(text: str, limit: int = NOTE_TEXT_LIMIT) -> str:
-    """`text` as a message may quote it: every character that is not printable (control
-    characters, line breaks, bidirectional overrides) escaped as Python would write it, and
-    at most `limit` characters of it kept (the rest counted)."""
-    kept = text[:limit]
-    if not kept.isprintable():
-        kept = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                       for c in kept)  # fmt: skip
-    cut = len(text) - limit
-    return kept if cut <= 0 else f"{kept}... ({cut} more characters)"
 
 
 def note_payload(key: str, note: FailureNote) -> bytes:

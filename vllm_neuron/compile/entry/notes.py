@@ -23,15 +23,15 @@ inventory's key check) never takes a note for an entry.
 
 from __future__ import annotations
 
-import contextlib
 import enum
+import logging
 import operator
 import re
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from vllm_neuron.backends import FileDigest, Record, RecordCodec, Store, join
-from vllm_neuron.backends.records import Untagged
+from vllm_neuron.backends.records import RecordError, Untagged
 
 from .check import KEY_RE
 
@@ -72,6 +72,28 @@ __all__ = [
 ]
 
 R = TypeVar("R", bound=Record)
+logger = logging.getLogger("vllm_neuron.compile")
+
+NOTE_TEXT_LIMIT = 2000
+"""Characters of a note's text (its error, its host) that reach a message or a note."""
+
+NOTES_READ_MAX = 10_000
+"""The most notes of one kind `NoteKind.read_all` lists and reads (each at most
+`RECORD_MAX_BYTES`): a notes folder of a shared tier may hold millions of planted names,
+and reading them would grow a node (or a report) without bound."""
+
+
+def printable(text: str, limit: int = NOTE_TEXT_LIMIT) -> str:
+    """`text` as a message may quote it: every character that is not printable (control
+    characters, line breaks, bidirectional overrides) escaped as Python would write it, and
+    at most `limit` characters of it kept (the rest counted)."""
+    kept = text[:limit]
+    if not kept.isprintable():
+        kept = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
+                       for c in kept)  # fmt: skip
+    cut = len(text) - limit
+    return kept if cut <= 0 else f"{kept}... ({cut} more characters)"
+
 
 OPERATOR_NOTE_MIN_AGE = 7 * 86400.0
 """Seconds a note written for the fleet's operators (a quarantine, a host that could not
@@ -266,19 +288,38 @@ class NoteKind(Generic[R]):
         if self.layout is Layout.COPY:
             raise ValueError(f"a {self.name} is a directory, read by its own module")
         out: dict[str, list[R]] = {}
-        if self.layout is Layout.PER_KEY:
-            paths = [join(self.directory, n) for n in store.list_dir(self.directory)]
-        else:
-            paths = [join(self.directory, key, n) for key in store.list_dir(self.directory)
-                     for n in store.list_dir(join(self.directory, key))]  # fmt: skip
-        for path in paths:
+        unread: list[str] = []  # folders too full to list, notes that do not read
+        paths: list[str] = []
+        try:  # bounded: a shared tier's folder may hold millions of planted names
+            names = store.list_dir(self.directory, max_names=NOTES_READ_MAX)
+        except RecordError as exc:
+            names, unread = [], [exc.problem]
+        for name in names:
+            if self.layout is Layout.PER_KEY:
+                paths.append(join(self.directory, name))
+                continue
+            try:
+                paths += [join(self.directory, name, n) for n in store.list_dir(
+                    join(self.directory, name), max_names=NOTES_READ_MAX)]  # fmt: skip
+            except RecordError as exc:
+                unread.append(f"{name}/ {exc.problem}")
+            if len(paths) > NOTES_READ_MAX:
+                unread.append(f"more than {NOTES_READ_MAX} notes; the rest not read")
+                break
+        for path in paths[:NOTES_READ_MAX]:
             found = self.parse(path)
             if found is None:
                 continue
-            with contextlib.suppress(Exception):
+            try:  # bounded (`RecordCodec.read`: RECORD_MAX_BYTES, regular files only)
                 note = self.codec.read(store, path)
-                if note is not None:
-                    out.setdefault(found[1], []).append(note)
+            except Exception as exc:  # noqa: BLE001 - one bad note never hides the others
+                unread.append(f"{path}: {exc}")
+                continue
+            if note is not None:
+                out.setdefault(found[1], []).append(note)
+        if unread:
+            logger.warning("compile cache: %d of the %s in %s did not read (%s)", len(unread),
+                           self.plural, store.url, printable("; ".join(unread[:3]), 400))
         at = operator.attrgetter("at")  # every kind's record says when it was written
         return {key: sorted(notes, key=at) for key, notes in out.items()}
 
