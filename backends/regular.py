@@ -41,6 +41,13 @@ O_UNTRUSTED_READ = (os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_
 waiting on a FIFO or a device, never inherited by a child process."""
 
 
+_O_PATH = getattr(os, "O_PATH", 0)
+"""Linux's handle-only open (0 elsewhere: `open_regular` then opens without blocking and
+checks after)."""
+_O_NOCTTY = getattr(os, "O_NOCTTY", 0)
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
 def kind_of(mode: int) -> str:
     """What a file that is not regular is, as errors name it."""
     if stat.S_ISLNK(mode):
@@ -69,8 +76,10 @@ def open_regular(path: str) -> tuple[int, int]:
     file at a key, on every store) when there is none; `NotRegularFile` when the path is a
     symbolic link, a FIFO, a device or a socket. The descriptor is the caller's to close.
     """
+    if _O_PATH:  # Linux: the type is known before the file itself is ever opened
+        return _open_regular_by_handle(path)
     try:
-        fd = os.open(path, O_UNTRUSTED_READ)
+        fd = os.open(path, O_UNTRUSTED_READ | _O_NOCTTY)
     except OSError as exc:
         if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a final symbolic link
             raise NotRegularFile(path, "is a symbolic link, not a regular file; not "
@@ -88,6 +97,41 @@ def open_regular(path: str) -> tuple[int, int]:
         os.close(fd)
         raise
     return fd, st.st_size
+
+
+def _open_regular_by_handle(path: str) -> tuple[int, int]:
+    """`open_regular` on Linux: an ``O_PATH`` handle first (opens nothing: no driver is
+    called, so a tty never becomes the controlling terminal, a tape never rewinds), its type
+    checked, then the regular file it names opened through ``/proc/self/fd`` (the very
+    inode checked: no swap between check and open), or by name again where ``/proc`` is
+    not mounted (``O_NOCTTY``, and the inode compared)."""
+    try:
+        handle = os.open(path, _O_PATH | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise NotRegularFile(path, "is not a regular file (ENXIO on open)") from None
+        raise
+    try:
+        st = os.fstat(handle)
+        if stat.S_ISDIR(st.st_mode):  # no file at that key, as on every other store
+            raise IsADirectoryError(errno.EISDIR, "is a directory", path)
+        if not stat.S_ISREG(st.st_mode):  # a link too: O_PATH|O_NOFOLLOW holds the link
+            raise not_regular(path, st.st_mode)
+        try:
+            fd = os.open(f"/proc/self/fd/{handle}", O_UNTRUSTED_READ & ~_NOFOLLOW | _O_NOCTTY)
+        except FileNotFoundError:  # no /proc: by name, the inode compared below
+            fd = os.open(path, O_UNTRUSTED_READ | _O_NOCTTY)
+    finally:
+        os.close(handle)
+    try:
+        opened = os.fstat(fd)
+        if not stat.S_ISREG(opened.st_mode) or (opened.st_dev, opened.st_ino) != (
+                st.st_dev, st.st_ino):  # fmt: skip
+            raise NotRegularFile(path, "was replaced while it was opened; refused unread")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, opened.st_size
 
 
 def read_regular(path: str, max_size: int | None = None) -> bytes | None:

@@ -361,6 +361,36 @@ def test_a_node_key_others_could_read_is_refused_and_costs_only_a_compile(
         assert len(said) == 1, cache_warnings()
 
 
+def test_a_node_key_that_is_a_fifo_is_refused_without_blocking(
+    tmp_path: Path, compile_fn: Any, keys: dict[str, Any], cache_warnings: Any
+) -> None:
+    """Another user (or a planted file) puts a FIFO where the node key is: reading it must
+    not wait for a writer (the node would hang holding the key's lock); it is refused with
+    one warning and the entry is re-verified."""
+    tier = tmp_path / "node"
+    TwoTierCache(str(tier), trust=serving_policy(keys)).get_or_compile(KEY, compile_fn(KEY))
+    key_file = Path(str(tier) + NODE_KEY_SUFFIX)
+    key_file.unlink()
+    os.mkfifo(key_file)
+    forget_node_keys()
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        node = TwoTierCache(str(tier), trust=serving_policy(keys))
+        out["source"] = node.get_or_compile(KEY, compile_fn(KEY)).source
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(60)
+    if thread.is_alive():  # release the blocked reader, then fail
+        os.close(os.open(key_file, os.O_WRONLY | os.O_NONBLOCK))
+        thread.join(60)
+        raise AssertionError("reading the node key blocked on a FIFO")
+    assert out["source"] == "compiled"  # re-verified, not trusted as this node's
+    said = [w for w in cache_warnings() if "node key" in w and "refused" in w]
+    assert len(said) == 1 and "FIFO" in said[0], cache_warnings()
+
+
 # -- a node that cannot sign never holds a remote lease, on every kind of remote -------------
 
 

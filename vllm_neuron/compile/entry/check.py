@@ -13,6 +13,7 @@ from vllm_neuron.backends import Store, join
 from vllm_neuron.backends.records import RECORD_MAX_BYTES
 
 from .record import ENTRY_RECORD, EntryProblem, check_checksums, check_sizes, decode_record
+from .text import printable
 
 KEY_RE = re.compile(r"[0-9a-f]{32}")
 """What a cache key looks like: 32 lowercase hex digits (an entry's directory name)."""
@@ -39,7 +40,7 @@ def check_entry(store: Store, key: str, *, full: bool = True) -> VerifyResult:
             raise EntryProblem(f"{store.url}/{key}: {ENTRY_RECORD} is missing")
         record = decode_record(data)
         if record.key != key:
-            raise EntryProblem(f"{store.url}/{key}: record names key {record.key}")
+            raise EntryProblem(f"{store.url}/{key}: record names key {printable(record.key, 100)}")
         (check_checksums if full else check_sizes)(store, found.prefix, record)
     except Exception as exc:  # noqa: BLE001 - collected, not raised
         return VerifyResult(key, False, str(exc), found.version)

@@ -44,14 +44,8 @@ from vllm_neuron.backends import Store
 from vllm_neuron.backends.records import RecordError, encode
 from vllm_neuron.envs import redact_text
 
-from .notes import (  # printable and its limit live with the notes (`read_all` uses them)
-    FAILURE_NOTES,
-    FAILURES,
-    FAILURES_DIR,
-    NOTE_TEXT_LIMIT,
-    FailureNote,
-    printable,
-)
+from .notes import FAILURE_NOTES, FAILURES, FAILURES_DIR, FailureNote
+from .text import NOTE_TEXT_LIMIT, printable  # one printable for every quoted text
 
 __all__ = ["CLOCK_SKEW", "FAILURES_DIR", "NOTE_TEXT_LIMIT", "FailureNote", "NoteSigner",
            "NoteVerifier", "clear_failure_note", "describe", "note_message", "note_payload",

@@ -34,6 +34,7 @@ from vllm_neuron.backends import FileDigest, Record, RecordCodec, Store, join
 from vllm_neuron.backends.records import RecordError, Untagged
 
 from .check import KEY_RE
+from .text import printable
 
 __all__ = [
     "FAILURES",
@@ -74,25 +75,11 @@ __all__ = [
 R = TypeVar("R", bound=Record)
 logger = logging.getLogger("vllm_neuron.compile")
 
-NOTE_TEXT_LIMIT = 2000
-"""Characters of a note's text (its error, its host) that reach a message or a note."""
-
 NOTES_READ_MAX = 10_000
 """The most notes of one kind `NoteKind.read_all` lists and reads (each at most
 `RECORD_MAX_BYTES`): a notes folder of a shared tier may hold millions of planted names,
 and reading them would grow a node (or a report) without bound."""
 
-
-def printable(text: str, limit: int = NOTE_TEXT_LIMIT) -> str:
-    """`text` as a message may quote it: every character that is not printable (control
-    characters, line breaks, bidirectional overrides) escaped as Python would write it, and
-    at most `limit` characters of it kept (the rest counted)."""
-    kept = text[:limit]
-    if not kept.isprintable():
-        kept = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii")
-                       for c in kept)  # fmt: skip
-    cut = len(text) - limit
-    return kept if cut <= 0 else f"{kept}... ({cut} more characters)"
 
 
 OPERATOR_NOTE_MIN_AGE = 7 * 86400.0

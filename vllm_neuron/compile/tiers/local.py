@@ -22,6 +22,7 @@ from ..entry.check import verify_entry
 from ..entry.events import EVENTS_STREAM, VerificationFailed
 from ..entry.outcomes import CacheResult
 from ..entry.record import ENTRY_RECORD, EntryProblem, EntryRecord, decode_record, read_record
+from ..entry.text import printable
 from ..trust.policy import TrustPolicy
 from ..trust.signing import Verdict
 from .quarantine import quarantine_entry
@@ -119,7 +120,8 @@ class LocalTier:
             else:
                 record = decode_record(data, source=f"{self.url}/{key}/{ENTRY_RECORD}")
                 if record.key != key:
-                    raise EntryProblem(f"{self.url}/{key}: record names key {record.key}")
+                    raise EntryProblem(f"{self.url}/{key}: record names key "
+                                       f"{printable(record.key, 100)}")
                 self._decoded[key] = (data, record)
             store.check_sizes(prefix, record.files)
             trust = self.trust

@@ -54,6 +54,7 @@ from ..entry.record import (
     encode_record,
     read_record,
 )
+from ..entry.text import printable
 from ..trust.policy import TrustPolicy, trust_policy
 from ..trust.signing import SIGNATURE_FILE
 from .quarantine import quarantine_entry
@@ -73,7 +74,8 @@ def _checked_entry(local: Store, hash_key: str) -> tuple[str, EntryRecord]:
     try:
         record = read_record(local, prefix)
         if record.key != hash_key:
-            raise EntryProblem(f"{local.url}/{hash_key}: record names key {record.key}")
+            raise EntryProblem(f"{local.url}/{hash_key}: record names key "
+                                       f"{printable(record.key, 100)}")
         check_checksums(local, prefix, record)
     except EntryProblem as exc:
         raise LocalEntryProblem(f"local cache entry is incomplete or corrupt: {exc}") from exc

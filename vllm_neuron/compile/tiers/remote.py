@@ -243,7 +243,8 @@ def fetch_entry(
         raise PublicationProblem(f"{exc.source} is unreadable: {exc.problem}",
                                  version=found.version) from exc  # fmt: skip
     if record.key != key:
-        raise PublicationProblem(f"{remote.url}/{key}: record names key {record.key}",
+        raise PublicationProblem(f"{remote.url}/{key}: record names key "
+                                 f"{printable(record.key, 100)}",
                                  version=found.version)  # fmt: skip
     try:
         signature = remote.read(join(prefix, SIGNATURE_FILE), max_size=RECORD_MAX_BYTES)

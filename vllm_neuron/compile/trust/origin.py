@@ -37,6 +37,8 @@ import threading
 import msgspec
 
 from vllm_neuron.backends import Store
+from vllm_neuron.backends.errors import NotRegularFile
+from vllm_neuron.backends.regular import open_regular
 
 from ..entry.record import EntryRecord
 
@@ -141,20 +143,21 @@ class _Refused(Exception):
 def _read_key(path: str) -> bytes | None:
     """The secret in ``path``, None when there is no such file; `_Refused` when it is not
     this user's private regular file or does not hold a key."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:  # as a tier's files are: never through a link, never blocking on a FIFO, a
+        # device's driver never called (`open_regular`)
+        fd, _size = open_regular(path)
     except FileNotFoundError:
         return None
+    except NotRegularFile as exc:
+        raise _Refused(f"it {exc.problem}") from None
+    except IsADirectoryError:
+        raise _Refused("it is a directory") from None
     except OSError as exc:
         if exc.filename is None:
             exc.filename = path
-        if os.path.islink(path):
-            raise _Refused("it is a symbolic link") from None
         raise
     try:
         info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise _Refused("it is not a regular file")
         if info.st_uid != os.getuid():
             raise _Refused(f"it belongs to uid {info.st_uid}, not to this user "
                            f"(uid {os.getuid()})")  # fmt: skip

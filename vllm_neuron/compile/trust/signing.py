@@ -36,6 +36,7 @@ import msgspec
 from vllm_neuron.backends.records import Document, RecordCodec, RecordError, encode
 
 from ..entry.record import EntryRecord
+from ..entry.text import printable
 
 __all__ = [
     "SIGNATURE_FILE",
@@ -151,6 +152,10 @@ class Verdict:
         return self.status == "trusted"
 
 
+KEY_ID_LIMIT = 100
+"""Characters of a key id read from a tier that a verdict's reason quotes."""
+
+
 class TrustedKeys:
     """The public keys whose signatures this process accepts, by key id."""
 
@@ -171,10 +176,12 @@ class TrustedKeys:
                                                    f"{exc.problem}")  # fmt: skip
         if sig.algorithm != ALGORITHM:
             return Verdict("bad-signature", sig.key_id,
-                           f"signature algorithm {sig.algorithm!r} is not {ALGORITHM}")  # fmt: skip
+                           f"signature algorithm {printable(repr(sig.algorithm), 100)} is not "
+                           f"{ALGORITHM}")  # fmt: skip
         public = self.keys.get(sig.key_id)
+        named = printable(sig.key_id, KEY_ID_LIMIT)  # a tier's text: capped and escaped
         if public is None:
-            return Verdict("untrusted", sig.key_id, f"signed by key {sig.key_id}, which is not "
+            return Verdict("untrusted", sig.key_id, f"signed by key {named}, which is not "
                                                     "trusted here")  # fmt: skip
         from cryptography.exceptions import InvalidSignature
 
@@ -182,9 +189,9 @@ class TrustedKeys:
             public.verify(bytes.fromhex(sig.signature),  # type: ignore[attr-defined]
                           signed_payload(record, sig.key_id))  # fmt: skip
         except (InvalidSignature, ValueError):
-            return Verdict("bad-signature", sig.key_id, f"the signature by key {sig.key_id} "
+            return Verdict("bad-signature", sig.key_id, f"the signature by key {named} "
                            "does not verify (the entry or its signature was changed)")  # fmt: skip
-        return Verdict("trusted", sig.key_id, f"signed by trusted key {sig.key_id}")
+        return Verdict("trusted", sig.key_id, f"signed by trusted key {named}")
 
 
 # Notes ----------------------------------------------------------------------------------------
