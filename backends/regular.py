@@ -117,8 +117,9 @@ def _open_regular_by_handle(path: str) -> tuple[int, int]:
             raise IsADirectoryError(errno.EISDIR, "is a directory", path)
         if not stat.S_ISREG(st.st_mode):  # a link too: O_PATH|O_NOFOLLOW holds the link
             raise not_regular(path, st.st_mode)
-        try:
-            fd = os.open(f"/proc/self/fd/{handle}", O_UNTRUSTED_READ & ~_NOFOLLOW | _O_NOCTTY)
+        try:  # the very inode checked: one fstat in all, as without O_PATH
+            return os.open(f"/proc/self/fd/{handle}", O_UNTRUSTED_READ & ~_NOFOLLOW
+                           | _O_NOCTTY), st.st_size  # fmt: skip
         except FileNotFoundError:  # no /proc: by name, the inode compared below
             fd = os.open(path, O_UNTRUSTED_READ | _O_NOCTTY)
     finally:
