@@ -21,8 +21,9 @@ Only the last component of a path is held to this. A directory inside a tier tha
 link is followed: the tier's root is routinely a link an operator made (``/cache ->
 /fsx/cache``), and checking every component would cost a system call per component on
 every cache hit. What a linked directory could lead a reader to is still held to these
-rules (regular files, bounded), and a fetched entry's directory is checked to resolve
-inside the tier before its files are copied (`inside_root`, from `copy_verified`).
+rules (regular files, bounded), and each file a fetch copies is checked, on the very
+descriptor it is copied from, to lie inside the tier (`open_regular_inside`, from
+`copy_verified`).
 
 No store imports: `_local.py`, `digests.py`, `verified_copy.py` and `transfer.py` use it.
 """
@@ -191,9 +192,47 @@ def lstat_regular(path: str) -> os.stat_result | None:
 def inside_root(root: str, path: str) -> bool:
     """Whether the directory `path` resolves (links followed) inside the tier at `root`.
 
-    For a fetch, before a remote entry's files are copied: a linked entry directory could
-    otherwise lead the copy (and the sizes a quarantine note records) to node-local files.
-    One `realpath` per entry, never on the hot path of a hit."""
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(path)
+    For a lease folder before a record is written there (backends/locks.py). A file to be
+    read is checked on its descriptor instead (`open_regular_inside`): a path checked here
+    and then opened by name could be swapped for a link in between."""
+    return _within(os.path.realpath(root), os.path.realpath(path))
+
+
+def _within(real_root: str, real: str) -> bool:
     return real == real_root or real.startswith(real_root.rstrip("/") + "/")
+
+
+def open_regular_inside(real_root: str, path: str) -> tuple[int, int]:
+    """`open_regular`, and the file opened must lie inside the tier whose real path
+    (`os.path.realpath` of its root) is `real_root`: `NotRegularFile` otherwise.
+
+    For a fetch's copy (`copy_verified`): a directory of the entry that is a link could
+    lead the copy, and the sizes an error names, to node-local files. The check is of the
+    descriptor the copy then reads (where ``/proc/self/fd`` says it is), never of the path
+    again: a directory swapped for a link after a check by name would otherwise be
+    followed by the open. One `readlink` per file copied, never on the path of a hit."""
+    fd, size = open_regular(path)
+    try:
+        if not _within(real_root, _location(fd, path)):
+            raise NotRegularFile(path, "is reached through a directory that resolves outside "
+                                       "the tier (a link); refused unread")  # fmt: skip
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, size
+
+
+def _location(fd: int, path: str) -> str:
+    """The real path of the file open at `fd`: from ``/proc/self/fd``; without ``/proc``,
+    `path` resolved now, and only when that is still the inode open at `fd` ("" if not:
+    then it is inside nothing)."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        pass
+    real = os.path.realpath(path)
+    try:
+        now, opened = os.lstat(real), os.fstat(fd)
+    except OSError:
+        return ""
+    return real if (now.st_dev, now.st_ino) == (opened.st_dev, opened.st_ino) else ""

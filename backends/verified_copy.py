@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import posixpath
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import IO, TYPE_CHECKING, Protocol
@@ -34,7 +33,7 @@ from .errors import IntegrityError, NotRegularFile
 from .faults import fault_point
 from .keys import join
 from .operations import where as where_of
-from .regular import inside_root, open_regular
+from .regular import open_regular, open_regular_inside
 from .staging import Staging
 from .transfer import Progress, ProgressCounter
 
@@ -65,13 +64,14 @@ OnBytes = Callable[[int], None] | None
 
 
 def _kernel_copy(src_path: str, dst_path: str, rel: str, expected: Expected, where: str,
-                 *, pipelined: bool, on_bytes: OnBytes = None) -> None:
+                 *, pipelined: bool, on_bytes: OnBytes = None,
+                 real_root: str | None = None) -> None:  # fmt: skip
     """Copy one file between two local-disk paths, checking its size and BLAKE3.
 
     The source is opened as untrusted (`regular.open_regular`): a link, a FIFO or a device
     is this file's defect, never followed nor waited on; exactly its recorded size is
     copied, and a source that grew meanwhile is a defect too."""
-    src_fd, size = _open_regular_source(src_path, rel, where)
+    src_fd, size = _open_regular_source(src_path, rel, where, real_root)
     try:
         if size != expected.size:
             raise IntegrityError(where, rel, f"has {size} bytes, expected {expected.size}")
@@ -95,10 +95,15 @@ def _kernel_copy(src_path: str, dst_path: str, rel: str, expected: Expected, whe
         raise IntegrityError(where, rel, "fails its BLAKE3 check")
 
 
-def _open_regular_source(path: str, rel: str, where: str) -> tuple[int, int]:
+def _open_regular_source(path: str, rel: str, where: str,
+                         real_root: str | None = None) -> tuple[int, int]:  # fmt: skip
     """``(descriptor, size)`` of a local source file; `IntegrityError` naming `rel` when it
-    is missing or not a regular file (a link, a FIFO, a device: `regular.open_regular`)."""
+    is missing or not a regular file (a link, a FIFO, a device: `regular.open_regular`), or,
+    given the tier's `real_root`, when the file opened lies outside it (a linked directory:
+    checked on the descriptor then read, `regular.open_regular_inside`)."""
     try:
+        if real_root is not None:
+            return open_regular_inside(real_root, path)
         return open_regular(path)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
         raise IntegrityError(where, rel, "is missing") from None
@@ -106,7 +111,8 @@ def _open_regular_source(path: str, rel: str, where: str) -> tuple[int, int]:
         raise IntegrityError(where, rel, exc.problem) from None
 
 
-def _open_source(store: StoreBase, key: str, rel: str, where: str) -> IO[bytes]:
+def _open_source(store: StoreBase, key: str, rel: str, where: str,
+                 real_root: str | None = None) -> IO[bytes]:  # fmt: skip
     path = store.local_path(key)
     if path is None:
         try:
@@ -114,7 +120,7 @@ def _open_source(store: StoreBase, key: str, rel: str, where: str) -> IO[bytes]:
         except FileNotFoundError:
             raise IntegrityError(where, rel, "is missing") from None
     # Unbuffered on local disk: readinto() of a large buffer is then one read(2).
-    return open(_open_regular_source(path, rel, where)[0], "rb", buffering=0)
+    return open(_open_regular_source(path, rel, where, real_root)[0], "rb", buffering=0)
 
 
 def _hasher_for(expected: Expected, where: str, rel: str) -> tuple[_Hasher, str, str]:
@@ -127,11 +133,11 @@ def _hasher_for(expected: Expected, where: str, rel: str) -> tuple[_Hasher, str,
 
 
 def _stream(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expected,
-            where: str, on_bytes: OnBytes = None) -> None:
+            where: str, on_bytes: OnBytes = None, real_root: str | None = None) -> None:
     """Copy one file through memory in one pass: each chunk read, hashed and written."""
     hasher, digest, name = _hasher_for(expected, where, rel)
     size = 0
-    reader = _open_source(src, src_key, rel, where)
+    reader = _open_source(src, src_key, rel, where, real_root)
     dst_path = dst.store.local_path(dst.key(rel))
     with reader:
         if dst_path is not None:
@@ -166,33 +172,28 @@ def _stream(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expe
 
 
 def _copy_one(src: StoreBase, src_key: str, dst: Staging, rel: str, expected: Expected,
-              where: str, pipelined: bool, on_bytes: OnBytes = None) -> None:
+              where: str, pipelined: bool, on_bytes: OnBytes = None,
+              real_root: str | None = None) -> None:  # fmt: skip
     if (expected.blake3 is not None and expected.size >= KERNEL_COPY_MIN
             and src.capabilities.local_paths and dst.store.capabilities.local_paths):
         src_path, dst_path = src.local_path(src_key), dst.store.local_path(dst.key(rel))
         if src_path is not None and dst_path is not None:
             _kernel_copy(src_path, dst_path, rel, expected, where, pipelined=pipelined,
-                         on_bytes=on_bytes)
+                         on_bytes=on_bytes, real_root=real_root)
             fault_point("fetch.mid-copy")  # in the copying thread: the others are mid-way
             return
-    _stream(src, src_key, dst, rel, expected, where, on_bytes)
+    _stream(src, src_key, dst, rel, expected, where, on_bytes, real_root)
     fault_point("fetch.mid-copy")
 
 
-def _check_inside(src: StoreBase, src_prefix: str, files: Mapping[str, Expected],
-                  where: str) -> None:
-    """On a folder store, the directories the files are copied from must resolve inside
-    the store's root: a linked directory (an entry's, or one of its subdirectories) would
-    lead the copy, and the sizes an error names, to files outside the tier (node-local
-    ones). One `realpath` per directory of the entry, per fetch (`regular.inside_root`)."""
+def _real_root(src: StoreBase) -> str | None:
+    """On a folder store, the real path of its root: every file copied from it must lie
+    inside (a linked directory of an entry would lead the copy, and the sizes an error
+    names, to node-local files). Checked on each file's descriptor as it is opened, never
+    by path before (`regular.open_regular_inside`: a check by path, then an open by name,
+    could be told apart by a swap in between). None on a store without local paths."""
     root = src.local_path("") if src.capabilities.local_paths else None
-    if root is None:
-        return
-    for sub in sorted({posixpath.dirname(rel) for rel in files}):
-        directory = src.local_path(join(src_prefix, sub) if sub else src_prefix)
-        if directory is not None and not inside_root(root, directory):
-            raise IntegrityError(where, sub or ".", "is a directory that resolves outside "
-                                                    "the tier (a link); not read")  # fmt: skip
+    return None if root is None else os.path.realpath(root)
 
 
 def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[str, Expected],
@@ -211,7 +212,7 @@ def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[
     items = sorted(files.items(), key=lambda item: -item[1].size)
     if not items:
         return
-    _check_inside(src, src_prefix, files, where)
+    real_root = _real_root(src)
     workers = workers or min(len(items), max(2, os.cpu_count() or 2), 8)
     total = sum(expected.size for _, expected in items)
     on_bytes = None if progress is None else ProgressCounter(total, progress).add
@@ -219,11 +220,11 @@ def copy_verified(src: StoreBase, src_prefix: str, dst: Staging, files: Mapping[
              workers == 1 or expected.size * workers > total) for rel, expected in items]
     if workers == 1:
         for key, rel, expected, pipelined in jobs:
-            _copy_one(src, key, dst, rel, expected, where, pipelined, on_bytes)
+            _copy_one(src, key, dst, rel, expected, where, pipelined, on_bytes, real_root)
         return
     with ThreadPoolExecutor(max_workers=workers) as pool:
         futures = [pool.submit(_copy_one, src, key, dst, rel, expected, where, pipelined,
-                               on_bytes) for key, rel, expected, pipelined in jobs]
+                               on_bytes, real_root) for key, rel, expected, pipelined in jobs]
         for future in futures:
             future.result()
 
