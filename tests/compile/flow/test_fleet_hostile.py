@@ -29,6 +29,7 @@ from cache_workers import (
 )
 
 from vllm_neuron.backends import open_store
+from vllm_neuron.backends.locks import LEASE_MAX_NAMES
 from vllm_neuron.backends.records import LeaseRecord, encode
 from vllm_neuron.compile.entry.events import read_stats
 from vllm_neuron.compile.entry.failure_notes import FailureNote, note_payload
@@ -245,3 +246,51 @@ def test_junk_in_a_keys_lease_folder_makes_that_key_busy_one_period_and_no_other
     assert [s.remote_outages for s in stats] == [0, 0]  # never the whole remote set aside
     assert [s.lease_takeovers for s in stats] == [1, 0]  # KEY waited out one period
     assert not any("unavailable" in r["stderr"] for r in results), results
+
+
+def _compiled_alone_and_no_other_key_touched(tmp_path: Any, fleet: dict[str, Any]) -> None:
+    """What an unusable lease folder of KEY costs: node0 waits one period, then compiles
+    KEY for itself (one warning, nothing published, the remote never set aside); node1's
+    OTHER is leased and published as ever, and node0 then fetches OTHER from the remote."""
+    remote = _remote(fleet)
+    procs = [_start(tmp_path, fleet, "node0", remote_lease_seconds=1),
+             _start(tmp_path, fleet, "node1", key=OTHER, remote_lease_seconds=1)]
+    results = finish_workers(procs)
+
+    assert all(r["ok"] and r["source"] == "compiled" and r["wrong"] is None for r in results)
+    assert results[0]["stderr"].count("cannot be used") == 1, results[0]["stderr"]
+    assert "cannot be used" not in results[1]["stderr"]
+    assert remote.published(KEY) is None  # compiled for node0 only: no lease, no promotion
+    assert remote.published(OTHER) is not None
+    (again,) = finish_workers([_start(tmp_path, fleet, "node0", key=OTHER)])
+    assert again["ok"] and again["source"] == "remote" and again["wrong"] is None, again
+    stats = [read_stats(str(tmp_path / f"node{n}")) for n in range(2)]
+    assert [s.remote_outages for s in stats] == [0, 0]  # never the whole remote set aside
+    assert not any("unavailable" in r["stderr"] for r in [*results, again])
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_an_over_full_lease_folder_makes_that_key_compile_alone_and_no_other(
+    tmp_path, shared_remote
+):
+    """More than `LEASE_MAX_NAMES` names in ``.locks/<key>/`` (millions, for a hostile
+    writer): never listed whole, the key is compiled on the node alone after one period."""
+    remote = _remote(shared_remote)
+    for i in range(LEASE_MAX_NAMES + 1):
+        remote.write(f".locks/{KEY}/junk-{i}", b"junk")
+    _compiled_alone_and_no_other_key_touched(tmp_path, shared_remote)
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_a_lease_folder_linked_out_of_the_remote_makes_that_key_compile_alone(tmp_path):
+    """``.locks/<key>`` a symbolic link to a folder outside a folder remote: no lease record
+    is written or deleted there, the key is compiled on the node alone after one period."""
+    fleet = {"remote": str(tmp_path / "remote"), "remote_options": {"lock": "lease"}}
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "000000000001").write_bytes(b"node-local, not a lease")
+    os.makedirs(tmp_path / "remote" / ".locks")
+    os.symlink(outside, tmp_path / "remote" / ".locks" / KEY)
+    _compiled_alone_and_no_other_key_touched(tmp_path, fleet)
+    assert sorted(os.listdir(outside)) == ["000000000001"]
+    assert (outside / "000000000001").read_bytes() == b"node-local, not a lease"
