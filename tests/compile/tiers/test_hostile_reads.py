@@ -245,3 +245,45 @@ def test_an_unsigned_record_listing_unsound_files_costs_a_compile_only(
     node = TwoTierCache(str(tmp_path / "node"), remote=remote, remote_options=FOLDER_OPTIONS)
     _assert_served(node, bounded(lambda: node.get_or_compile(bad, compile_fn(bad)), []), bad)
     _assert_remote_kept(node, good, compile_fn, [])
+
+
+@pytest.mark.parametrize("planted", ["entry.sig", "entry.json"])
+def test_a_promotion_reads_the_local_entrys_records_bounded(
+        tmp_path, compile_fn, monkeypatch, planted) -> None:  # fmt: skip
+    """A record in the node's own local tier grown to 3 MiB (by another local process,
+    before a check of the root could set the tier aside; ``entry.json`` just after the
+    checked read of it) is the local entry's defect: `LocalEntryProblem`, nothing read past
+    `RECORD_MAX_BYTES` and nothing published - never shared to the fleet as it is."""
+    from vllm_neuron.backends.records import RECORD_MAX_BYTES
+    from vllm_neuron.compile.tiers import promote
+    from vllm_neuron.compile.trust.policy import load_trust_policy
+    from vllm_neuron.compile.trust.signing import generate_key_pair
+    from vllm_neuron.envs.trust import load_trust_settings
+
+    (key,) = _keys(1)
+    builder = TwoTierCache(str(tmp_path / "builder"))
+    builder.get_or_compile(key, compile_fn(key))
+    prefix = builder.local.published(key)
+    assert prefix is not None
+    path = builder.local.local_path(join(prefix, planted))
+    assert path is not None
+    if planted == "entry.json":  # read bounded and checked first: grown just after that
+        private, public, _ = generate_key_pair(str(tmp_path / "keys"), "builder")
+        monkeypatch.setenv("VLLM_NEURON_CACHE_SIGNING_KEY", private)
+        monkeypatch.setenv("VLLM_NEURON_CACHE_TRUSTED_KEYS", public)
+        real = promote._checked_entry
+
+        def then_grown(local: Any, hash_key: str) -> Any:
+            out = real(local, hash_key)
+            _plant(path, "huge")
+            return out
+
+        monkeypatch.setattr(promote, "_checked_entry", then_grown)
+    else:
+        _plant(path, "huge")
+    policy = load_trust_policy(load_trust_settings())  # signing (entry.json), or off (entry.sig)
+    remote = open_store(str(tmp_path / "remote"), lock="lease")
+    with pytest.raises(promote.LocalEntryProblem, match="not read"):
+        promote.promote_entry(builder.local, remote, key, policy=policy)
+    assert os.path.getsize(path) > RECORD_MAX_BYTES
+    assert remote.published(key) is None

@@ -97,11 +97,16 @@ def _signature_to_publish(local: Store, prefix: str, record: EntryRecord, key: s
     origin (`TrustPolicy.origin_of`) and, for a fetched entry, the key that verified it must
     be trusted still; an entry of unknown origin (no seal, or not this node's - whatever its
     ``compiled_on`` or ``fetched`` say) is signed only when a trusted key signed it already.
-    Else `CannotSign`."""
-    existing = local.read(join(prefix, SIGNATURE_FILE))
-    if policy.signer is None:
-        return existing
-    record_bytes = local.read(join(prefix, ENTRY_RECORD)) or b""
+    Else `CannotSign`; `LocalEntryProblem` when the ``entry.sig`` or ``entry.json`` does not
+    read within `RECORD_MAX_BYTES` (the local tier is this node's, but what is in it may have
+    been put there by another local process before a check of the root sets it aside)."""
+    try:
+        existing = local.read(join(prefix, SIGNATURE_FILE), max_size=RECORD_MAX_BYTES)
+        if policy.signer is None:
+            return existing
+        record_bytes = local.read(join(prefix, ENTRY_RECORD), max_size=RECORD_MAX_BYTES) or b""
+    except RecordError as exc:
+        raise LocalEntryProblem(f"local cache entry is incomplete or corrupt: {exc}") from exc
     origin = policy.origin_of(record, record_bytes, local)
     fetched = record.fetched
     if origin == "fetched" and isinstance(fetched, FetchedFrom):
