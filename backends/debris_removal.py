@@ -17,8 +17,9 @@ import contextlib
 import os
 
 from .debris import TIME_SLACK, Debris, Removal, SurveyedStore, digest_of
+from .errors import ListingTooLarge
 from .layout import VERSIONS_DIR
-from .locks import generation_of
+from .locks import LEASE_MAX_NAMES, generation_of
 from .publication import read_commit
 from .records import RECORD_MAX_BYTES, RecordError
 
@@ -71,7 +72,11 @@ def _directory_time(store: SurveyedStore, prefix: str) -> float:
 
 def _remove_lease(store: SurveyedStore, debris: Debris) -> Removal:
     *keys, digest = debris.handle
-    now_there = [g for g in map(generation_of, store.list_dir(debris.prefix)) if g is not None]
+    try:  # a lease folder of a shared store, bounded as its leases list it (locks.py)
+        names = store.list_dir(debris.prefix, max_names=LEASE_MAX_NAMES)
+    except ListingTooLarge:
+        return "changed"  # over-full (planted names): left as it is, reported as kept
+    now_there = [g for g in map(generation_of, names) if g is not None]
     if not now_there:
         return "gone"
     if max(now_there) != max(generation_of(k.rsplit("/", 1)[-1]) or 0 for k in keys):

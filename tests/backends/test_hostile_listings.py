@@ -54,3 +54,25 @@ def test_a_version_folder_is_never_listed_whole(store: Any, monkeypatch: pytest.
     assert store.publication("e").state == "published"
     assert store.published("e") is not None
     assert None not in asked and all(n <= 1 for n in asked if n is not None)
+
+
+def test_gc_never_lists_an_over_full_lease_folder_whole(tmp_path: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A lease gc would remove (expired long ago) whose folder was then filled with names:
+    its removal re-lists it bounded (`LEASE_MAX_NAMES`) and leaves it ("changed")."""
+    import time
+
+    from vllm_neuron.backends import debris_removal, open_store
+    from vllm_neuron.backends.records import LeaseRecord, encode
+
+    store = open_store(str(tmp_path / "store"), lock="lease")
+    store.write(".locks/k/000000000001", encode(LeaseRecord(
+        owner="gone:1:x", generation=1, expires=1.0, renewal=1, duration=1.0)))
+    later = time.time() + 86400
+    (lease,) = [d for d in store.survey(older_than=0.0, lease_grace=0.0, now=later).debris
+                if d.kind == "lease"]
+    monkeypatch.setattr(debris_removal, "LEASE_MAX_NAMES", 3)
+    for i in range(3):
+        store.write(f".locks/k/junk-{i}", b"junk")
+    assert store.remove_debris(lease) == "changed"
+    assert store.read(".locks/k/000000000001") is not None

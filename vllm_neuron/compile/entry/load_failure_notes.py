@@ -23,11 +23,12 @@ import socket
 import time
 
 from vllm_neuron.backends import Store, join
+from vllm_neuron.backends.errors import ListingTooLarge
 from vllm_neuron.backends.records import encode
 from vllm_neuron.envs import redact_text
 
 from .failure_notes import NOTE_TEXT_LIMIT
-from .notes import LOAD_FAILURES, LOAD_NOTES_DIR, LoadFailureNote
+from .notes import LOAD_FAILURES, LOAD_NOTES_DIR, NOTES_READ_MAX, LoadFailureNote
 
 __all__ = [
     "LOAD_NOTES_DIR",
@@ -59,7 +60,14 @@ def read_load_failures(store: Store) -> dict[str, list[LoadFailureNote]]:
 
 
 def forget_load_failures(store: Store, key: str) -> None:
-    """Drop every host's note on ``key`` (best-effort)."""
+    """Drop every host's note on ``key`` (best-effort). The folder is a shared tier's: one
+    holding more than `NOTES_READ_MAX` names (planted) is left as it is, one warning."""
     with contextlib.suppress(Exception):
-        for name in store.list_dir(join(LOAD_NOTES_DIR, key)):
+        try:
+            names = store.list_dir(join(LOAD_NOTES_DIR, key), max_names=NOTES_READ_MAX)
+        except ListingTooLarge as exc:
+            logger.warning("compile cache: not forgetting the load-failure notes of %s: %s",
+                           key, exc)  # fmt: skip
+            return
+        for name in names:
             store.delete(join(LOAD_NOTES_DIR, key, name))

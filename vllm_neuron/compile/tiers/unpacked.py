@@ -64,6 +64,7 @@ from vllm_neuron.backends import (
 )
 from vllm_neuron.backends import validate_key as valid_member
 from vllm_neuron.backends.digests import digest_stream, mismatch
+from vllm_neuron.backends.errors import ListingTooLarge
 from vllm_neuron.backends.records import RecordError, encode
 from vllm_neuron.backends.verified_copy import check_verified
 
@@ -214,13 +215,29 @@ def _unpack(store: Store, name: str, key: str, src: str, package: str,
     return _sound(store, name, key, package, source)  # another process published first
 
 
+UNPACKED_LIST_MAX = 100_000
+"""The most names `drop_unpacked` lists in `UNPACKED_DIR`: a folder remote quarantines
+through it too, and its ``.unpacked/`` may hold millions of planted names (a local tier
+holds a few copies per entry loaded)."""
+
+
 def drop_unpacked(store: Store, key: str) -> None:
     """Withdraw every copy of entry `key`'s packages (its entry was just withdrawn).
-    Best-effort: what stays (a failure, a load racing the withdrawal) `cache gc` collects."""
+    Best-effort: what stays (a failure, a load racing the withdrawal) `cache gc` collects;
+    a folder of more than `UNPACKED_LIST_MAX` names is left as it is, one warning."""
     if not store.capabilities.local_paths:
         return  # copies are only made where entries are loaded: local disk
     try:
-        for name in store.list_dir(UNPACKED_DIR):
+        names = store.list_dir(UNPACKED_DIR, max_names=UNPACKED_LIST_MAX)
+    except ListingTooLarge as exc:
+        logger.warning("compile cache: not withdrawing the unpacked copies of %s: %s", key, exc)
+        return
+    except Exception as exc:  # noqa: BLE001 - as below
+        logger.debug("compile cache: could not list the copies of %s in %s: %s", key,
+                     store.url, exc)  # fmt: skip
+        return
+    try:
+        for name in names:
             if copy_key(name) == key:
                 store.unpublish(join(UNPACKED_DIR, name))
     except Exception as exc:  # noqa: BLE001 - the entry is withdrawn; this is its shadow
