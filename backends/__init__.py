@@ -13,7 +13,7 @@ directories for tools that only take a directory: loading a published entry
 `Store.local_output`).
 """
 
-from .base import Capabilities, FileInfo, Staging
+from .base import PRIVATE_FILE, Capabilities, FileInfo, Staging
 from .digests import Expected, FileDigest
 from .errors import (
     IntegrityError,
@@ -56,6 +56,7 @@ from .transfer import CopyResult, Progress, copy_file, copy_tree
 from .verified_copy import copy_verified
 
 __all__ = [
+    "PRIVATE_FILE",
     "Capabilities",
     "CopyResult",
     "Decoded",

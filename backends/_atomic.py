@@ -52,25 +52,30 @@ def is_temp(name: str) -> bool:
     return name.endswith(".partial") and _TEMP_RE.search(name) is not None
 
 
-def _open_new(path: str) -> tuple[str, int]:
+def _open_new(path: str, mode: int = 0o644) -> tuple[str, int]:
     """A new temp file beside `path` (its directory made on first use): (name, fd)."""
     tmp = temp_name(path)
     try:
-        fd = os.open(tmp, O_NEW, 0o644)
+        fd = os.open(tmp, O_NEW, mode)
     except FileNotFoundError:  # first file in this directory
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        fd = os.open(tmp, O_NEW, 0o644)
+        fd = os.open(tmp, O_NEW, mode)
     return tmp, fd
 
 
-def write_temp(path: str, data: bytes, *, durable: bool) -> str:
+def write_temp(path: str, data: bytes, *, durable: bool, mode: int | None = None) -> str:
     """Write `data` to a new temp file beside `path` (fsynced when `durable`); its name.
 
     Raw descriptor writes, no buffered file object: this is the path of every small
-    record the project writes.
+    record the project writes. `mode`: the file's permission bits, set exactly (whatever
+    the umask) before a byte is written, so a file that holds a command line or an
+    environment is never readable by others, not even for a moment; None: 0644 less the
+    umask.
     """
-    tmp, fd = _open_new(path)
+    tmp, fd = _open_new(path, 0o644 if mode is None else mode & 0o600)
     try:
+        if mode is not None:
+            os.fchmod(fd, mode)
         view = memoryview(data)
         while view:
             view = view[os.write(fd, view) :]

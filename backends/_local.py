@@ -122,9 +122,10 @@ class LocalStore(Store):
     def read(self, key: str, *, max_size: int | None = None) -> bytes | None:
         return read_regular(self._key_path(key), max_size)
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: bytes, *, mode: int | None = None) -> None:
         path = self._key_path(key)
-        replace_into(write_temp(path, data, durable=self._durable), path, durable=self._durable)
+        replace_into(write_temp(path, data, durable=self._durable, mode=mode), path,
+                     durable=self._durable)  # fmt: skip
 
     def create(self, key: str, data: bytes) -> bool:
         path = self._key_path(key)

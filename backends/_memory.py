@@ -77,7 +77,7 @@ class MemoryStore(Store):
                                                       "a record may have; not read")  # fmt: skip
         return bytes(data)
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: bytes, *, mode: int | None = None) -> None:
         path = self._path(validate_key(key))
         with self._mutex:
             self.fs.pipe_file(path, bytes(data))

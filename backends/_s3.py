@@ -137,7 +137,7 @@ class S3Store(Store):
         return bytes(data)
 
     @_translated
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: bytes, *, mode: int | None = None) -> None:
         self.fs.pipe_file(self._path(validate_key(key)), bytes(data))
 
     @_translated

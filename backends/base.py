@@ -85,6 +85,11 @@ def bounded_names(store: StoreBase, prefix: str, names: builtins.list[str],
     return names
 
 
+PRIVATE_FILE = 0o600
+"""A `StoreBase.write` mode: readable and writable by this user only, for every file that can
+hold a command line or an environment (a run spec, a manifest), redacted or not."""
+
+
 class StoreBase(ABC):
     """A key -> bytes store at a URL: what every backend implements (see `store.Store`)."""
 
@@ -123,8 +128,13 @@ class StoreBase(ABC):
         """
 
     @abstractmethod
-    def write(self, key: str, data: bytes) -> None:
-        """Store `data` at `key` atomically: readers see the old or the new bytes."""
+    def write(self, key: str, data: bytes, *, mode: int | None = None) -> None:
+        """Store `data` at `key` atomically: readers see the old or the new bytes.
+
+        `mode`: the file's permission bits on a folder store, whatever the umask (``0o600``
+        for a file that holds a command line or an environment); None: the store's usual
+        ones. A store without file modes (S3, memory) ignores it.
+        """
 
     @abstractmethod
     def create(self, key: str, data: bytes) -> bool:

@@ -177,11 +177,11 @@ class WriteHook:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.store, name)
 
-    def write(self, key: str, data: bytes) -> None:
+    def write(self, key: str, data: bytes, **options: Any) -> None:
         hook, self.hook = self.hook, lambda: None
         if key.endswith("manifest.json"):
             hook()
-        self.store.write(key, data)
+        self.store.write(key, data, **options)
 
 
 def test_a_rewrite_that_overwrote_another_ranks_is_done_again(tmp_path: Path,

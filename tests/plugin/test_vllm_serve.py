@@ -364,6 +364,99 @@ def test_outputs_equal_the_stock_cpu_platform(
     SUMMARY.append(f"outputs: tokens equal, largest logprob difference {worst:.2e}")
 
 
+# A hostile shared tier ---------------------------------------------------------------------
+
+YEAR_2100 = 4102444800.0
+# Short periods, so a protection that is missing shows as a failed start within the ready
+# bound: a node waits on a lease at most NEURON_LIBTORCH_COMPILATION_TIMEOUT, then fails.
+HOSTILE_SETTINGS = {"VLLM_NEURON_REMOTE_LEASE_SECONDS": "2",
+                    "VLLM_NEURON_COMPILE_RETRY_AFTER": "5",
+                    "NEURON_LIBTORCH_COMPILATION_TIMEOUT": "240"}  # fmt: skip
+
+
+def plant_adversary(remote: Path, keys: set[str]) -> None:
+    """What a writer of the shared folder with no key leaves on every graph `keys` names: a
+    FIFO in place of the published ``entry.json`` (a blocking open would hang the node for
+    good), a failure note dated in the year 2100, and a lease record claiming 10^9 s.
+
+    The lease records sit where a node that locks the remote with leases (NFS, FSx, S3)
+    reads them; a folder on local disk is locked with the kernel's locks, so the server
+    here does not consult them (their bound: tests/compile/flow/test_fleet_hostile.py).
+    """
+    from vllm_neuron.backends import join, open_store
+    from vllm_neuron.backends.records import LeaseRecord, encode
+    from vllm_neuron.compile.entry.failure_notes import FailureNote
+    from vllm_neuron.compile.entry.notes import FAILURES
+
+    store = open_store(str(remote), create=False)
+    for key in sorted(keys):
+        prefix = store.published(key)
+        assert prefix is not None, key
+        record = store.local_path(join(prefix, "entry.json"))
+        assert record is not None and os.path.isfile(record)
+        os.unlink(record)
+        os.mkfifo(record)
+        store.write(FAILURES.path(key), encode(FailureNote(
+            at=YEAR_2100, error="RuntimeError: the compiler crashed", pid=4242,
+            host="mallory")))
+        store.write(f".locks/{key}/000000000007", encode(LeaseRecord(
+            owner="mallory:1:forged", generation=7, expires=YEAR_2100, renewal=1,
+            duration=1e9)))
+
+
+@pytest.fixture(scope="module")
+def hostile(vllm_python: Path, tiny_model: str, work: Path, cold: ServerRun,
+            shared_folder: Path) -> tuple[ServerRun, ServerRun, Node]:  # fmt: skip
+    """A new node against a copy of node A's shared folder that the adversary prepared on
+    every graph the server needs (``plant_adversary``), then the same node started again."""
+    remote = work / "hostile-remote"
+    shutil.copytree(shared_folder, remote, symlinks=True)
+    keys = {c[1] for c in adaptor_calls(cold.log())}
+    plant_adversary(remote, keys)
+    node = Node(work / "node-hostile")
+    runs = []
+    for name in ("hostile", "hostile-again"):
+        before = node.stats()
+        env = node.env(name, NEURON_LIBTORCH_REMOTE_CACHE=str(remote), **HOSTILE_SETTINGS)
+        run = run_server(name, vllm_python, tiny_model, work, env, extra_args=DTYPE,
+                         requests=REQUESTS[:1], ready_timeout=600)
+        run.extra["stats"] = delta(node.stats(), before)
+        run.extra["outages"] = node.stats().remote_outages - before.remote_outages
+        record(run, run.extra["stats"])
+        runs.append(run)
+    return runs[0], runs[1], node
+
+
+def test_a_remote_the_adversary_prepared_costs_a_compile_and_the_restart_is_a_hit(
+    cold: ServerRun, hostile: tuple[ServerRun, ServerRun, Node]
+) -> None:
+    """A FIFO as every needed ``entry.json``, a failure note from the year 2100 and a forged
+    lease on each graph: the server compiles each graph itself and answers as node A did;
+    started again on the same local tier it compiles nothing (docs/trust.md)."""
+    first, again, _ = hostile
+    keys = {c[1] for c in adaptor_calls(cold.log())}
+    calls = adaptor_calls(first.log())
+    assert {c[1] for c in calls} == keys  # the server needed exactly the planted graphs
+    assert {c[2] for c in calls} <= {"compiled", "deferred"}, calls
+    stats = first.extra["stats"]
+    assert stats["compiles"] == len(keys) and stats["fetches"] == 0, stats
+    assert stats["compile_failures"] == 0, stats
+    assert first.extra["outages"] == 0  # a defective entry is that key's, not the remote's
+    log = first.log()
+    assert "ahead of this node's clock" in log  # the note was read, and ignored
+    assert "FleetCompileError" not in log
+    assert first.completions[0].tokens == cold.completions[0].tokens
+    assert first.completions[0].logprobs == cold.completions[0].logprobs
+
+    calls = adaptor_calls(again.log())
+    assert {c[1] for c in calls} == keys and {c[2] for c in calls} == {"local"}, calls
+    stats = again.extra["stats"]
+    assert stats["compiles"] == 0 and stats["hits"] == len(keys), stats
+    assert again.completions[0].tokens == cold.completions[0].tokens
+    SUMMARY.append(f"hostile remote: {first.extra['total_seconds']} s, "
+                   f"again {again.extra['total_seconds']} s")
+
+
 # Metrics -----------------------------------------------------------------------------------
 
 

@@ -30,7 +30,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends import Store, fault_point, join, open_store
+from vllm_neuron.backends import PRIVATE_FILE, Store, fault_point, join, open_store
 from vllm_neuron.backends.records import Document, RecordCodec
 from vllm_neuron.compile.entry.record import ENTRY_RECORD, ENTRY_SCHEMA_VERSION, ENTRY_TAG
 from vllm_neuron.compile.tiers.location import get_neuron_compile_cache_dir
@@ -246,7 +246,8 @@ def emit_manifest(
     )
     manifest, links = link_at_emit(store, prefix, run, manifest, cleanup=cleanup)
     fault_point("emit.before-write")
-    store.write(join(prefix, MANIFEST_FILE), encode_manifest(manifest))
+    # Its config and environment (redacted) are for this user only.
+    store.write(join(prefix, MANIFEST_FILE), encode_manifest(manifest), mode=PRIVATE_FILE)
     fault_point("emit.after-write")
     if link_snapshots:
         manifest = mark_emitted(store, prefix, run, manifest, links)

@@ -37,7 +37,16 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from vllm_neuron.backends import EventLog, Record, RecordCodec, Store, is_url, join, open_store
+from vllm_neuron.backends import (
+    PRIVATE_FILE,
+    EventLog,
+    Record,
+    RecordCodec,
+    Store,
+    is_url,
+    join,
+    open_store,
+)
 from vllm_neuron.envs import run_id
 from vllm_neuron.identity import get_server_prefix
 
@@ -137,7 +146,7 @@ def refresh_manifest(store: Store, prefix: str, run: str, *,
         manifest = decode_manifest(data, source=f"{store.url.rstrip('/')}/{key}")
         filled = fill_snapshot_paths(manifest, links)
         if filled != manifest:
-            store.write(key, encode_manifest(filled))
+            store.write(key, encode_manifest(filled), mode=PRIVATE_FILE)
         manifest, used = filled, links
     return manifest
 

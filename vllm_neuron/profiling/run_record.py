@@ -40,7 +40,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends import Store, local_path_of, register_upcaster
+from vllm_neuron.backends import PRIVATE_FILE, Store, local_path_of, register_upcaster
 from vllm_neuron.backends.records import Document, RecordCodec, encode_document
 from vllm_neuron.envs import redact_config
 
@@ -229,8 +229,9 @@ def decode_manifest(
 
 
 def write_manifest(store: Store, manifest: ProfileManifest) -> None:
-    """Atomically write ``manifest.json`` at the root of the run's store."""
-    store.write(MANIFEST_FILE, encode_manifest(manifest))
+    """Atomically write ``manifest.json`` at the root of the run's store, readable by this
+    user only (it can quote the server's log and command line, secrets redacted)."""
+    store.write(MANIFEST_FILE, encode_manifest(manifest), mode=PRIVATE_FILE)
 
 
 def read_manifest(store: Store) -> ProfileManifest | None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.backends import Store
+from vllm_neuron.backends import PRIVATE_FILE, Store
 from vllm_neuron.backends.records import Document, RecordCodec, encode_document
 from vllm_neuron.envs import environment_with, redact_config
 
@@ -249,8 +249,9 @@ def decode_run_spec(data: bytes, *, source: str = RUN_SPEC_FILE) -> RunSpec:
 
 
 def write_run_spec(store: Store, spec: RunSpec) -> None:
-    """Atomically write ``run_spec.json`` at the root of the run's store."""
-    store.write(RUN_SPEC_FILE, encode_run_spec(spec))
+    """Atomically write ``run_spec.json`` at the root of the run's store, readable by this
+    user only (it holds the server's command line and environment, secrets redacted)."""
+    store.write(RUN_SPEC_FILE, encode_run_spec(spec), mode=PRIVATE_FILE)
 
 
 def read_run_spec(store: Store) -> RunSpec | None:

@@ -57,6 +57,7 @@ from vllm_neuron.backends import (
     open_store,
     validate_hex,
 )
+from vllm_neuron.envs import redact_text
 from vllm_neuron.identity import tensor_parallel_size
 
 from ..entry.events import (
@@ -287,7 +288,8 @@ class TwoTierCache:
         pre-compiled-only mode `PrecompiledOnlyMiss` says why, and nothing is withdrawn."""
         key = result.key
         self._loaded.pop(key, None)
-        self._record(LoadFailed(key=key, at=time.time(), source=result.source, error=error))
+        self._record(LoadFailed(key=key, at=time.time(), source=result.source,
+                                error=redact_text(error)))  # a file of the tier: no secret
         if self.precompiled_only:
             raise PrecompiledOnlyMiss(
                 f"the compile cache entry {key} does not load here ({error}), and "

@@ -26,6 +26,7 @@ from typing import Any
 import msgspec
 
 from vllm_neuron.backends import Record, Staging, Store, fault_point, open_store
+from vllm_neuron.envs import redact_text
 
 from ..entry.events import CacheMiss, Compiled, CompileFailed
 from ..entry.failure_notes import clear_failure_note, describe, write_failure_note
@@ -350,5 +351,8 @@ class EntryBuilder:
 
     def _failed(self, key: str, exc: BaseException, piece: str | None) -> None:
         message = describe(exc)
-        self._record(CompileFailed(key=key, at=time.time(), error=message, piece=piece or ""))
+        # The event log is a file of the tier, read by `cache stats` and the report: no
+        # secret the error quotes (a token in a download's URL) goes into it.
+        self._record(CompileFailed(key=key, at=time.time(), error=redact_text(message),
+                                   piece=piece or ""))  # fmt: skip
         write_failure_note(self.local, key, message)

@@ -30,6 +30,7 @@ behaviour, said once.
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import logging
 import os
@@ -98,16 +99,28 @@ def _why_not_private_above(directory: str) -> str | None:
 
 
 def make_private_dir(directory: str) -> str | None:
-    """`directory`, made ``0700`` (its missing parents as usual) when absent; None when it
-    is private (`why_not_private`), else why not."""
+    """`directory`, made ``0700`` (its missing parents too, whatever the umask: a parent
+    made ``0777`` under umask 0 would refuse it) when absent; None when it is private
+    (`why_not_private`), else why not."""
     try:
-        os.makedirs(os.path.dirname(os.path.abspath(directory)), exist_ok=True)
+        _make_parents(os.path.dirname(os.path.abspath(directory)))
         os.mkdir(directory, 0o700)
     except FileExistsError:
         pass
     except OSError as exc:
         return f"it cannot be made ({exc.strerror})"
     return why_not_private(directory)
+
+
+def _make_parents(parent: str) -> None:
+    """The missing directories of `parent`, each made ``0700`` (at most, whatever the umask)."""
+    missing = []
+    while not os.path.isdir(parent) and os.path.dirname(parent) != parent:
+        missing.append(parent)
+        parent = os.path.dirname(parent)
+    for path in reversed(missing):
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(path, 0o700)
 
 
 def private_fallback(name: str) -> str:
