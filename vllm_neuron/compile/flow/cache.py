@@ -538,7 +538,7 @@ class TwoTierCache:
                 logger.warning("compile cache: fetching %s into %s failed: %s; compiling it "
                                "here instead", key, self.local_dir, fault)  # fmt: skip
                 return None
-            self._remote.failed(exc)
+            self._remote.key_failed(key, exc)
             return None
         local = None if record is None else self.local_tier.lookup(key)
         if record is None or local is None:
