@@ -203,7 +203,7 @@ class TwoTierCache:
             self.local, self._remote, max_size=None if disabled else max_size,
             lease_seconds=remote_lease_seconds, lock_lease=lease_duration,
             failure_max_age=max(compile_retry_after, timeout), record=record,
-            may_publish=self.trust.may_publish_remote,
+            may_publish=self.trust.may_publish_remote, policy=self.trust,
             quarantine=lambda key, why: self.local_tier.withdraw(self.local, key, why,
                                                                  tier="local"))  # fmt: skip
         self._upkeep.at_start()
