@@ -188,7 +188,7 @@ class TwoTierCache:
                                   write=remote_write)  # fmt: skip
         self._fleet = RemoteSingleFlight(
             self._remote, lease_seconds=remote_lease_seconds, retry_after=compile_retry_after,
-            timeout=timeout, record=record, trust=self.trust)  # fmt: skip
+            timeout=timeout, record=record, trust=self.trust, stopped_in=self.local)  # fmt: skip
         self._slots = None if compile_workers is None else CompileSlots(
             self.local, compile_workers, lease_duration=lease_duration, peers=tensor_parallel_size)
         self._in_flight: dict[str, PendingCompile] = {}  # begin's worker compiles, by key
@@ -386,7 +386,8 @@ class TwoTierCache:
                 return self.local_tier.result(key, hit.prefix, hit.record, "local-after-wait",
                                               waited)  # fmt: skip
             failure = recent_failure(self.local, key, since=wait_start,
-                                     retry_after=self._fleet.retry_after)  # fmt: skip
+                                     retry_after=self._fleet.retry_after,
+                                     stopped_in=self.local)  # fmt: skip
             if failure is not None:
                 raise CompileError(note_message(key, failure))
             fetched = self.fetch_remote(key)

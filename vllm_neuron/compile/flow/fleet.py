@@ -90,8 +90,12 @@ class RemoteSingleFlight:
         timeout: float,
         record: Callable[[Record], None],
         trust: TrustPolicy | None = None,
+        stopped_in: Store | None = None,
     ) -> None:
         self.tier = tier
+        # This node's own local tier: where it keeps, across restarts, when failure notes
+        # first stopped a key's compile (`failure_notes.recent_failure`).
+        self.stopped_in = stopped_in
         self.timeout = timeout  # NEURON_LIBTORCH_COMPILATION_TIMEOUT, for the message
         self.lease_seconds = lease_seconds
         self.retry_after = retry_after
@@ -319,7 +323,7 @@ class RemoteSingleFlight:
         since = min(started, time.time() - self.retry_after)
         verify = self._note_untrusted if self.trust.requires else None
         note = recent_failure(remote, key, since=since, retry_after=self.retry_after,
-                              verify=verify)  # fmt: skip
+                              verify=verify, stopped_in=self.stopped_in)  # fmt: skip
         if note is not None:
             self._waited(key, wait_start, waited, "failed-elsewhere")
             raise FleetCompileError(failure_message(key, note, remote))
