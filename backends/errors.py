@@ -52,6 +52,14 @@ class LockTimeout(StoreError, TimeoutError):
     """A lock was not acquired within the timeout the caller asked for."""
 
 
+class LeaseUnusable(StoreError):
+    """A lease that cannot be taken at all: its directory is no directory (a file planted in
+    its place on a folder store), so no generation record can be created. Raised once the
+    lock has waited one of its own periods on it ("busy, held by an unknown owner"): the
+    caller goes on without the lease, for that name only, never takes it for the store's
+    outage."""
+
+
 class LeaseLost(StoreError):
     """A lease holder discovered that its lease expired and another holder took over.
 

@@ -42,7 +42,10 @@ held by an unknown owner" - watched like a record that does not decode, and take
 next generation created on top) after one of this lock's own periods. Nothing in a lease
 directory makes a look raise: what a writer of the store left there costs a waiter at most
 one period, never the store (a caller that sets the whole store aside on an error would
-otherwise lose every key for one name in one directory).
+otherwise lose every key for one name in one directory). A lease directory that is no
+directory (a file planted at ``.locks/<name>`` on a folder store: no record can be created
+there) is the same "busy, unknown owner" for one period, after which `acquire` raises
+`LeaseUnusable`: the caller goes on without this lease, and only this one.
 """
 
 from __future__ import annotations
@@ -60,7 +63,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import filelock
 
-from .errors import LeaseLost, LockTimeout
+from .errors import LeaseLost, LeaseUnusable, LockTimeout
 from .faults import fault_point
 from .keys import join
 from .records import LEASE_RECORDS, RECORD_MAX_BYTES, LeaseRecord, RecordError, encode
@@ -189,6 +192,10 @@ LEASE_MAX_NAMES = 100
 """The most names a look lists in a lease folder (it holds one or two records; junk beside
 them is tolerated up to this). A fuller one is unusable (`LeaseLock._listing`): listing a
 folder of millions a writer without the lease planted would stall every waiter."""
+
+_BLOCKED: dict[tuple[str, str], float] = {}
+"""(store URL, lease directory) -> time.monotonic() when this process first found that no
+record can be created in it (the directory is a file): one period later, `LeaseUnusable`."""
 
 _SIGHTINGS: dict[tuple[str, str], _Sighting] = {}
 """(store URL, lease directory) -> what this process saw last. Plain dict operations (atomic
@@ -369,12 +376,14 @@ class LeaseLock(Lock):
         delay = self.poll_interval
         while True:
             latest, remaining, record = self._watch()
-            self._free_at = time.monotonic() + remaining
             if self.unusable is not None and remaining <= 0:
                 raise self.unusable  # held its one period: the key's lease is unusable
-            if latest >= 0 and remaining <= 0 and self.store.create(
-                self._key(latest + 1), self._record(latest + 1)
-            ):
+            if latest >= 0 and remaining <= 0:
+                created, remaining = self._create(latest + 1)
+            else:
+                created = False
+            self._free_at = time.monotonic() + remaining
+            if created:
                 self._took_over_from = None
                 if record is not None and not record.released:  # ran out, not let go
                     self._took_over_from = record.owner or "an unreadable lease"
@@ -391,6 +400,24 @@ class LeaseLock(Lock):
                 sleep = min(sleep, max(0.0, deadline - time.monotonic()))
             time.sleep(sleep)
             delay = min(delay * 1.5, 0.5, self.lease_duration / 4)
+
+    def _create(self, generation: int) -> tuple[bool, float]:
+        """Create `generation`'s record: (created, seconds the lease stays busy if not). A
+        lease directory that is a file is held by an unknown owner for one of this lock's
+        periods from the first try that found it so, then `LeaseUnusable`."""
+        where = (self.store.url, self.directory)
+        try:
+            created = self.store.create(self._key(generation), self._record(generation))
+        except (NotADirectoryError, FileExistsError) as exc:  # a file on the way (memory:
+            now = time.monotonic()  # FileExistsError)
+            since = _BLOCKED.setdefault(where, now)
+            if now - since >= self.lease_duration:
+                raise LeaseUnusable(
+                    f"lease {self.name!r} on {self.store.url} cannot be taken: "
+                    f"{self.directory} is not a directory ({exc.strerror})") from None
+            return False, since + self.lease_duration - now
+        _BLOCKED.pop(where, None)
+        return created, 0.0
 
     def _on_acquired(self, generation: int) -> None:
         self._generation = generation

@@ -33,7 +33,9 @@ withdrawals of one version never both succeed:
   from the delete, and S3-compatible servers that ignore the header would turn it into
   an unconditional delete without a word; the tombstone needs only ``If-None-Match``.)
   A withdrawer killed while holding a tombstone leaves it under ``.v/``, where
-  `Store.survey` lists it (`cache gc` removes it after 6 hours).
+  `Store.survey` lists it (`cache gc` removes it after 6 hours); a commit that must
+  replace that version's broken record removes it once it has seen it unchanged for
+  `TOMBSTONE_PATIENCE` (a killed withdrawer's, or one planted by a writer of the store).
 * rename: the withdrawer renames ``final`` into ``.trash/<uuid>/`` (one rename wins), then
   compares the version of what it moved; if it is not `v` (another publication took the
   judged one's place), it renames it back, or, if yet another was published meanwhile,
@@ -63,6 +65,12 @@ UNREADABLE = "unreadable-"
 """The version of a commit record that does not read: ``unreadable-<hash of its bytes>``."""
 REPAIR_ATTEMPTS = 8
 """How often a commit tries to replace a broken commit record before it gives up."""
+TOMBSTONE_PATIENCE = 10.0
+"""Seconds a commit waits on another withdrawal's tombstone of the broken record it must
+replace, seen unchanged on this process's own monotonic clock, before it takes it for a dead
+withdrawer's or a planted one and removes it. A live withdrawal holds its tombstone for two
+requests (a read and a delete of the commit record); anyone who can write the store can
+plant one, and it must not stop a good entry's publication for ever."""
 
 
 @dataclass(frozen=True)
@@ -207,6 +215,31 @@ def _withdraw_commit(store: ByteStore, final: str, version: str) -> bool:
         store.delete_tree(tombstone)
 
 
+def _outwait_tombstone(store: ByteStore, tombstone: str) -> None:
+    """Wait until the withdrawal holding `tombstone` is done: its owner file gone, or the
+    same bytes seen for `TOMBSTONE_PATIENCE` seconds on this process's monotonic clock -
+    then the tombstone is a dead or planted one, and is removed (a live withdrawer that
+    slow would at worst withdraw the version that replaces it: a compile, never a wrong
+    entry)."""
+    owner, delay = join(tombstone, "owner"), 0.02
+    seen: tuple[bytes, float] | None = None
+    while True:
+        try:
+            data = store.read(owner, max_size=RECORD_MAX_BYTES)
+        except RecordError as exc:  # not a regular file, or too large: planted
+            data = exc.problem.encode()
+        if data is None:
+            return
+        now = time.monotonic()
+        if seen is None or seen[0] != data:
+            seen = (data, now)
+        elif now - seen[1] >= TOMBSTONE_PATIENCE:
+            store.delete_tree(tombstone)
+            return
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
 # ------------------------------------------------------------------ commit
 def commit_staged(store: ByteStore, final: str, prefix: str) -> bool:
     """Publish the staging area `prefix` as ``final``; False when another writer had.
@@ -224,7 +257,7 @@ def commit_staged(store: ByteStore, final: str, prefix: str) -> bool:
     empty = not store.list_dir(prefix)
     version = prefix.rsplit("/", 1)[-1]
     record = encode(CommitRecord(version=version, committed_at=time.time(), empty=empty))
-    key, delay = join(final, COMMIT_RECORD), 0.02
+    key = join(final, COMMIT_RECORD)
     current = ABSENT
     for _ in range(REPAIR_ATTEMPTS):
         if store.create(key, record):
@@ -235,8 +268,8 @@ def commit_staged(store: ByteStore, final: str, prefix: str) -> bool:
             return False
         broken = current.version if current.state == "broken" else None
         if broken is not None and not _withdraw_commit(store, final, broken):
-            time.sleep(delay)  # another repairer (or a withdrawer) holds it: let it finish
-            delay = min(delay * 2, 0.5)
+            # Another repairer (or a withdrawer) holds it: let it finish, within bounds.
+            _outwait_tombstone(store, join(final, VERSIONS_DIR, WITHDRAWAL + broken))
     store.delete_tree(prefix)
     raise StoreError(
         f"{where(store, final)} has a broken commit record that cannot be replaced "

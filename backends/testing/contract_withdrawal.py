@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 
 from .. import publication
-from ..errors import StoreError
 from ..keys import join
 from ..layout import COMMIT_RECORD, VERSIONS_DIR
 from ..store import Store
@@ -248,21 +247,34 @@ class CommitRecordContractTests:
         assert len(results) == 4 and len(winners) == 1
         assert published_files(store, "e") == {"a": b"%d" % winners[0]}
 
-    def test_a_killed_withdrawal_holds_its_version_and_is_a_leftover(
-        self, store: Store, monkeypatch: pytest.MonkeyPatch
-    ) -> None:
+    def test_a_killed_withdrawal_holds_its_version_and_is_a_leftover(self, store: Store) -> None:
         assert not store.capabilities.atomic_rename
-        monkeypatch.setattr(publication, "REPAIR_ATTEMPTS", 2)
         store.write(join("e", COMMIT_RECORD), b"garbage")
         version = store.publication("e").version
         assert version is not None
         tombstone = join("e", VERSIONS_DIR, "withdraw-" + version)
         assert store.create(join(tombstone, "owner"), b"killed")
         assert store.unpublish("e", version=version) is False
-        with store.stage("e") as staging, pytest.raises(StoreError, match="cannot be replaced"):
-            staging.write("a", b"A")
-            staging.commit()
         [debris] = [d for d in store.survey(older_than=-1.0).debris if d.prefix == tombstone]
         assert debris.kind == "tombstone"
         store.remove_debris(debris)  # what `cache gc` does after 6 hours
         assert store.unpublish("e", version=version) is True
+
+    def test_a_planted_tombstone_delays_a_commit_one_patience_at_most(
+        self, store: Store, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A tombstone nobody removes (a killed withdrawer's, or one a writer of the store
+        planted beside a garbage commit record) stops the next commit of a good entry for
+        `TOMBSTONE_PATIENCE` on the committer's own clock, then is removed: the entry is
+        published (it raised "cannot be replaced" until `cache gc`, six hours later)."""
+        monkeypatch.setattr(publication, "TOMBSTONE_PATIENCE", 0.3)
+        store.write(join("e", COMMIT_RECORD), b"garbage")
+        version = store.publication("e").version
+        assert version is not None
+        tombstone = join("e", VERSIONS_DIR, "withdraw-" + version)
+        assert store.create(join(tombstone, "owner"), b"planted")
+        with store.stage("e") as staging:
+            staging.write("a", b"A")
+            assert staging.commit()
+        assert published_files(store, "e") == {"a": b"A"}
+        assert not store.list(tombstone)

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 from lease_clocks import Clocks
 
-from vllm_neuron.backends import LeaseLock, LeaseLost, LockTimeout, locks, open_store
+from vllm_neuron.backends import LeaseLock, LeaseLost, LeaseUnusable, LockTimeout, locks, open_store
 from vllm_neuron.backends.locks import generation_of
 from vllm_neuron.backends.records import LeaseRecord, RecordError, encode
 
@@ -228,3 +228,34 @@ def test_a_lease_folder_linked_out_of_a_folder_store_is_never_written(
         waiter.acquire(timeout=0)
     assert sorted(os.listdir(outside)) == ["000000000001"]
     assert (outside / "000000000001").read_bytes() == b"node-local, not a lease"
+
+
+def test_a_file_in_place_of_the_lease_directory_is_busy_one_period_then_unusable(
+    store: Any, clocks: Clocks
+) -> None:
+    """``.locks/<name>`` planted as a file. On a folder no record can be created under it
+    (ENOTDIR): busy, held by an unknown owner, for one period, then `LeaseUnusable` (the
+    caller goes on without this lease) - never NotADirectoryError, which a caller would take
+    for the store's outage. On S3 a key and a prefix of that name coexist: the lease is taken
+    after that period (the file reads as a junk name)."""
+    name = unique()
+    store.write(f".locks/{name}", b"not a directory")
+    waiter = lease(store, name)
+    assert refused(waiter)
+    assert waiter.seconds_until_free() == PERIOD
+    clocks.advance(PERIOD - 0.01)
+    assert refused(waiter)
+    clocks.advance(0.01)
+    if store.url.startswith("s3://"):  # no folder in the way
+        waiter.acquire(timeout=0)
+        waiter.release()
+        return
+    if store.url.startswith("memory://"):  # its listing shows the file first: a junk name
+        assert refused(waiter)  # for one period, then no record can be made: one more
+        clocks.advance(PERIOD)
+    with pytest.raises(LeaseUnusable, match="is not a directory"):
+        waiter.acquire(timeout=0)
+    store.delete(f".locks/{name}")  # the file gone: the lease is taken again
+    waiter.acquire(timeout=0)
+    assert waiter.generation == 1
+    waiter.release()

@@ -83,7 +83,8 @@ def cmd_sign(args: argparse.Namespace) -> int:
         print(f"vllm-neuron: --key: {exc}", file=sys.stderr)
         return 2
     store = tier(args)
-    results = sign_tier(store, signer, args.entry, trusted=trust_policy().keys)
+    results = sign_tier(store, signer, args.entry, trusted=trust_policy().keys,
+                        own_tier=is_own_tier(store))  # fmt: skip
     failed = [(k, o) for k, o in results if o.startswith("not signed")]
     if args.json:
         print_json({"key_id": signer.key_id,

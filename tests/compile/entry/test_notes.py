@@ -48,6 +48,7 @@ def test_the_registered_names_and_tags_are_the_formats_earlier_versions_wrote():
         "load-failure-note": (".load-failures", Layout.PER_HOST, "load-failure-note"),
         "pin": (".pins", Layout.PER_KEY, "pin"),
         "unpacked": (".unpacked", Layout.COPY, "unpacked-package"),
+        "stopped-note": (".stopped", Layout.PER_KEY, "compile-stopped"),
     }
 
 

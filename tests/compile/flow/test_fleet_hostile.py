@@ -33,7 +33,7 @@ from vllm_neuron.backends.locks import LEASE_MAX_NAMES
 from vllm_neuron.backends.records import LeaseRecord, encode
 from vllm_neuron.compile.entry.events import read_stats
 from vllm_neuron.compile.entry.failure_notes import FailureNote, note_payload
-from vllm_neuron.compile.entry.notes import FAILURES
+from vllm_neuron.compile.entry.notes import FAILURES, STOPPED, STOPPED_NOTES
 from vllm_neuron.compile.trust.signing import generate_key_pair, load_signer, sign_note
 
 KEY = "b057b057b057b057b057b057b057b0aa"
@@ -143,6 +143,38 @@ def test_a_note_rewritten_at_every_look_delays_a_node_one_retry_period_at_most(
     assert result["refused"] >= 1  # the note did stop it ...
     assert result["refused_for"] < 2 + 20, result  # ... for about one cool-down, not for ever
     assert "compiling it here" in result["stderr"], result["stderr"]
+
+
+@pytest.mark.timeout(2 * SAFETY)
+def test_the_retry_bound_holds_across_restarts_of_a_crash_looping_node(tmp_path):
+    """The adversary rewrites the note at every look; process 1 is stopped by it and exits
+    (vLLM's warm-up failed); process 2 on the same node, started once the retry period has
+    passed since the note first stopped the node (``.stopped/<key>.json`` in its local
+    tier), compiles at once: the bound is the node's, not each process's."""
+    fleet = {"remote": str(tmp_path / "remote"), "remote_options": {"lock": "lease"}}
+    remote = _remote(fleet)
+    retry = 2.0
+    stop = threading.Event()
+
+    def rewrite() -> None:
+        while not stop.is_set():
+            remote.write(FAILURES.path(KEY), _note(time.time()))
+
+    remote.write(FAILURES.path(KEY), _note(time.time()))
+    adversary = threading.Thread(target=rewrite, daemon=True)
+    adversary.start()
+    try:
+        (first,) = finish_workers([_start(tmp_path, fleet, "node", compile_retry_after=retry)])
+        assert not first["ok"] and first["error_type"] == "FleetCompileError", first
+        stopped = STOPPED_NOTES.read(open_store(str(tmp_path / "node")), STOPPED.path(KEY))
+        assert stopped is not None and stopped.pid == first["pid"], stopped
+        wait_for(lambda: time.time() > stopped.at + retry, "the retry period to pass")
+        (second,) = finish_workers([_start(tmp_path, fleet, "node", compile_retry_after=retry)])
+    finally:
+        stop.set()
+        adversary.join(timeout=SAFETY)
+    assert second["ok"] and second["source"] == "compiled" and second["refused"] == 0, second
+    assert second["wrong"] is None and "compiling it here" in second["stderr"], second
 
 
 @pytest.mark.timeout(2 * SAFETY)

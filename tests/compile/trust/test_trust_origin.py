@@ -35,7 +35,7 @@ from vllm_neuron.compile.tiers.promote import CannotSign, promote_entry
 from vllm_neuron.compile.tiers.remote import RemoteTier
 from vllm_neuron.compile.trust.origin import NODE_KEY_SUFFIX, forget_node_keys
 from vllm_neuron.compile.trust.policy import TrustPolicy, forget_trust_policy, load_trust_policy
-from vllm_neuron.compile.trust.signing import SIGNATURE_FILE, generate_key_pair
+from vllm_neuron.compile.trust.signing import SIGNATURE_FILE, generate_key_pair, load_signer
 from vllm_neuron.compile.upkeep.owed import owe_promotion, settle_owed
 from vllm_neuron.envs import load_trust_settings, reset_for_tests
 from vllm_neuron.manifest.inspect import check_startup
@@ -445,3 +445,38 @@ def test_a_sealed_record_reads_back_unchanged(tmp_path: Path, compile_fn: Any) -
     raw = json.loads((tier / KEY / ENTRY_RECORD).read_bytes())
     raw.pop("sealed")
     assert not isinstance(decode_record(json.dumps(raw).encode()).sealed, str)
+
+
+def test_owed_promotions_are_settled_under_the_caches_own_policy(
+    tmp_path, keys, compile_fn, process_trust
+):
+    """A cache given its own trust (the builder's key) in a process whose settings name
+    another key: what it owed is promoted under the cache's policy (its signature, the
+    builder's, goes along), never re-signed with the process's key."""
+    remote, tier = tmp_path / "remote", tmp_path / "builder"
+    stranger = generate_key_pair(str(tmp_path / "stranger-keys"), "stranger")
+    process_trust(VLLM_NEURON_CACHE_SIGNING_KEY=stranger[0],
+                  VLLM_NEURON_CACHE_TRUSTED_KEYS=stranger[1])  # fmt: skip
+    TwoTierCache(str(tier), trust=builder_policy(keys)).get_or_compile(KEY, compile_fn(KEY))
+    owe_promotion(open_store(str(tier)), KEY, str(remote))
+    restarted = TwoTierCache(str(tier), remote=str(remote), trust=builder_policy(keys))
+    assert restarted.wait_for_upkeep(timeout=120)
+    signer = json.loads((remote / KEY / SIGNATURE_FILE).read_bytes())["key_id"]
+    assert signer == load_signer(keys["builder"][0]).key_id, "settled under another policy"
+
+
+def test_cache_sign_on_a_shared_folder_never_believes_the_node_key_beside_it(
+    tmp_path, keys, compile_fn, process_trust
+):
+    """A shared folder (group- and other-writable, as a fleet's NFS folder is) whose entry
+    carries a seal made with ``<folder>.node-key`` - which whoever writes beside the folder
+    can write too: `cache sign` on it judges by signature only (the seal is not this
+    node's word), so the unsigned entry stays unsigned."""
+    process_trust()
+    shared = tmp_path / "shared"
+    TwoTierCache(str(shared)).get_or_compile(KEY, compile_fn(KEY))  # sealed, node key beside
+    assert (tmp_path / f"shared{NODE_KEY_SUFFIX}").is_file()
+    shared.chmod(0o777)
+    signed = cli("cache", "sign", str(shared), "--key", keys["builder"][0], "--entry", KEY)
+    assert signed.returncode == 1 and "origin is unknown" in signed.stdout, signed.stdout
+    assert not (shared / KEY / SIGNATURE_FILE).exists()

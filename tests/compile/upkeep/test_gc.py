@@ -38,6 +38,7 @@ from vllm_neuron.compile.entry.notes import (
     OwedPromotion,
     Pin,
     QuarantineNote,
+    StoppedNote,
     UnpackedRecord,
     kind_named,
 )
@@ -721,6 +722,7 @@ SAMPLES: dict[type, Any] = {
     OwedPromotion: lambda key, at: OwedPromotion(at=at, remote="s3://b/c", pid=1, host="h"),
     LoadFailureNote: lambda key, at: LoadFailureNote(key=key, at=at, host="h", error="no"),
     Pin: lambda key, at: Pin(key=key, at=at),
+    StoppedNote: lambda key, at: StoppedNote(at=at, pid=1),
     UnpackedRecord: lambda key, at: UnpackedRecord(key=key, package="graph.pt2",
                                                    source=DIGEST, files={}, at=at),
 }
@@ -760,6 +762,21 @@ def test_gc_collects_every_registered_kind_of_note_by_its_rule(tier):
     assert not outcome.failed and not outcome.stayed
     left = {name for name, where in planted.items() if tier.exists(where) or tier.list(where)}
     assert left == {k.name for k in registered if k.expiry is Expiry.NEVER} == {"pin"}
+
+
+def test_a_stopped_compile_note_is_kept_two_cool_downs(tmp_path):
+    """``.stopped/<key>.json`` bounds how long failure notes stop a node across restarts;
+    collected after one cool-down, a note still rewritten would stop the node anew at once.
+    So gc keeps it two (`Expiry.TWO_COOL_DOWNS`)."""
+    tier = open_store(str(tmp_path / "tier"))
+    kind = kind_named("stopped-note")
+    assert kind is not None and kind.expiry is Expiry.TWO_COOL_DOWNS
+    now = time.time()
+    where = plant(tier, kind, KEY_D, now - 150.0)
+    assert not [i for i in plan_gc(tier, failure_max_age=100.0, now=now).items
+                if i.kind == kind.name]  # 1.5 cool-downs: kept
+    plan = plan_gc(tier, failure_max_age=100.0, now=now + 60.0)  # 2.1 cool-downs
+    assert [i.where for i in plan.items if i.kind == kind.name] == [where]
 
 
 def test_the_cli_names_every_kind_of_note_it_kept():

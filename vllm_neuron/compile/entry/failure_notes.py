@@ -14,11 +14,15 @@ trust.md): it can make a node compile, never stop it for good.
 - A note dated more than `CLOCK_SKEW` ahead of this process's clock is ignored (one warning
   per key): no honest node's clock is that far off, and a note "from the year 2100" would
   otherwise stop the graph for ever.
-- A note stops this process's compile of a key for at most one retry period
-  (VLLM_NEURON_COMPILE_RETRY_AFTER), counted on this process's monotonic clock from the first
-  time a note stopped it for that key (`_FIRST_STOPPED`, per tier and key; not per note, so a
-  note rewritten at every look counts from the first). After that this process compiles the
-  key itself, whatever notes say (one warning).
+- A note stops this node's compile of a key for at most one retry period
+  (VLLM_NEURON_COMPILE_RETRY_AFTER), counted from the first time a note stopped it for that
+  key (not per note, so a note rewritten at every look counts from the first). After that
+  this process compiles the key itself, whatever notes say (one warning). The first time is
+  kept twice: in this process (`_FIRST_STOPPED`, monotonic, per tier and key), and - the
+  caller's ``stopped_in``, this node's own local tier - in ``.stopped/<key>.json``
+  (`notes.STOPPED`, this node's clock), so that a server that crashes and starts again is
+  not stopped anew by each process; whichever has run longer decides. `cache gc` collects
+  that note after two retry periods (`notes.Expiry.TWO_COOL_DOWNS`).
 - The caller may ask for a signature (`recent_failure`'s ``verify``: under ``require``, a
   builder's note on the remote): a note without one that verifies is ignored (one warning).
 - What a note says reaches a message only through `printable`: capped at
@@ -44,7 +48,15 @@ from vllm_neuron.backends import Store
 from vllm_neuron.backends.records import RecordError, encode
 from vllm_neuron.envs import redact_text
 
-from .notes import FAILURE_NOTES, FAILURES, FAILURES_DIR, FailureNote
+from .notes import (
+    FAILURE_NOTES,
+    FAILURES,
+    FAILURES_DIR,
+    STOPPED,
+    STOPPED_NOTES,
+    FailureNote,
+    StoppedNote,
+)
 from .text import NOTE_TEXT_LIMIT, printable  # one printable for every quoted text
 
 __all__ = ["CLOCK_SKEW", "FAILURES_DIR", "NOTE_TEXT_LIMIT", "FailureNote", "NoteSigner",
@@ -140,11 +152,13 @@ def recent_failure(
     since: float,
     retry_after: float | None = None,
     verify: NoteVerifier | None = None,
+    stopped_in: Store | None = None,
 ) -> FailureNote | None:
     """The note of a compile of `key` that failed at or after `since`, if any, and if it may
     stop this process (see the module doc): not dated past `CLOCK_SKEW` ahead, accepted by
-    `verify` (when given), and - with `retry_after` - not stopping this process's compile of
-    `key` for longer than `retry_after` seconds already."""
+    `verify` (when given), and - with `retry_after` - not stopping this node's compile of
+    `key` for longer than `retry_after` seconds already (in this process, and as
+    `stopped_in`, this node's own local tier, remembers across processes)."""
     try:
         note = FAILURE_NOTES.read(store, _note_key(key))
     except (RecordError, ValueError, RecursionError):
@@ -165,12 +179,46 @@ def recent_failure(
     if retry_after is not None:
         now = time.monotonic()
         first = _FIRST_STOPPED.setdefault((store.url, key), now)
-        if now - first >= retry_after:
+        stopped = now - first
+        if stopped_in is not None:
+            stopped = max(stopped, time.time() - _first_stopped_on_node(stopped_in, key))
+        if stopped >= retry_after:
             _warn_once(store, key, "retried", "compile cache: failure notes in %s have "
                        "stopped the compile of %s for %.0f s (VLLM_NEURON_COMPILE_RETRY_AFTER); "
-                       "compiling it here", store.url, key, now - first)  # fmt: skip
+                       "compiling it here", store.url, key, stopped)  # fmt: skip
             return None
     return note
+
+
+def _first_stopped_on_node(local: Store, key: str) -> float:
+    """When (epoch seconds) notes first stopped this node's compile of `key`, as `local`'s
+    ``.stopped/<key>.json`` says; now, when it says nothing usable (absent, unreadable, or
+    dated ahead of this clock: a clock set back), the note then written (created if absent,
+    so that of two processes the first one's time holds). A tier that refuses it costs the
+    bound across restarts, never the look: this process's own count still holds (one
+    warning)."""
+    path = STOPPED.path(key)
+    now = time.time()
+    try:
+        try:
+            held = STOPPED_NOTES.read(local, path)
+        except (RecordError, ValueError, RecursionError):
+            held = None
+            local.delete(path)  # torn or not ours: written anew below
+        if held is not None and math.isfinite(held.at) and held.at <= now + CLOCK_SKEW:
+            return min(held.at, now)
+        fresh = encode(StoppedNote(at=now, pid=os.getpid()))
+        if held is not None:
+            local.write(path, fresh)
+        elif not local.create(path, fresh):  # another process of this node was first
+            again = STOPPED_NOTES.read(local, path)
+            if again is not None and math.isfinite(again.at):
+                return min(again.at, now)
+    except Exception as exc:  # noqa: BLE001 - see above
+        _warn_once(local, key, "stopped-note", "compile cache: cannot keep when failure "
+                   "notes first stopped the compile of %s in %s (%s); counted in this process "
+                   "only", key, local.url, printable(str(exc), 200))  # fmt: skip
+    return now
 
 
 def clear_failure_note(store: Store, key: str) -> None:

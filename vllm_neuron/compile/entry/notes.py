@@ -54,6 +54,9 @@ __all__ = [
     "QUARANTINE",
     "QUARANTINE_DIR",
     "QUARANTINE_NOTES",
+    "STOPPED",
+    "STOPPED_DIR",
+    "STOPPED_NOTES",
     "TAG_DIGITS",
     "UNPACKED",
     "UNPACKED_DIR",
@@ -66,6 +69,7 @@ __all__ = [
     "OwedPromotion",
     "Pin",
     "QuarantineNote",
+    "StoppedNote",
     "UnpackedRecord",
     "copy_key",
     "kind_named",
@@ -104,6 +108,16 @@ class FailureNote(Record, frozen=True, tag="compile-failure"):
     host: str
     signer: str = ""
     signature: str = ""
+
+
+class StoppedNote(Record, frozen=True, tag="compile-stopped"):
+    """``.stopped/<key>.json`` in a node's own local tier: when (epoch seconds, this node's
+    clock) failure notes first stopped this node's compile of `key`, kept across restarts so
+    that a process that crashes and starts again while a note is rewritten is stopped one
+    retry period in all, not one per process (`failure_notes.recent_failure`)."""
+
+    at: float
+    pid: int
 
 
 class LoadFailureNote(Record, frozen=True, tag="load-failure-note"):
@@ -164,6 +178,7 @@ QUARANTINE_NOTES = RecordCodec(
 OWED_NOTES = RecordCodec(OwedPromotion)
 PIN_RECORDS = RecordCodec(Pin)
 UNPACKED_RECORDS = RecordCodec(UnpackedRecord)
+STOPPED_NOTES = RecordCodec(StoppedNote)
 
 
 # ------------------------------------------------------------------- layouts
@@ -197,6 +212,10 @@ class Expiry(enum.Enum):
 
     RETRY_COOL_DOWN = "older than the compile retry cool-down (VLLM_NEURON_COMPILE_RETRY_AFTER)"
     """Past the cool-down no process raises it any more."""
+    TWO_COOL_DOWNS = "older than twice the compile retry cool-down"
+    """Past one cool-down it has done its work (the node compiles whatever notes say); kept
+    a second one so that collecting it never restarts the bound while notes still stop the
+    key: a node is stopped at most one cool-down in every two."""
     FOR_OPERATORS = "older than the bound and at least OPERATOR_NOTE_MIN_AGE (7 days)"
     """A note for the fleet's operators: kept a week at least, for someone to read."""
     WITHOUT_ENTRY = "older than the bound, and only while its key has no published entry"
@@ -262,6 +281,8 @@ class NoteKind(Generic[R]):
         never collected."""
         if self.expiry is Expiry.RETRY_COOL_DOWN:
             return retry_after
+        if self.expiry is Expiry.TWO_COOL_DOWNS:
+            return 2 * retry_after
         if self.expiry is Expiry.FOR_OPERATORS:
             return max(bound, OPERATOR_NOTE_MIN_AGE)
         if self.expiry is Expiry.WITHOUT_ENTRY:
@@ -317,6 +338,8 @@ LOAD_NOTES_DIR = ".load-failures"
 QUARANTINE_DIR = ".quarantine"
 OWED_DIR = ".promote"
 PINS_DIR = ".pins"
+STOPPED_DIR = ".stopped"
+"""``<tier>/.stopped/<key>.json``: when failure notes first stopped this node's compile."""
 """``<tier>/.pins/<key>.json``: an entry that no size bound or prune removes."""
 UNPACKED_DIR = ".unpacked"
 """``<tier>/.unpacked/<key>-<tag>/``: the unpacked copies of entries' packages."""
@@ -351,8 +374,16 @@ UNPACKED: NoteKind[UnpackedRecord] = NoteKind(
 """A host entry's package unpacked for loading (`tiers/unpacked.py`); its record is
 ``unpacked.json`` inside. Published and withdrawn as a whole, never rewritten."""
 
+STOPPED: NoteKind[StoppedNote] = NoteKind(
+    "stopped-note", STOPPED_DIR, Layout.PER_KEY, StoppedNote, STOPPED_NOTES,
+    Expiry.TWO_COOL_DOWNS, "old note of a stopped compile", "stopped-compile notes",
+    key_lock=False)
+"""When failure notes first stopped this node's compile of a key (`failure_notes.py`); in
+the node's own local tier only. Created once (never rewritten while it holds), without the
+key's lock on the remote's path, so compared and removed."""
+
 NOTE_KINDS: tuple[NoteKind[Any], ...] = (FAILURES, QUARANTINE, OWED, LOAD_FAILURES, PINS,
-                                         UNPACKED)  # fmt: skip
+                                         UNPACKED, STOPPED)  # fmt: skip
 """Every kind of per-key note; what must know them all walks this."""
 
 _BY_DIRECTORY = {kind.directory: kind for kind in NOTE_KINDS}

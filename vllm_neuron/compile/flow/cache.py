@@ -189,7 +189,7 @@ class TwoTierCache:
                                   write=remote_write)  # fmt: skip
         self._fleet = RemoteSingleFlight(
             self._remote, lease_seconds=remote_lease_seconds, retry_after=compile_retry_after,
-            timeout=timeout, record=record, trust=self.trust)  # fmt: skip
+            timeout=timeout, record=record, trust=self.trust, stopped_in=self.local)  # fmt: skip
         self._slots = None if compile_workers is None else CompileSlots(
             self.local, compile_workers, lease_duration=lease_duration, peers=tensor_parallel_size)
         self._in_flight: dict[str, PendingCompile] = {}  # begin's worker compiles, by key
@@ -204,7 +204,7 @@ class TwoTierCache:
             self.local, self._remote, max_size=None if disabled else max_size,
             lease_seconds=remote_lease_seconds, lock_lease=lease_duration,
             failure_max_age=max(compile_retry_after, timeout), record=record,
-            may_publish=self.trust.may_publish_remote,
+            may_publish=self.trust.may_publish_remote, policy=self.trust,
             quarantine=lambda key, why: self.local_tier.withdraw(self.local, key, why,
                                                                  tier="local"))  # fmt: skip
         self._upkeep.at_start()
@@ -388,7 +388,8 @@ class TwoTierCache:
                 return self.local_tier.result(key, hit.prefix, hit.record, "local-after-wait",
                                               waited)  # fmt: skip
             failure = recent_failure(self.local, key, since=wait_start,
-                                     retry_after=self._fleet.retry_after)  # fmt: skip
+                                     retry_after=self._fleet.retry_after,
+                                     stopped_in=self.local)  # fmt: skip
             if failure is not None:
                 raise CompileError(note_message(key, failure))
             fetched = self.fetch_remote(key)
@@ -540,7 +541,7 @@ class TwoTierCache:
                 logger.warning("compile cache: fetching %s into %s failed: %s; compiling it "
                                "here instead", key, self.local_dir, fault)  # fmt: skip
                 return None
-            self._remote.failed(exc)
+            self._remote.key_failed(key, exc)
             return None
         local = None if record is None else self.local_tier.lookup(key)
         if record is None or local is None:

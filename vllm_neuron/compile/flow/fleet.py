@@ -25,8 +25,14 @@ What a dead or failing compiler costs:
   it stops a process's compile of a key for one cool-down at most, on that process's own
   clock; one dated past the clock-skew margin is ignored; under ``require`` only a note
   signed by a trusted builder's key counts (a builder signs the notes it writes);
+* a lease is advice, bounded too: a waiter compiles the key itself, without the lease
+  (its promotion owed), once it has waited one cool-down (`VLLM_NEURON_COMPILE_RETRY_AFTER`)
+  or its own timeout, whichever comes first, with nothing published - whoever renews the
+  lease; a lease that cannot be taken at all (`LeaseUnusable`: a file where its folder
+  should be) costs one lease period, then the same;
 * a remote that fails (unreachable, denied) is set aside by `RemoteTier` with one
-  warning, and the process compiles locally, as without a remote.
+  warning, and the process compiles locally, as without a remote; a failure on one key's
+  own object while the remote still answers its probe is that key's (`RemoteTier.key_failed`).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from vllm_neuron.backends import LeaseLost, Lock, LockTimeout, Record, Store
+from vllm_neuron.backends import LeaseLost, LeaseUnusable, Lock, LockTimeout, Record, Store
 from vllm_neuron.backends.records import RecordError
 
 from ..entry.events import LeaseTakenOver, LeaseWaited
@@ -85,8 +91,12 @@ class RemoteSingleFlight:
         timeout: float,
         record: Callable[[Record], None],
         trust: TrustPolicy | None = None,
+        stopped_in: Store | None = None,
     ) -> None:
         self.tier = tier
+        # This node's own local tier: where it keeps, across restarts, when failure notes
+        # first stopped a key's compile (`failure_notes.recent_failure`).
+        self.stopped_in = stopped_in
         self.timeout = timeout  # NEURON_LIBTORCH_COMPILATION_TIMEOUT, for the message
         self.lease_seconds = lease_seconds
         self.retry_after = retry_after
@@ -116,16 +126,18 @@ class RemoteSingleFlight:
 
         `started` (epoch seconds) is when this process began waiting for `key`: a failure
         recorded after it is this wait's failure (`FleetCompileError`). `deadline`
-        (monotonic) bounds the wait (`TimeoutError`). A failure note is looked for before
-        waiting, or - without `wait` - once the lease is won (a remote that fails to answer
-        then is a remote outage, as anywhere in this loop). A `Won` with a lease must be
-        given back (`let_go`) whatever the compile does.
+        (monotonic) bounds the wait, and so does one cool-down (`retry_after`): then this
+        process compiles alone (`Won` without a lease, the promotion owed). A failure note
+        is looked for before waiting, or - without `wait` - once the lease is won (a remote
+        that fails to answer then is a remote outage, as anywhere in this loop). A `Won`
+        with a lease must be given back (`let_go`) whatever the compile does.
         """
         remote = self.tier.store()
         if remote is None or self.tier.read_only:
             return Won(owes=True)
         lease = remote.lock(key, lease_duration=self.lease_seconds)
         wait_start = time.perf_counter()
+        alone_at = min(deadline, time.monotonic() + self.retry_after)
         waited = False
         delay = 0.05
         while True:
@@ -148,8 +160,10 @@ class RemoteSingleFlight:
                 pass
             except FleetCompileError:
                 raise
-            except RecordError as exc:  # the key's lease folder is unusable (held one period
-                # first): a defect of that key, never of the remote - compiled here alone
+            except (RecordError, LeaseUnusable) as exc:  # the key's lease folder is unusable
+                # (over-full, linked out of the remote, a file; held one period first): a
+                # defect of that key, never of the remote - compiled here alone, not owed (a
+                # promotion would meet the same folder)
                 logger.warning("compile cache: the remote lease of %s cannot be used (%s); "
                                "compiling it for this node only", key,
                                printable(str(exc), 300))  # fmt: skip
@@ -164,7 +178,7 @@ class RemoteSingleFlight:
                 fetched = fetch()
                 return Won(owes=True) if fetched is None else FetchedFromFleet(fetched)
             except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-                self.tier.failed(exc)
+                self.tier.key_failed(key, exc)
                 self._waited(key, wait_start, waited, "remote-down")
                 return Won(owes=True)
             if not wait:  # another node compiles it: trace on, wait at the first call
@@ -179,10 +193,11 @@ class RemoteSingleFlight:
                 self._waited(key, wait_start, waited, "remote-down")
                 return Won(owes=True)
             now = time.monotonic()
-            if now >= deadline:
+            if now >= alone_at:
                 self._waited(key, wait_start, waited, "timeout")
-                raise self._timed_out(key)
-            pause = min(delay, deadline - now)
+                self._alone(key, remote, wait_start)
+                return Won(owes=True)
+            pause = min(delay, alone_at - now)
             free_in = lease.seconds_until_free()  # the lease seen runs out sooner: look then
             time.sleep(min(pause, free_in) if free_in > 0 else pause)
             delay = min(delay * 1.5, MAX_POLL_INTERVAL)
@@ -223,6 +238,7 @@ class RemoteSingleFlight:
             return Won(owes=False)
         lease = remote.lock(key, lease_duration=self.lease_seconds)
         wait_start = time.perf_counter()
+        alone_at = min(deadline, time.monotonic() + self.retry_after)
         waited = False
         delay = 0.05
         while True:
@@ -232,7 +248,7 @@ class RemoteSingleFlight:
             except FleetCompileError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-                self.tier.failed(exc)
+                self.tier.key_failed(key, exc)
                 self._waited(key, wait_start, waited, "remote-down")
                 return Won(owes=False)
             fetched = fetch()
@@ -246,10 +262,11 @@ class RemoteSingleFlight:
                 return Wait("remote-lease")
             waited = True
             now = time.monotonic()
-            if now >= deadline:
+            if now >= alone_at:
                 self._waited(key, wait_start, waited, "timeout")
-                raise self._timed_out(key)
-            time.sleep(min(delay, deadline - now))
+                self._alone(key, remote, wait_start)
+                return Won(owes=False)
+            time.sleep(min(delay, alone_at - now))
             delay = min(delay * 1.5, MAX_POLL_INTERVAL)
 
     # ------------------------------------------------------- a won claim
@@ -264,7 +281,7 @@ class RemoteSingleFlight:
         except LeaseLost:
             return  # taken over: the new holder's outcome counts
         except Exception as remote_error:  # noqa: BLE001 - the remote is best-effort
-            self.tier.failed(remote_error)
+            self.tier.key_failed(key, remote_error)
             return
         refused = write_failure_note(won.remote, key, describe(exc), sign=self._note_signer)
         if isinstance(refused, PermissionError):
@@ -287,7 +304,7 @@ class RemoteSingleFlight:
                            won.remote.url, exc)  # fmt: skip
             return False
         except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-            self.tier.failed(exc)
+            self.tier.key_failed(key, exc)
             return False
         return True
 
@@ -296,11 +313,14 @@ class RemoteSingleFlight:
         if won.lease is not None:
             self._let_go(won.lease)
 
-    def _timed_out(self, key: str) -> TimeoutError:
-        return TimeoutError(
-            f"waited {self.timeout:g} s for another node to compile {key} "
-            f"(NEURON_LIBTORCH_COMPILATION_TIMEOUT={self.timeout:g})"
-        )
+    def _alone(self, key: str, remote: Store, since: float) -> None:
+        """Say that this process stops waiting for the holder of `key`'s lease: a lease is
+        advice, and anyone who can write the remote can write (and renew) one."""
+        logger.warning(
+            "compile cache: waited %.0f s for another node to compile %s (its lease on %s "
+            "held, nothing published; VLLM_NEURON_COMPILE_RETRY_AFTER=%g, "
+            "NEURON_LIBTORCH_COMPILATION_TIMEOUT=%g); compiling it here, without the lease",
+            time.perf_counter() - since, key, remote.url, self.retry_after, self.timeout)
 
     # ---------------------------------------------------------------- parts
     def _raise_if_failed_elsewhere(self, remote: Store, key: str, started: float,
@@ -310,7 +330,7 @@ class RemoteSingleFlight:
         since = min(started, time.time() - self.retry_after)
         verify = self._note_untrusted if self.trust.requires else None
         note = recent_failure(remote, key, since=since, retry_after=self.retry_after,
-                              verify=verify)  # fmt: skip
+                              verify=verify, stopped_in=self.stopped_in)  # fmt: skip
         if note is not None:
             self._waited(key, wait_start, waited, "failed-elsewhere")
             raise FleetCompileError(failure_message(key, note, remote))

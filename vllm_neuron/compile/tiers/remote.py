@@ -90,6 +90,7 @@ class RemoteTier:
         self._set_aside = 0.0  # the current outage's set-aside; 0 while the remote is up
         self._outage_started = 0.0
         self._denied: BaseException | None = None
+        self._key_defects: set[str] = set()  # keys warned about (`key_failed`)
         # Reentrant: store() reports its own failures. Held while probing, so concurrent
         # callers wait for one probe instead of each paying the endpoint's timeout.
         self._lock = threading.RLock()
@@ -172,6 +173,35 @@ class RemoteTier:
             exc,
             REMOTE_RETRY_AFTER,
         )
+
+    def key_failed(self, key: str, exc: BaseException) -> None:
+        """A remote operation on `key` failed. A refusal or a path that is no directory
+        (S3's per-object ``AccessDenied``, EACCES, ENOTDIR, EISDIR: what a writer of the
+        remote can leave at one key) is a defect of that key when a fresh probe of the
+        remote still answers: one warning per key, the key is compiled here, and the
+        remote stays in use for every other key. Anything else, or a probe that fails
+        too, is the remote's (`failed`)."""
+        if isinstance(exc, (PermissionError, NotADirectoryError, IsADirectoryError)) \
+                and self._answers():  # fmt: skip
+            if key not in self._key_defects:
+                self._key_defects.add(key)
+                logger.warning("compile cache: remote tier %s refused %s (%s), though it "
+                               "answers otherwise; compiling that key here", self.url, key,
+                               printable(str(exc), 500))  # fmt: skip
+            return
+        self.failed(exc)
+
+    def _answers(self) -> bool:
+        """Whether the remote answers a fresh probe now (one cheap request)."""
+        with self._lock:
+            store = self._store
+            if store is None or (self._set_aside and self._clock() < self._down_until):
+                return False
+            try:
+                probe_store(store)
+            except Exception:  # noqa: BLE001 - the caller says it was the remote's
+                return False
+            return True
 
     @property
     def read_only(self) -> bool:

@@ -49,7 +49,6 @@ from ..entry.record import (
     EntryRecord,
     FetchedFrom,
     decode_record,
-    read_record,
 )
 from .origin import node_key
 from .signing import (
@@ -337,14 +336,18 @@ def trust_summary(store: Store, keys: TrustedKeys | None) -> dict[str, int]:
 
 
 def sign_tier(store: Store, signer: Signer, keys: list[str] | None = None, *,
-              trusted: TrustedKeys | None = None) -> list[tuple[str, str]]:  # fmt: skip
+              trusted: TrustedKeys | None = None,
+              own_tier: bool = False) -> list[tuple[str, str]]:  # fmt: skip
     """Sign the published entries of ``store`` (``keys``, default all) whose every checksum
     verifies and whose origin this node vouches for: compiled here, or fetched verified by
     a key of ``trusted`` (or the signer's own), as this node's seal on the record says
-    (`TrustPolicy.origin_of`); or already signed by such a key. An entry of unknown origin -
-    no seal of this node's (a remote tier's entries, a planted or copied-in one) and no
-    trusted signature - is never signed, whatever its record says. (key, outcome): "signed",
-    "already signed" (by this key, and it verifies) or the problem that kept it unsigned."""
+    (`TrustPolicy.origin_of`, asked only of ``own_tier``, a tier of this node's own: the
+    node key beside a shared folder is anyone's who writes there); or already signed by
+    such a key. An entry of unknown origin - no seal of this node's (a remote tier's
+    entries, a planted or copied-in one) and no trusted signature - is never signed,
+    whatever its record says. Each record is read once (bounded), and what is judged is
+    what is signed. (key, outcome): "signed", "already signed" (by this key, and it
+    verifies) or the problem that kept it unsigned."""
     own = TrustedKeys({signer.key_id: signer.public_key})
     vouching = TrustedKeys({**(trusted.keys if trusted is not None else {}), **own.keys})
     out = []
@@ -356,9 +359,10 @@ def sign_tier(store: Store, signer: Signer, keys: list[str] | None = None, *,
         if not checked.ok or prefix is None:
             out.append((key, f"not signed: {checked.problem or 'withdrawn'}"))
             continue
-        try:  # bounded, regular files only: a hostile record is not signed, never a crash
+        try:  # bounded, regular files only, each read once: a hostile record is not
+            # signed, never a crash
             record_bytes = _read_bounded(store, join(prefix, ENTRY_RECORD)) or b""
-            record = read_record(store, prefix)
+            record = decode_record(record_bytes, source=f"{store.url}/{key}")
             existing = _read_bounded(store, join(prefix, SIGNATURE_FILE))
         except (RecordError, EntryProblem) as exc:
             out.append((key, f"not signed: {exc}"))
@@ -366,7 +370,7 @@ def sign_tier(store: Store, signer: Signer, keys: list[str] | None = None, *,
         if own.judge(record, existing).trusted:
             out.append((key, "already signed"))
             continue
-        origin = TrustPolicy.origin_of(record, record_bytes, store)
+        origin = TrustPolicy.origin_of(record, record_bytes or b"", store) if own_tier else None
         fetched = record.fetched
         if origin == "fetched" and isinstance(fetched, FetchedFrom):
             if fetched.verified_by not in vouching.keys:

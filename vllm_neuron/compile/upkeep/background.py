@@ -26,6 +26,7 @@ from collections.abc import Callable, Collection
 from vllm_neuron.backends import LockTimeout, Record, Store
 
 from ..tiers.remote import RemoteTier
+from ..trust.policy import TrustPolicy
 from ..workers.job_dirs import sweep_dead_jobs
 from .collect import plan_gc
 from .eviction import Evictor
@@ -58,8 +59,10 @@ class TierUpkeep:
         record: Callable[[Record], None],
         quarantine: Callable[[str, str], None],
         may_publish: bool = True,
+        policy: TrustPolicy | None = None,
     ) -> None:
         self.local = local
+        self._policy = policy  # the cache's trust: what an owed promotion is signed with
         self._may_publish = may_publish  # False: a process that cannot sign (docs/trust.md)
         self.remote = remote
         self._lease_seconds = lease_seconds
@@ -111,7 +114,8 @@ class TierUpkeep:
         if self.remote.url and not self.remote.read_only and self._may_publish:
             settle_owed(self.local, self.remote, owed_keys(self.local),
                         lease_seconds=self._lease_seconds, lock_lease=self._lock_lease,
-                        quarantine=self._quarantine, stopping=_STOPPING.is_set)  # fmt: skip
+                        quarantine=self._quarantine, stopping=_STOPPING.is_set,
+                        policy=self._policy)  # fmt: skip
 
     def _remote_back(self) -> None:
         """The remote answers again after an outage: settle what was owed meanwhile now, not

@@ -39,6 +39,7 @@ from vllm_neuron.backends.records import RecordError, encode
 from ..entry.notes import OWED, OWED_DIR, OWED_NOTES, OwedPromotion
 from ..tiers.promote import CannotSign, LocalEntryProblem, promote_entry
 from ..tiers.remote import RemoteTier
+from ..trust.policy import TrustPolicy
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -102,8 +103,11 @@ def settle_owed(
     lock_lease: float,
     quarantine: Callable[[str, str], None],
     stopping: Callable[[], bool] = lambda: False,
+    policy: TrustPolicy | None = None,
 ) -> None:
-    """Promote each owed key that can be promoted now (see the module doc).
+    """Promote each owed key that can be promoted now (see the module doc), under `policy`:
+    the trust of the cache that owes them (its signer signs what is shared, its keys judge
+    what it may share); default the process's.
 
     Everything about a key is decided under its local lock: a note whose entry is not
     there yet may be a live compile's (it holds the lock until it publishes), and a note
@@ -130,7 +134,8 @@ def settle_owed(
             if local.published(key) is None:
                 promotion_settled(local, key)  # never published (or evicted): nothing to share
                 continue
-            if not _promote_owed(local, tier, remote, key, lease_seconds, quarantine):
+            if not _promote_owed(local, tier, remote, key, lease_seconds, quarantine,
+                                 policy):  # fmt: skip
                 return
         finally:
             lock.release()
@@ -138,7 +143,7 @@ def settle_owed(
 
 def _promote_owed(
     local: Store, tier: RemoteTier, remote: Store, key: str, lease_seconds: float,
-    quarantine: Callable[[str, str], None],
+    quarantine: Callable[[str, str], None], policy: TrustPolicy | None = None,
 ) -> bool:
     """Promote one owed key under its local lock; False when the pass must stop (the
     remote failed or refuses writes)."""
@@ -154,7 +159,7 @@ def _promote_owed(
     except Exception as exc:  # noqa: BLE001 - the remote is best-effort
         return _remote_refused(tier, exc)
     try:
-        promote_entry(local, remote, key)
+        promote_entry(local, remote, key, policy=policy)
     except CannotSign as exc:  # never shared unsigned or re-signed: nothing is owed
         logger.warning("compile cache: %s", exc)
         promotion_settled(local, key)
