@@ -10,6 +10,10 @@ not raced. A local entry that fails its size check is quarantined and fetched ag
 Nothing is written to the remote: a defective remote entry is reported, not withdrawn
 (`vllm-neuron cache verify URL` does that). Each fetch is a ``fetch`` event in the local
 tier, so `cache stats` counts it and eviction sees it as a use.
+
+`bake_keys` is the same warm into a directory that will be a read-only tier (an image's,
+docs/bake-an-image.md), from one or more sources, with every entry then verified in full,
+judged by the trust policy, its package pre-unpacked, and a record of what was baked.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from vllm_neuron.backends import Record, Store, join
+from vllm_neuron.backends.records import encode
 
-from ..entry.check import KEY_RE, check_entry
+from ..entry.check import KEY_RE, check_entry, verify_entry
 from ..entry.events import Fetched
-from ..entry.record import ENTRY_RECORD, EntryProblem, decode_record
+from ..entry.record import ENTRY_RECORD, EntryProblem, decode_record, read_record
 from ..tiers.quarantine import quarantine_entry
 from ..tiers.remote import fetch_entry
+from ..tiers.unpacked import unpacked_dir
+from ..toolchains.base import ARTIFACTS, Toolchain
 from ..trust.policy import TrustPolicy, UntrustedEntry, refusal, trust_policy
 
 DEFAULT_JOBS = 4
@@ -165,3 +172,93 @@ def warm_keys(
         found.sort(key=lambda k: order.get(k, 0))
     result.seconds = time.perf_counter() - start
     return result
+
+
+# ------------------------------------------------------------------------ bake
+BAKE_RECORD = "baked.json"
+"""``<DIR>/baked.json``: what `bake_keys` baked into a directory (`BakeRecord`)."""
+
+
+class BakeRecord(Record, frozen=True, kw_only=True, tag="bake"):
+    """What a baked tier holds and where it came from: read by people and tools (an image's
+    provenance), never by the cache, which judges every entry itself at every hit."""
+
+    at: float
+    keys: list[str]
+    sources: dict[str, str]  # key -> the tier it was fetched from ("present": was there)
+    unpacked: list[str]  # keys whose package was unpacked beside the entry
+    toolchain: str
+
+
+@dataclass
+class BakeResult:
+    """`bake_keys`' outcome: the warm per source, and what the final checks found."""
+
+    warms: list[tuple[str, WarmResult]] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)  # no source holds it (or could copy it)
+    failed: dict[str, str] = field(default_factory=dict)  # baked, but fails a check
+    unpacked: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return not (self.missing or self.failed)
+
+
+def bake_keys(into: Store, sources: Sequence[Store], keys: Sequence[str], *,
+              toolchain: Toolchain, jobs: int = DEFAULT_JOBS,
+              policy: TrustPolicy | None = None) -> BakeResult:  # fmt: skip
+    """Fill `into` (a directory that will be a read-only tier, docs/bake-an-image.md) with
+    every one of `keys`: from the first of `sources` that holds it - a remote, or a local
+    tier where a start compiled them - exactly as `warm_keys` fetches (each file verified
+    as it is copied, judged by `policy` first). Then every entry is verified in full and
+    judged as a read-only tier's entry will be at each hit (`refusal`, not this node's own
+    tier), what `toolchain` loads from an unpacked copy is unpacked beside it
+    (`tiers/unpacked.py`: nothing to write at a hit), and `BAKE_RECORD` says what was baked."""
+    policy = trust_policy() if policy is None else policy
+    result = BakeResult()
+    wanted = unique_keys(keys)
+    left = list(wanted)
+    for source in sources:
+        if not left:
+            break
+        warmed = warm_keys(into, source, left, jobs=jobs, policy=policy)
+        result.warms.append((source.url, warmed))
+        for key in warmed.fetched:
+            result.sources[key] = source.url
+        for key in warmed.present:
+            result.sources.setdefault(key, "present")
+        left = [k for k in left if k not in result.sources]
+    result.missing = left
+    for key in wanted:
+        if key in left:
+            continue
+        problem = verify_entry(into, key) or refusal(policy, into, key, own_tier=False)
+        if problem is None:
+            try:
+                if _unpack_for(into, key, toolchain):
+                    result.unpacked.append(key)
+            except Exception as exc:  # noqa: BLE001 - reported per key; the CLI exits 1
+                problem = f"cannot unpack its package: {type(exc).__name__}: {exc}"
+        if problem is not None:
+            result.failed[key] = problem
+    baked = [k for k in wanted if k not in left and k not in result.failed]
+    into.write(BAKE_RECORD, encode(BakeRecord(
+        at=time.time(), keys=baked, sources={k: result.sources[k] for k in baked},
+        unpacked=result.unpacked, toolchain=toolchain.name)))  # fmt: skip
+    return result
+
+
+def _unpack_for(store: Store, key: str, toolchain: Toolchain) -> bool:
+    """Unpack entry `key`'s package beside it when `toolchain` loads one; whether it did."""
+    prefix = store.published(key)
+    if prefix is None:
+        return False
+    record = read_record(store, prefix)
+    artifact = ARTIFACTS.convert(record.meta, source=f"{store.url}/{key}/{ENTRY_RECORD} meta")
+    package = toolchain.package_of(artifact)
+    source = None if package is None else record.files.get(package)
+    if package is None or source is None:
+        return False
+    unpacked_dir(store, key, prefix, package, source)
+    return True
