@@ -255,7 +255,10 @@ def _unpack_for(store: Store, key: str, toolchain: Toolchain) -> bool:
     if prefix is None:
         return False
     record = read_record(store, prefix)
-    artifact = ARTIFACTS.convert(record.meta, source=f"{store.url}/{key}/{ENTRY_RECORD} meta")
+    try:
+        artifact = ARTIFACTS.convert(record.meta, source=f"{store.url}/{key}/{ENTRY_RECORD}")
+    except ValueError:
+        return False  # not an artifact this toolchain loads: nothing of it to unpack
     package = toolchain.package_of(artifact)
     source = None if package is None else record.files.get(package)
     if package is None or source is None:
