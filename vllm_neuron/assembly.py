@@ -55,6 +55,7 @@ def build_runtime() -> CompileRuntime:
     # Last of the settings: its probe writes (a malformed setting must refuse first).
     local_dir, bypassed = resolve_local_tier(settings)
     read_only = list(settings.baked_caches)  # NEURON_LIBTORCH_BAKED_CACHE
+    own_read_only = None
     if bypassed is not None and local_dir and os.path.isdir(local_dir):
         # This user's own tier, that this process cannot write (a read-only image or
         # mount, no space): served from in place, never written (compile/tiers/baked.py).
@@ -65,8 +66,7 @@ def build_runtime() -> CompileRuntime:
             logger.info("vllm_neuron: %s; the local compile cache is read-only for this "
                         "process: its entries are served in place and it is never written; "
                         "compiles, events and statistics go to %s", bypassed, stand_in)
-            read_only.insert(0, local_dir)
-            local_dir, bypassed = stand_in, None
+            own_read_only, local_dir, bypassed = local_dir, stand_in, None
     if bypassed is not None:
         if settings.disable_warmup_compile:
             raise ConfigError(
@@ -97,6 +97,7 @@ def build_runtime() -> CompileRuntime:
         compile_workers=settings.compile_workers,
         defer_compiles=settings.defer_compiles,
         read_only=[] if bypassed else read_only,
+        read_only_own=None if bypassed else own_read_only,
     )
     runtime = CompileRuntime(cache, toolchain)
     install_recorder(runtime, manifest_dir)

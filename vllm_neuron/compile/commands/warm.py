@@ -79,6 +79,7 @@ def warm_keys(
     on_bytes: Callable[[int], None] | None = None,
     record: Callable[[Record], None] | None = None,
     policy: TrustPolicy | None = None,
+    own_tier: bool = True,
 ) -> WarmResult:
     """Fetch every one of `keys` that `local` lacks from `remote`, `jobs` at a time.
 
@@ -86,6 +87,11 @@ def warm_keys(
     records first), then `on_bytes(n)` as the bytes land, within each file. `record` gets
     a `Fetched` event per entry fetched. `policy` (default: the process's trust policy)
     judges every entry before it is copied (docs/trust.md).
+
+    ``own_tier=False``: `local` is not this node's own tier (a directory being baked into an
+    image): its node key (`trust.origin`, ``<local>.node-key``) is never made nor read - a
+    secret made there would ship in the image, shared by every pod - so what it holds is
+    judged by signature alone and what is copied into it is not sealed.
     """
     policy = trust_policy() if policy is None else policy
     if jobs < 1:
@@ -98,7 +104,7 @@ def warm_keys(
         if not KEY_RE.fullmatch(key):
             result.missing.append(key)  # never a cache key: no tier can hold it
         elif check_entry(local, key, full=False).ok and refusal(policy, local, key,
-                                                                  own_tier=True) is None:
+                                                                  own_tier=own_tier) is None:
             result.present.append(key)
         else:
             wanted.append(key)
@@ -127,7 +133,7 @@ def warm_keys(
         try:
             with local.lock(key, timeout=lock_timeout):
                 judged = check_entry(local, key, full=False)
-                refused = refusal(policy, local, key, own_tier=True) if judged.ok else None
+                refused = refusal(policy, local, key, own_tier=own_tier) if judged.ok else None
                 if judged.ok and refused is None:  # another process fetched or compiled it
                     with guard:
                         result.present.append(key)
@@ -135,7 +141,7 @@ def warm_keys(
                 if local.publication(key).state != "absent":  # defective or untrusted
                     why = f"untrusted: {refused}" if judged.ok else str(judged.problem)
                     quarantine_entry(local, key, why, version=judged.version)
-                entry = fetch_entry(remote, key, local, policy=policy,
+                entry = fetch_entry(remote, key, local, policy=policy, sealed=own_tier,
                                     progress=None if on_bytes is None else landed)
         except UntrustedEntry as exc:
             with guard:
@@ -197,7 +203,7 @@ class BakeResult:
     warms: list[tuple[str, WarmResult]] = field(default_factory=list)
     sources: dict[str, str] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)  # no source holds it (or could copy it)
-    failed: dict[str, str] = field(default_factory=dict)  # baked, but fails a check
+    failed: dict[str, str] = field(default_factory=dict)  # not baked: why (defective, untrusted)
     unpacked: list[str] = field(default_factory=list)
 
     @property
@@ -219,17 +225,26 @@ def bake_keys(into: Store, sources: Sequence[Store], keys: Sequence[str], *,
     result = BakeResult()
     wanted = unique_keys(keys)
     left = list(wanted)
+    refused: dict[str, str] = {}  # key -> why the first source holding it could not give it
     for source in sources:
         if not left:
             break
-        warmed = warm_keys(into, source, left, jobs=jobs, policy=policy)
+        # Never sealed, never judged by a node key: `into` ships to other machines.
+        warmed = warm_keys(into, source, left, jobs=jobs, policy=policy, own_tier=False)
         result.warms.append((source.url, warmed))
         for key in warmed.fetched:
             result.sources[key] = source.url
         for key in warmed.present:
             result.sources.setdefault(key, "present")
+        for key, why in warmed.defective.items():
+            refused.setdefault(key, f"defective in {source.url}: {why}")
+        for key, why in warmed.untrusted.items():
+            refused.setdefault(key, f"untrusted in {source.url}: {why} (not copied)")
         left = [k for k in left if k not in result.sources]
-    result.missing = left
+    # A key a source held but could not give (defective, untrusted) failed; one no source
+    # held is missing.
+    result.failed.update({k: refused[k] for k in left if k in refused})
+    result.missing = [k for k in left if k not in refused]
     for key in wanted:
         if key in left:
             continue

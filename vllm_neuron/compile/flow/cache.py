@@ -157,6 +157,7 @@ class TwoTierCache:
         compile_workers: int | None = None,
         defer_compiles: bool = True,
         read_only: Sequence[str | Store] = (),
+        read_only_own: str | None = None,
     ) -> None:
         if disabled and precompiled_only:
             raise ValueError(
@@ -189,7 +190,8 @@ class TwoTierCache:
         # Consulted after the local tier, before the remote; never written (tiers/baked.py).
         self.read_only = ReadOnlyTiers(
             [open_read_only_tier(t) if isinstance(t, str) else t for t in read_only],
-            trust=self.trust, admit=self._admitted, record=record)
+            trust=self.trust, admit=self._admitted, record=record,
+            own=None if read_only_own is None else open_read_only_tier(read_only_own))
         self.remote_url = remote or None
         self.remote_write: RemoteWrite = remote_write
         self._remote = RemoteTier(self.remote_url, remote_options or {}, record,

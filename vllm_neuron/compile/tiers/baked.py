@@ -46,11 +46,15 @@ class ReadOnlyTiers:
     """The read-only tiers of one cache, in the order they are consulted."""
 
     def __init__(self, stores: Sequence[Store], *, trust: TrustPolicy, admit: Admit,
-                 record: Callable[[Record], None]) -> None:  # fmt: skip
+                 record: Callable[[Record], None], own: Store | None = None) -> None:  # fmt: skip
+        # `own`, consulted first: this user's local tier, that this process cannot write -
+        # judged as this node's (its seals count). The others (baked into an image, filled
+        # elsewhere) by signature alone: their node key is never read (trust/origin.py).
         self.tiers = [
             LocalTier(store, trust=trust, lease_duration=0.0, timeout=0.0, admit=admit,
-                      forget=lambda key: None, read_only=True, record=record)
-            for store in stores
+                      forget=lambda key: None, read_only=True, record=record,
+                      foreign=store is not own)
+            for store in ([] if own is None else [own]) + list(stores)
         ]  # fmt: skip
 
     @property

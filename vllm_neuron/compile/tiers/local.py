@@ -55,7 +55,7 @@ class LocalTier:
     def __init__(
         self, store: Store, *, trust: TrustPolicy, lease_duration: float, timeout: float,
         admit: Admit, forget: Callable[[str], object], read_only: bool = False,
-        record: Callable[[Record], None] | None = None,
+        record: Callable[[Record], None] | None = None, foreign: bool = False,
     ) -> None:
         self.store = store
         self.url = store.url  # where the local tier is, for messages and tools
@@ -68,6 +68,9 @@ class LocalTier:
         # record and stats every file, but bytes seen before are not decoded again.
         self._decoded: dict[str, tuple[bytes, EntryRecord]] = {}
         self.read_only = read_only
+        # Not this node's own tier (a baked image's): judged by signature alone, its node key
+        # never read (a key shipped in an image would be every pod's: trust/origin.py).
+        self.foreign = foreign
         self._skipped: set[str] = set()  # keys of a read-only tier said skipped (once each)
         self._elsewhere = record  # where a read-only tier's events go
         self._events: EventLog | None = None if read_only else store.log(
@@ -136,8 +139,9 @@ class LocalTier:
                 self._decoded[key] = (data, record)
             store.check_sizes(prefix, record.files)
             trust = self.trust
-            verdict = None if trust.mode == "off" else trust.judge_local(record, data, store,
-                                                                         prefix)
+            verdict = None if trust.mode == "off" else (
+                trust.judge_signed(data, store, prefix) if self.foreign
+                else trust.judge_local(record, data, store, prefix))
         except Exception as exc:  # noqa: BLE001 - any defect is a miss (plus a quarantine)
             if self.read_only:
                 self.skip(key, str(exc))
@@ -145,15 +149,15 @@ class LocalTier:
                 self.withdraw(store, key, str(exc), tier="local")
             return None
         if verdict is not None and not verdict.trusted:
+            if self.read_only and self.trust.requires:  # said once, by `skip`; never loaded
+                self.skip(key, f"untrusted: {verdict.reason}")
+                return None
             # Under require the locked re-check decides (and says so); under warn every
             # hit is used and counted.
-            if (quarantine or not self.trust.requires or self.read_only) \
-                    and self._admit(key, "local", verdict):  # fmt: skip
+            if (quarantine or not self.trust.requires) and self._admit(key, "local", verdict):
                 pass
             else:
-                if self.read_only:
-                    self.skip(key, f"untrusted: {verdict.reason}")
-                elif quarantine:  # withdrawn (evidence kept); the graph is compiled here
+                if quarantine:  # withdrawn (evidence kept); the graph is compiled here
                     quarantine_entry(store, key, f"untrusted: {verdict.reason}", warn=False)
                 return None
         return self.result(key, prefix, record, "local", time.perf_counter() - start)
