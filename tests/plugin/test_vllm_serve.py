@@ -389,6 +389,8 @@ def test_read_only_baked_tier_serves_every_piece_in_place(
     # Nothing written into the read-only tier: every name, size and mtime as copied.
     assert baked.extra["tier_files"] > 0
     assert baked.extra["written"] == {} and baked.extra["removed"] == []
+    # ... nor tried: a write the mount refused would be said (and swallowed) in the log.
+    assert "Read-only file system" not in baked.log() and "cannot write" not in baked.log()
     got = cache_series(baked)
     p = "vllm_neuron_cache_"
     assert got[(p + "hits_total", (("tier", "baked"),))] == len(calls)

@@ -339,6 +339,8 @@ def test_read_only_baked_tier_serves_every_piece_on_both_ranks(
         assert events.get("compile", 0) == events.get("miss", 0) == 0, (rank, events)
         assert events.get("fetch", 0) == 0 and events.get("hit", 0) == pieces, (rank, events)
     assert baked.extra["tier_files"] > 0 and baked.extra["changed"] == []
+    # ... nor tried: a write the mount refused would be said (and swallowed) in the log.
+    assert "Read-only file system" not in baked.log() and "cannot write" not in baked.log()
     from prometheus_client.parser import text_string_to_metric_families
 
     got = {(s.name, tuple(sorted(s.labels.items()))): s.value
