@@ -57,10 +57,13 @@ RATIO_LINES: dict[str, list[str]] = {
     "bench_vllm_cold_start": [
         r"P8 vLLM cold start: setup (checked, no server started|skipped: vLLM environment "
         r"not built)"],
+    "bench_baked_hit": [rf"baked / local, fresh processes: {RATIO} median of per-round ratios",
+                        r"baked tier unchanged by the hits: yes"],
     "bench_trust": [rf"signature check / fetch .* \({RATIO}\)",
                     rf"hit require/off {RATIO} median of per-round ratios"],
 }
-SLOW = {"bench_cache_compile", "bench_hit_load"}  # real Inductor compiles, fresh processes
+# Real Inductor compiles, fresh processes.
+SLOW = {"bench_baked_hit", "bench_cache_compile", "bench_hit_load"}
 
 
 def _params() -> list[object]:

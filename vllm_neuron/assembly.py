@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 from vllm_neuron.compile.flow.cache import TwoTierCache
 from vllm_neuron.compile.runtime import CompileRuntime
-from vllm_neuron.compile.tiers.location import resolve_local_tier
+from vllm_neuron.compile.tiers.location import resolve_local_tier, writable_stand_in
 from vllm_neuron.compile.toolchains.select import select_toolchain
 from vllm_neuron.envs import (
     ConfigError,
@@ -54,6 +54,19 @@ def build_runtime() -> CompileRuntime:
         check_snapshot_root(snapshots.root)
     # Last of the settings: its probe writes (a malformed setting must refuse first).
     local_dir, bypassed = resolve_local_tier(settings)
+    read_only = list(settings.baked_caches)  # NEURON_LIBTORCH_BAKED_CACHE
+    own_read_only = None
+    if bypassed is not None and local_dir and os.path.isdir(local_dir):
+        # This user's own tier, that this process cannot write (a read-only image or
+        # mount, no space): served from in place, never written (compile/tiers/baked.py).
+        stand_in, why_not = writable_stand_in(settings)
+        if stand_in is None:
+            bypassed += f"; no writable place for this process's compiles either ({why_not})"
+        else:
+            logger.info("vllm_neuron: %s; the local compile cache is read-only for this "
+                        "process: its entries are served in place and it is never written; "
+                        "compiles, events and statistics go to %s", bypassed, stand_in)
+            own_read_only, local_dir, bypassed = local_dir, stand_in, None
     if bypassed is not None:
         if settings.disable_warmup_compile:
             raise ConfigError(
@@ -83,6 +96,8 @@ def build_runtime() -> CompileRuntime:
         max_size=settings.cache_max_size,
         compile_workers=settings.compile_workers,
         defer_compiles=settings.defer_compiles,
+        read_only=[] if bypassed else read_only,
+        read_only_own=None if bypassed else own_read_only,
     )
     runtime = CompileRuntime(cache, toolchain)
     install_recorder(runtime, manifest_dir)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import time
 import urllib.error
 import urllib.request
@@ -73,24 +74,29 @@ class ServerRun:
         return self.log_path.read_text(errors="replace")
 
 
-def server_argv(python: Path, model: str, port: int, *extra: str) -> list[str]:
+KV_CACHE_BYTES = 64 << 20
+
+
+def server_argv(python: Path, model: str, port: int, *extra: str, served_name: str = "tiny",
+                kv_cache_bytes: int = KV_CACHE_BYTES) -> list[str]:
     return [
         str(python), "-m", "vllm.entrypoints.openai.api_server",
-        "--model", model, "--served-model-name", "tiny",
+        "--model", model, "--served-model-name", served_name,
         "--host", "127.0.0.1", "--port", str(port),
         "--max-model-len", "512", "--max-num-seqs", "4",
         # The CPU KV cache is sized from host memory unless given; keep it small so a
         # loaded shared machine does not refuse to start.
-        "--kv-cache-memory-bytes", str(64 << 20),
+        "--kv-cache-memory-bytes", str(kv_cache_bytes),
         "--seed", "0",
         *extra,
     ]
 
 
 def chat(port: int, prompt: str, *, request_id: str | None = None,
-         max_tokens: int = MAX_TOKENS, timeout: float = 300.0) -> Completion:
+         max_tokens: int = MAX_TOKENS, timeout: float = 300.0,
+         model: str = "tiny") -> Completion:
     body = {
-        "model": "tiny",
+        "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "max_tokens": max_tokens,
         "temperature": 0.0,
@@ -132,13 +138,20 @@ def run_server(
     requests: Sequence[tuple[str, str | None]] = tuple((p, None) for p in PROMPTS),
     ready_timeout: float = 900.0,
     scrape: Sequence[str] = (),
+    pod: Pod | None = None,
 ) -> ServerRun:
     """Start a server, wait until it serves, send `requests` in order, GET each path of
-    `scrape` (its body in ``run.extra["scraped"][path]``), stop it."""
+    `scrape` (its body in ``run.extra["scraped"][path]``), stop it. `pod`: another pod of
+    the same deployment (its own model path, home, host name, served name, KV-cache size)."""
     port = free_port()
     run = ServerRun(name=name, log_path=log_dir / f"{name}.log")
+    served = "tiny" if pod is None else pod.served_name
+    argv = server_argv(python, model if pod is None else str(pod.model), port, *extra_args,
+                       served_name=served,
+                       kv_cache_bytes=KV_CACHE_BYTES if pod is None else pod.kv_cache_bytes)
+    env = dict(env) if pod is None else {**env, "HOME": str(pod.home)}
     server = ServerProcess.launch(
-        server_argv(python, model, port, *extra_args),
+        argv if pod is None else [*pod.wrapper(), *argv],
         env=server_env(env), cwd=str(log_dir), log_path=str(run.log_path),
     )
     started = time.monotonic()
@@ -147,7 +160,7 @@ def run_server(
             f"http://127.0.0.1:{port}/v1/models", timeout=ready_timeout
         )
         for prompt, request_id in requests:
-            run.completions.append(chat(port, prompt, request_id=request_id))
+            run.completions.append(chat(port, prompt, request_id=request_id, model=served))
         run.extra["scraped"] = {path: get_text(port, path) for path in scrape}
     except ServerExited as exc:
         raise AssertionError(f"{name}: server exited with {exc}\n{server.log_tail(8000)}") from exc
@@ -158,6 +171,56 @@ def run_server(
         run.extra["teardown"] = record
         run.extra["total_seconds"] = round(time.monotonic() - started, 1)
     return run
+
+
+@dataclass(frozen=True)
+class Pod:
+    """Node B as another pod of node A's deployment: everything a pod may have of its own
+    that cannot change the compiled code differs from node A's (the cache root and port
+    differ anyway): the model at another path (a copy), HOME, the host name (a UTS
+    namespace of its own, `unshare --uts`), the served model name and the KV-cache size.
+    Its keys must still be node A's (issue 40, "Keys stay stable across the pods")."""
+
+    model: Path
+    home: Path
+    host_name: str = "pod-b-7f3c"
+    served_name: str = "tiny-pod-b"
+    kv_cache_bytes: int = 96 << 20
+
+    @classmethod
+    def beside(cls, root: Path, model: str) -> Pod:
+        copy = root / "model-copy"
+        shutil.copytree(model, copy, symlinks=False)
+        home = root / "home"
+        home.mkdir(parents=True)
+        return cls(copy, home)
+
+    def wrapper(self) -> list[str]:
+        """The argv prefix that runs the server under this pod's host name (root: CI)."""
+        return ["unshare", "--uts", "sh", "-c",
+                'hostname "$0" && echo "pod host name: $(hostname)" && exec "$@"',
+                self.host_name]
+
+
+def read_only_copy(source: Path, target: Path) -> None:
+    """`source` copied onto a new tmpfs at `target`, then remounted read-only: a prepared
+    volume (or an image layer) as a pod mounts it. Unmount with ``umount -l target``."""
+    from tmpfs_mounts import mount, remount  # tests/tmpfs_mounts.py
+
+    mount(["-t", "tmpfs", "-o", "size=1g", "tmpfs"], target)
+    shutil.copytree(source, target, dirs_exist_ok=True)
+    remount(target, "ro")
+
+
+def tree_listing(root: Path) -> dict[str, tuple[int, int]]:
+    """Every file and directory under `root`: (size, mtime in ns) - "nothing written"."""
+    found = {}
+    for where, dirs, files in os.walk(root):
+        for name in dirs + files:
+            info = os.lstat(os.path.join(where, name))
+            found[os.path.relpath(os.path.join(where, name), root)] = (info.st_size,
+                                                                         info.st_mtime_ns)
+    return found
 
 
 def run_until_exit(name: str, python: Path, model: str, log_dir: Path,

@@ -10,7 +10,9 @@ carry, because a start costs 1-3 minutes on 2 loaded cores:
 3. ``restart``: node A again with vLLM's own compile cache removed: zero compiles, every
    piece from the local tier.
 4. ``node_b``: an empty VLLM_CACHE_ROOT and a shared remote folder that node A promoted to:
-   zero compiles, every piece fetched.
+   zero compiles, every piece fetched. Node B is another pod of node A's deployment: its own
+   model path, HOME, host name, served model name and KV-cache size (plugin_support.Pod),
+   and still every key of node A's.
 5. ``node_c``: the same from ``s3://`` on the loopback S3 server, as a pre-compiled-only
    consumer (VLLM_NEURON_DISABLE_WARMUP_COMPILE=1).
 6. capture by request id on each of vLLM's two CPU kernel paths (see ``SNAPSHOT_PATHS``),
@@ -18,6 +20,9 @@ carry, because a start costs 1-3 minutes on 2 loaded cores:
    its own start (``snapshot-plain``, bfloat16).
 7. ``vllm-neuron profile capture`` (both recipes) on node A in host mode: vLLM's warm
    restart calls the adaptor's ``load()``, still served by the local tier.
+8. ``baked``: node A's compile cache copied onto a tmpfs remounted read-only, named by
+   NEURON_LIBTORCH_BAKED_CACHE, beside an empty VLLM_CACHE_ROOT, pre-compiled-only: every
+   piece served from the read-only tier in place, nothing compiled, nothing written there.
 
 ``cold`` and ``restart`` also scrape vLLM's ``/metrics`` before they stop: the cache's
 series show the cold start's compiles and the warm start's hits (vllm_neuron.metrics).
@@ -49,12 +54,15 @@ from plugin_support import (
     MAX_TOKENS,
     PROMPTS,
     ROOT,
+    Pod,
     ServerRun,
     adaptor_calls,
     free_port,
+    read_only_copy,
     run_server,
     run_until_exit,
     server_env,
+    tree_listing,
 )
 
 from vllm_neuron.compile.entry.events import CacheStats, read_stats
@@ -251,12 +259,40 @@ def s3_remote(s3_server: str, s3_admin: Any, node_a: Node, cold: ServerRun) -> t
 @pytest.fixture(scope="module")
 def node_b(vllm_python: Path, tiny_model: str, work: Path, shared_folder: Path) -> ServerRun:
     node = Node(work / "node-b")
+    pod = Pod.beside(node.root, tiny_model)
     env = node.env("node-b", NEURON_LIBTORCH_REMOTE_CACHE=str(shared_folder))
     run = run_server("node-b", vllm_python, tiny_model, work, env, extra_args=DTYPE,
-                     requests=REQUESTS)
+                     requests=REQUESTS, pod=pod)
     run.extra["stats"] = delta(node.stats(), CacheStats())
+    run.extra["pod"] = pod
     record(run, run.extra["stats"])
     return run
+
+
+@pytest.fixture(scope="module")
+def baked(vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
+          cold: ServerRun) -> Iterator[ServerRun]:
+    """Node A's compile cache on a read-only mount, as a baked tier beside an empty writable
+    one, in pre-compiled-only mode (one start covers both)."""
+    tier = work / "baked-tier"
+    read_only_copy(node_a.compile_cache, tier)
+    try:
+        before = tree_listing(tier)
+        node = Node(work / "node-baked")
+        env = node.env("baked", NEURON_LIBTORCH_BAKED_CACHE=str(tier),
+                       VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")
+        run = run_server("baked", vllm_python, tiny_model, work, env, extra_args=DTYPE,
+                         requests=REQUESTS, scrape=("/metrics",))
+        run.extra["stats"] = delta(node.stats(), CacheStats())
+        run.extra["written"] = {name: (before.get(name), now)
+                                for name, now in tree_listing(tier).items()
+                                if before.get(name) != now}
+        run.extra["removed"] = sorted(set(before) - set(tree_listing(tier)))
+        run.extra["tier_files"] = len(before)
+        record(run, run.extra["stats"])
+        yield run
+    finally:
+        subprocess.run(["umount", "-l", str(tier)], capture_output=True)
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +363,40 @@ def test_second_node_fetches_everything_from_a_shared_folder(
     assert stats["verification_failures"] == 0
 
 
+def test_another_pod_of_the_deployment_shares_every_key(
+    cold: ServerRun, node_b: ServerRun, tiny_model: str
+) -> None:
+    """Node B differs from node A in model path, cache root, HOME, host name, port, served
+    name and KV-cache size; each of its pieces is one of node A's keys, fetched (above)."""
+    pod: Pod = node_b.extra["pod"]
+    log = node_b.log()
+    assert str(pod.model) in log and str(pod.model) != tiny_model  # the copy was served
+    assert node_b.completions and all(c.tokens for c in node_b.completions)  # by its name
+    assert f"pod host name: {pod.host_name}\n" in log  # what the server's processes read
+    assert sorted(c[1] for c in adaptor_calls(log)) == sorted(
+        c[1] for c in adaptor_calls(cold.log()))
+
+
+def test_read_only_baked_tier_serves_every_piece_in_place(
+    cold: ServerRun, baked: ServerRun
+) -> None:
+    calls = adaptor_calls(baked.log())
+    assert {c[1] for c in calls} == {c[1] for c in adaptor_calls(cold.log())}
+    assert calls and {c[2] for c in calls} == {"baked"}
+    stats = baked.extra["stats"]
+    assert stats["compiles"] == stats["misses"] == stats["fetches"] == 0, stats
+    assert stats["hits"] == len(calls), stats
+    # Nothing written into the read-only tier: every name, size and mtime as copied.
+    assert baked.extra["tier_files"] > 0
+    assert baked.extra["written"] == {} and baked.extra["removed"] == []
+    # ... nor tried: a write the mount refused would be said (and swallowed) in the log.
+    assert "Read-only file system" not in baked.log() and "cannot write" not in baked.log()
+    got = cache_series(baked)
+    p = "vllm_neuron_cache_"
+    assert got[(p + "hits_total", (("tier", "baked"),))] == len(calls)
+    assert got[(p + "compiles_total", ())] == got[(p + "misses_total", ())] == 0
+
+
 def test_precompiled_only_node_fetches_everything_from_s3(
     cold: ServerRun, node_c: ServerRun
 ) -> None:
@@ -350,12 +420,12 @@ def test_no_credential_reaches_a_file(node_c: ServerRun, work: Path) -> None:
 
 def test_outputs_equal_the_stock_cpu_platform(
     stock: ServerRun, cold: ServerRun, restart: ServerRun, node_b: ServerRun,
-    node_c: ServerRun,
+    node_c: ServerRun, baked: ServerRun,
 ) -> None:
     assert len(stock.completions) == len(REQUESTS)
     assert all(len(c.tokens) == MAX_TOKENS for c in stock.completions)
     worst = 0.0
-    for run in (cold, restart, node_b, node_c):
+    for run in (cold, restart, node_b, node_c, baked):
         for got, want in zip(run.completions, stock.completions, strict=True):
             diffs = [abs(a - b) for a, b in zip(got.logprobs, want.logprobs, strict=True)]
             worst = max([worst, *diffs])

@@ -20,7 +20,11 @@ deadlocked before host artifacts called collectives through Python
 3. ``warm``: node A again with vLLM's own compile cache removed: zero compiles on either
    rank, every piece from the local tier.
 4. ``node_b``: an empty cache and the shared folder node A promoted to: every piece
-   fetched, none compiled.
+   fetched, none compiled; another pod of node A's deployment (its own model path, HOME,
+   host name, served model name and KV-cache size: plugin_support.Pod), every key node A's.
+6. ``baked``: node A's compile cache on a tmpfs remounted read-only, named by
+   NEURON_LIBTORCH_BAKED_CACHE beside an empty cache root, pre-compiled-only: every piece
+   on both ranks served from it in place, nothing compiled, nothing written there.
 5. On a CPU with AVX-512 also ``cold-<path>`` on that CPU's own kernels (node N): the
    capture whose all-reduce is vLLM's shared-memory ``_C::shm_allreduce``; the replay and
    the refusal run on both captures (test ids ``[avx2]``, ``[avx512-bf16]``).
@@ -53,11 +57,14 @@ from plugin_support import (
     ROOT,
     TP2_ARGS,
     TP2_ENV,
+    Pod,
     ServerRun,
     adaptor_calls,
     cache_events_by_rank,
+    read_only_copy,
     run_server,
     server_env,
+    tree_listing,
     worker_pids,
 )
 
@@ -99,8 +106,9 @@ class Node:
 
 
 def start(name: str, python: Path, model: str, work: Path, env: dict[str, str],
-          node: Node | None = None) -> ServerRun:  # fmt: skip
-    run = run_server(name, python, model, work, env, extra_args=ARGS, requests=REQUESTS)
+          node: Node | None = None, **kwargs: Any) -> ServerRun:  # fmt: skip
+    run = run_server(name, python, model, work, env, extra_args=ARGS, requests=REQUESTS,
+                     **kwargs)
     if node is not None:
         run.extra["ranks"] = cache_events_by_rank(node.compile_cache, run.log())
     SUMMARY.append(f"{name}: ready in {run.ready_seconds:.0f} s, total "
@@ -194,8 +202,33 @@ def node_b(vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
                "--to", str(remote))  # fmt: skip
     assert done.returncode == 0, done.stderr
     node = Node(work / "node-b")
+    pod = Pod.beside(node.root, tiny_model)
     env = node.env("node-b", NEURON_LIBTORCH_REMOTE_CACHE=str(remote))
-    return start("node-b", vllm_python, tiny_model, work, env, node)
+    run = start("node-b", vllm_python, tiny_model, work, env, node, pod=pod)
+    run.extra["pod"] = pod
+    return run
+
+
+@pytest.fixture(scope="module")
+def baked(vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
+          cold: ServerRun) -> Iterator[ServerRun]:  # fmt: skip
+    """Node A's compile cache on a read-only mount, as a baked tier beside an empty writable
+    one, in pre-compiled-only mode (one start covers both)."""
+    tier = work / "baked-tier"
+    read_only_copy(node_a.compile_cache, tier)
+    try:
+        before = tree_listing(tier)
+        node = Node(work / "node-baked")
+        env = node.env("baked", NEURON_LIBTORCH_BAKED_CACHE=str(tier),
+                       VLLM_NEURON_DISABLE_WARMUP_COMPILE="1")  # fmt: skip
+        run = start("baked", vllm_python, tiny_model, work, env, node, scrape=("/metrics",))
+        after = tree_listing(tier)
+        run.extra["changed"] = sorted(n for n in set(before) | set(after)
+                                      if before.get(n) != after.get(n))  # fmt: skip
+        run.extra["tier_files"] = len(before)
+        yield run
+    finally:
+        subprocess.run(["umount", "-l", str(tier)], capture_output=True)
 
 
 def pieces_by_rank(run: ServerRun) -> dict[int, dict[str, str]]:
@@ -281,12 +314,48 @@ def test_new_node_fetches_every_piece_and_compiles_none(cold: ServerRun, node_b:
     assert "compiled" not in {c[2] for c in adaptor_calls(node_b.log())}
 
 
+def test_another_pod_of_the_deployment_shares_every_key_at_tp2(
+    cold: ServerRun, node_b: ServerRun, tiny_model: str
+) -> None:
+    """Node B differs from node A in model path, cache root, HOME, host name, port, served
+    name and KV-cache size; on each rank every piece is node A's key (fetched: above)."""
+    pod: Pod = node_b.extra["pod"]
+    log = node_b.log()
+    assert str(pod.model) in log and str(pod.model) != tiny_model
+    assert f"pod host name: {pod.host_name}\n" in log
+    assert node_b.completions and all(c.tokens for c in node_b.completions)
+    assert pieces_by_rank(node_b) == pieces_by_rank(cold)
+
+
+def test_read_only_baked_tier_serves_every_piece_on_both_ranks(
+    cold: ServerRun, baked: ServerRun
+) -> None:
+    assert pieces_by_rank(baked) == pieces_by_rank(cold)
+    calls = adaptor_calls(baked.log())
+    assert calls and {c[2] for c in calls} == {"baked"}
+    assert sorted(baked.extra["ranks"]) == list(RANKS)
+    for rank, events in baked.extra["ranks"].items():
+        pieces = len(pieces_by_rank(cold)[rank])
+        assert events.get("compile", 0) == events.get("miss", 0) == 0, (rank, events)
+        assert events.get("fetch", 0) == 0 and events.get("hit", 0) == pieces, (rank, events)
+    assert baked.extra["tier_files"] > 0 and baked.extra["changed"] == []
+    # ... nor tried: a write the mount refused would be said (and swallowed) in the log.
+    assert "Read-only file system" not in baked.log() and "cannot write" not in baked.log()
+    from prometheus_client.parser import text_string_to_metric_families
+
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for f in text_string_to_metric_families(baked.extra["scraped"]["/metrics"])
+           for s in f.samples if s.name.startswith("vllm_neuron_cache_")}  # fmt: skip
+    assert got[("vllm_neuron_cache_hits_total", (("tier", "baked"),))] == len(calls)
+    assert got[("vllm_neuron_cache_compiles_total", ())] == 0
+
+
 def test_outputs_equal_the_stock_cpu_platform_at_tp2(
-    stock: ServerRun, cold: ServerRun, warm: ServerRun, node_b: ServerRun
+    stock: ServerRun, cold: ServerRun, warm: ServerRun, node_b: ServerRun, baked: ServerRun
 ) -> None:
     assert len(stock.completions) == len(REQUESTS)
     assert all(len(c.tokens) == MAX_TOKENS for c in stock.completions)
-    for run in (cold, warm, node_b):
+    for run in (cold, warm, node_b, baked):
         for got, want in zip(run.completions, stock.completions, strict=True):
             assert got.tokens == want.tokens, run.name
             assert got.logprobs == want.logprobs, run.name

@@ -3,6 +3,11 @@
 * ``warm MANIFEST [--remote URL] [--jobs N] [--json]``: fetch every graph the manifest lists into
   the local tier (`compile/commands/warm.py`); exit 1 listing what the remote lacks (or holds
   defective), 2 for a remote that is malformed, missing or unreachable.
+* ``bake MANIFEST... --into DIR [--from URL ...] [--jobs N] [--json]``: the same warm into
+  a directory that will be a read-only (baked) tier, from each ``--from`` in turn (default:
+  the local tier, where a start compiled, then ``$NEURON_LIBTORCH_REMOTE_CACHE``); every
+  entry verified, judged by the trust policy, pre-unpacked; exit 1 naming what is missing
+  or fails (docs/bake-an-image.md).
 * ``compat [URL] [--json]``: per entry, would this environment hit it, and if not which
   key component differs (`compile/commands/compat.py`); exit 1 when any entry could never be hit.
 * ``pin [KEY ...] [--manifest M] [--note TEXT] [--json]``,
@@ -47,6 +52,16 @@ def register(cmds: Any) -> None:
                       help="entries fetched at once (default: 4)")
     warm.add_argument("--json", action="store_true")
     warm.set_defaults(handler=cmd_warm)
+
+    bake = cmds.add_parser("bake", help="fill a directory to ship as a read-only tier")
+    bake.add_argument("manifests", nargs="+", metavar="MANIFEST")
+    bake.add_argument("--into", required=True, help="the directory to fill")
+    bake.add_argument("--from", dest="sources", action="append", default=[],
+                      help="a tier to copy from, in order (repeatable; default: the local "
+                           "tier, then $NEURON_LIBTORCH_REMOTE_CACHE)")
+    bake.add_argument("--jobs", type=int, default=None, help="entries fetched at once")
+    bake.add_argument("--json", action="store_true")
+    bake.set_defaults(handler=cmd_bake)
 
     compat = cmds.add_parser(
         "compat", help="would this environment hit each entry; which key component differs")
@@ -182,6 +197,48 @@ def cmd_warm(args: argparse.Namespace) -> int:
           f"{len(result.defective)} defective, "
           + (f"{len(result.untrusted)} untrusted, " if result.untrusted else "")
           + f"{len(result.errors)} failed")
+    return code
+
+
+# ------------------------------------------------------------------- bake
+def cmd_bake(args: argparse.Namespace) -> int:
+    from vllm_neuron.backends import local_root_missing
+    from vllm_neuron.compile.commands.compat import current_toolchain
+    from vllm_neuron.compile.commands.warm import DEFAULT_JOBS, bake_keys
+
+    jobs = DEFAULT_JOBS if args.jobs is None else args.jobs
+    if jobs < 1:
+        raise ValueError(f"--jobs must be 1 or more, got {jobs}")
+    named = [(url, f"--from {url}") for url in args.sources]
+    if not named:
+        local = cache_dir(args)
+        if not local_root_missing(check_location(local)):
+            named.append((local, f"the local compile cache {local}"))
+        remote_url = remote_cache_url()
+        if remote_url:
+            named.append((remote_url, f"NEURON_LIBTORCH_REMOTE_CACHE={remote_url!r}"))
+    if not named:
+        raise ValueError("bake needs --from URL (no local tier here, no "
+                         "NEURON_LIBTORCH_REMOTE_CACHE)")
+    sources = [open_remote(url, origin) for url, origin in named]
+    keys = manifest_keys(args.manifests)
+    into = open_store(check_location(args.into))
+    result = bake_keys(into, sources, keys, toolchain=current_toolchain(), jobs=jobs)
+    errors = {k: v for _, w in result.warms for k, v in w.errors.items()}
+    code = 2 if errors and result.missing else (0 if result.complete else 1)
+    if args.json:
+        print_json({"into": into.url, "graphs": len(keys), "sources": result.sources,
+                    "missing": result.missing, "failed": result.failed,
+                    "unpacked": result.unpacked, "errors": errors})
+        return code
+    for key in result.missing:
+        print(f"MISSING   {key} (in none of {', '.join(s.url for s in sources)})"
+              + (f": {errors[key]}" if key in errors else ""))
+    for key, why in result.failed.items():
+        print(f"FAILED    {key}: {why}")
+    print(f"{len(keys)} graphs baked into {into.url}: {len(result.sources)} copied or present, "
+          f"{len(result.unpacked)} unpacked, {len(result.missing)} missing, "
+          f"{len(result.failed)} failed")
     return code
 
 

@@ -241,7 +241,8 @@ class CompileRuntime:
         # From the verified unpacked copy of its package, where the toolchain loads one
         # (a hit then writes nothing to $TMPDIR): compile/tiers/unpacked.py.
         return artifact, load_entry(self.toolchain, self.cache.local, result, artifact,
-                                    grew=self.cache.keep_within_bound)
+                                    grew=self.cache.keep_within_bound,
+                                    read_only=self.cache.read_only.holding(result))
 
 
 class DeferredGraph:

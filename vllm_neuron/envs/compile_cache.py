@@ -21,6 +21,7 @@ from ._parse import (
     choice_var,
     environ_or_default,
     expand_path,
+    normalize_location_var,
     parse_positive_float,
     parsed_once,
     raw,
@@ -32,6 +33,7 @@ __all__ = [
     "DEFAULT_COMPILATION_TIMEOUT",
     "DEFAULT_COMPILE_RETRY_AFTER",
     "DEFAULT_REMOTE_LEASE_SECONDS",
+    "NEURON_LIBTORCH_BAKED_CACHE",
     "NEURON_LIBTORCH_COMPILATION_TIMEOUT",
     "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE",
     "NEURON_LIBTORCH_REMOTE_CACHE",
@@ -68,6 +70,7 @@ VLLM_CACHE_ROOT = "VLLM_CACHE_ROOT"
 NEURON_LIBTORCH_REMOTE_CACHE = "NEURON_LIBTORCH_REMOTE_CACHE"
 NEURON_LIBTORCH_DISABLE_COMPILE_CACHE = "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE"
 NEURON_LIBTORCH_COMPILATION_TIMEOUT = "NEURON_LIBTORCH_COMPILATION_TIMEOUT"
+NEURON_LIBTORCH_BAKED_CACHE = "NEURON_LIBTORCH_BAKED_CACHE"
 VLLM_NEURON_DISABLE_WARMUP_COMPILE = "VLLM_NEURON_DISABLE_WARMUP_COMPILE"
 VLLM_NEURON_TOOLCHAIN = "VLLM_NEURON_TOOLCHAIN"
 VLLM_NEURON_REMOTE_WRITE = "VLLM_NEURON_REMOTE_WRITE"
@@ -99,6 +102,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         "compile-cache",
         "URL or path of the shared remote cache tier (NFS/FSx path, s3://...); a malformed "
         "URL or an unknown scheme is refused at start-up.",
+    ),
+    EnvVar(
+        NEURON_LIBTORCH_BAKED_CACHE,
+        "(unset)",
+        "compile-cache",
+        "Comma-separated directories (or file:// URLs) of read-only compile caches - one "
+        "baked into the image by `vllm-neuron cache bake` - consulted after the local tier "
+        "and before the remote; never written.",
     ),
     EnvVar(
         VLLM_NEURON_REMOTE_WRITE,
@@ -206,6 +217,7 @@ class CompileCacheSettings:
     defer_compiles: bool = True  # VLLM_NEURON_DEFER_COMPILES
     compile_workers: int = 1  # VLLM_NEURON_COMPILE_WORKERS (or its default for this node)
     cache_root_setting: str = field(default="", compare=False)
+    baked_caches: tuple[str, ...] = ()  # NEURON_LIBTORCH_BAKED_CACHE, in order
 
     def __post_init__(self) -> None:
         if not self.cache_root_setting:  # built by hand (tests): name the root itself
@@ -393,7 +405,26 @@ def load_compile_cache_settings(environ: Mapping[str, str] | None = None) -> Com
         defer_compiles=bool_var(env, VLLM_NEURON_DEFER_COMPILES, True),
         compile_workers=_compile_workers(env),
         cache_root_setting=_cache_root_setting(env, cache_root, explicit),
+        baked_caches=_baked_caches(env),
     )
+
+
+def _baked_caches(env: Mapping[str, str]) -> tuple[str, ...]:
+    """NEURON_LIBTORCH_BAKED_CACHE: each comma-separated location checked and made absolute
+    (a mangled URL is a ConfigError naming the variable); blanks between commas ignored."""
+    value = raw(env, NEURON_LIBTORCH_BAKED_CACHE)
+    if value is None:
+        return ()
+    found: list[str] = []
+    for part in value.split(","):
+        part = part.strip()
+        if part:
+            location = normalize_location_var({NEURON_LIBTORCH_BAKED_CACHE: part,
+                                               **({"HOME": env["HOME"]} if "HOME" in env
+                                                  else {})}, NEURON_LIBTORCH_BAKED_CACHE)
+            if location is not None and location not in found:
+                found.append(location)
+    return tuple(found)
 
 
 @parsed_once

@@ -74,13 +74,14 @@ def _series(name: str, help: str, labels: tuple[str, ...] = (),
     return Series(PREFIX + name, help, labels, zero)
 
 
-_TIERS = (("memory",), ("local",), ("remote",))
+_TIERS = (("memory",), ("local",), ("baked",), ("remote",))
 _LEASE_OUTCOMES = tuple((o,) for o in ("fetched", "acquired", "failed-elsewhere",
                                          "remote-down", "read-only", "timeout",
                                          "alone"))
 
 HITS = _series("hits", "Graphs served without compiling here, by tier: memory (already "
-               "loaded in the process), local, remote (fetched).", ("tier",), _TIERS)
+               "loaded in the process), local, baked (a read-only tier), remote (fetched).",
+               ("tier",), _TIERS)
 MISSES = _series("misses", "Graphs no tier held when this process looked (it compiled "
                  "them, or failed).")
 COMPILES = _series("compiles", "Graphs compiled and published to the local tier.")

@@ -455,10 +455,48 @@ def run_torch(args: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
+def run_assembled(args: Mapping[str, Any]) -> dict[str, Any]:
+    """One process whose cache is built from its environment, as a server's is
+    (`vllm_neuron.assembly`: the settings decide the tiers), getting ``keys`` with the fake
+    compile; reports each key's source, where its entry is, and what the package logged."""
+    import logging
+
+    from vllm_neuron.assembly import build_runtime
+
+    said: list[str] = []
+
+    class Said(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(f"{record.levelname} {record.getMessage()}")
+
+    logger = logging.getLogger("vllm_neuron")
+    logger.setLevel(logging.INFO)
+    logger.addHandler(Said(logging.INFO))
+    try:
+        cache = build_runtime().cache
+    except Exception as exc:  # reported to the test, which asserts on it
+        return {"ok": False, "error_type": type(exc).__name__, "error": str(exc), "said": said}
+    out: dict[str, Any] = {"ok": True, "local_dir": cache.local_dir, "said": said,
+                           "sources": {}, "wrong": {}, "paths": {}, "errors": {}}
+    for key in args["keys"]:
+        try:
+            result = cache.get_or_compile(key, lambda d, key=key: fake_compile(
+                d, key=key, marker_dir=args.get("marker_dir")))
+        except Exception as exc:  # noqa: BLE001 - reported per key
+            out["errors"][key] = f"{type(exc).__name__}: {exc}"
+            continue
+        out["sources"][key] = result.source
+        out["paths"][key] = result.path
+        out["wrong"][key] = entry_is_right(str(result.path), key)
+    cache.wait_for_upkeep(60)
+    return out
+
+
 def main(argv: list[str]) -> int:
     mode, raw = argv[0], argv[1]
     args = json.loads(raw)
     result = {"get": run_get, "promote": run_promote, "torch": run_torch,
+              "assembled": run_assembled,
               "trace": run_trace, "pieces": run_pieces}[mode](args)
     print(RESULT_PREFIX + json.dumps(result), flush=True)
     return 0

@@ -10,6 +10,10 @@ not raced. A local entry that fails its size check is quarantined and fetched ag
 Nothing is written to the remote: a defective remote entry is reported, not withdrawn
 (`vllm-neuron cache verify URL` does that). Each fetch is a ``fetch`` event in the local
 tier, so `cache stats` counts it and eviction sees it as a use.
+
+`bake_keys` is the same warm into a directory that will be a read-only tier (an image's,
+docs/bake-an-image.md), from one or more sources, with every entry then verified in full,
+judged by the trust policy, its package pre-unpacked, and a record of what was baked.
 """
 
 from __future__ import annotations
@@ -21,13 +25,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from vllm_neuron.backends import Record, Store, join
-from vllm_neuron.backends.records import RECORD_MAX_BYTES
+from vllm_neuron.backends.records import RECORD_MAX_BYTES, encode
 
-from ..entry.check import KEY_RE, check_entry
+from ..entry.check import KEY_RE, check_entry, verify_entry
 from ..entry.events import Fetched
-from ..entry.record import ENTRY_RECORD, EntryProblem, decode_record
+from ..entry.record import ENTRY_RECORD, EntryProblem, decode_record, read_record
 from ..tiers.quarantine import quarantine_entry
 from ..tiers.remote import fetch_entry
+from ..tiers.unpacked import unpacked_dir
+from ..toolchains.base import ARTIFACTS, Toolchain
 from ..trust.policy import TrustPolicy, UntrustedEntry, refusal, trust_policy
 
 DEFAULT_JOBS = 4
@@ -73,6 +79,7 @@ def warm_keys(
     on_bytes: Callable[[int], None] | None = None,
     record: Callable[[Record], None] | None = None,
     policy: TrustPolicy | None = None,
+    own_tier: bool = True,
 ) -> WarmResult:
     """Fetch every one of `keys` that `local` lacks from `remote`, `jobs` at a time.
 
@@ -80,6 +87,11 @@ def warm_keys(
     records first), then `on_bytes(n)` as the bytes land, within each file. `record` gets
     a `Fetched` event per entry fetched. `policy` (default: the process's trust policy)
     judges every entry before it is copied (docs/trust.md).
+
+    ``own_tier=False``: `local` is not this node's own tier (a directory being baked into an
+    image): its node key (`trust.origin`, ``<local>.node-key``) is never made nor read - a
+    secret made there would ship in the image, shared by every pod - so what it holds is
+    judged by signature alone and what is copied into it is not sealed.
     """
     policy = trust_policy() if policy is None else policy
     if jobs < 1:
@@ -92,7 +104,7 @@ def warm_keys(
         if not KEY_RE.fullmatch(key):
             result.missing.append(key)  # never a cache key: no tier can hold it
         elif check_entry(local, key, full=False).ok and refusal(policy, local, key,
-                                                                  own_tier=True) is None:
+                                                                  own_tier=own_tier) is None:
             result.present.append(key)
         else:
             wanted.append(key)
@@ -122,7 +134,7 @@ def warm_keys(
         try:
             with local.lock(key, timeout=lock_timeout):
                 judged = check_entry(local, key, full=False)
-                refused = refusal(policy, local, key, own_tier=True) if judged.ok else None
+                refused = refusal(policy, local, key, own_tier=own_tier) if judged.ok else None
                 if judged.ok and refused is None:  # another process fetched or compiled it
                     with guard:
                         result.present.append(key)
@@ -130,7 +142,7 @@ def warm_keys(
                 if local.publication(key).state != "absent":  # defective or untrusted
                     why = f"untrusted: {refused}" if judged.ok else str(judged.problem)
                     quarantine_entry(local, key, why, version=judged.version)
-                entry = fetch_entry(remote, key, local, policy=policy,
+                entry = fetch_entry(remote, key, local, policy=policy, sealed=own_tier,
                                     progress=None if on_bytes is None else landed)
         except UntrustedEntry as exc:
             with guard:
@@ -167,3 +179,105 @@ def warm_keys(
         found.sort(key=lambda k: order.get(k, 0))
     result.seconds = time.perf_counter() - start
     return result
+
+
+# ------------------------------------------------------------------------ bake
+BAKE_RECORD = "baked.json"
+"""``<DIR>/baked.json``: what `bake_keys` baked into a directory (`BakeRecord`)."""
+
+
+class BakeRecord(Record, frozen=True, kw_only=True, tag="bake"):
+    """What a baked tier holds and where it came from: read by people and tools (an image's
+    provenance), never by the cache, which judges every entry itself at every hit."""
+
+    at: float
+    keys: list[str]
+    sources: dict[str, str]  # key -> the tier it was fetched from ("present": was there)
+    unpacked: list[str]  # keys whose package was unpacked beside the entry
+    toolchain: str
+
+
+@dataclass
+class BakeResult:
+    """`bake_keys`' outcome: the warm per source, and what the final checks found."""
+
+    warms: list[tuple[str, WarmResult]] = field(default_factory=list)
+    sources: dict[str, str] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)  # no source holds it (or could copy it)
+    failed: dict[str, str] = field(default_factory=dict)  # not baked: why (defective, untrusted)
+    unpacked: list[str] = field(default_factory=list)
+
+    @property
+    def complete(self) -> bool:
+        return not (self.missing or self.failed)
+
+
+def bake_keys(into: Store, sources: Sequence[Store], keys: Sequence[str], *,
+              toolchain: Toolchain, jobs: int = DEFAULT_JOBS,
+              policy: TrustPolicy | None = None) -> BakeResult:  # fmt: skip
+    """Fill `into` (a directory that will be a read-only tier, docs/bake-an-image.md) with
+    every one of `keys`: from the first of `sources` that holds it - a remote, or a local
+    tier where a start compiled them - exactly as `warm_keys` fetches (each file verified
+    as it is copied, judged by `policy` first). Then every entry is verified in full and
+    judged as a read-only tier's entry will be at each hit (`refusal`, not this node's own
+    tier), what `toolchain` loads from an unpacked copy is unpacked beside it
+    (`tiers/unpacked.py`: nothing to write at a hit), and `BAKE_RECORD` says what was baked."""
+    policy = trust_policy() if policy is None else policy
+    result = BakeResult()
+    wanted = unique_keys(keys)
+    left = list(wanted)
+    refused: dict[str, str] = {}  # key -> why the first source holding it could not give it
+    for source in sources:
+        if not left:
+            break
+        # Never sealed, never judged by a node key: `into` ships to other machines.
+        warmed = warm_keys(into, source, left, jobs=jobs, policy=policy, own_tier=False)
+        result.warms.append((source.url, warmed))
+        for key in warmed.fetched:
+            result.sources[key] = source.url
+        for key in warmed.present:
+            result.sources.setdefault(key, "present")
+        for key, why in warmed.defective.items():
+            refused.setdefault(key, f"defective in {source.url}: {why}")
+        for key, why in warmed.untrusted.items():
+            refused.setdefault(key, f"untrusted in {source.url}: {why} (not copied)")
+        left = [k for k in left if k not in result.sources]
+    # A key a source held but could not give (defective, untrusted) failed; one no source
+    # held is missing.
+    result.failed.update({k: refused[k] for k in left if k in refused})
+    result.missing = [k for k in left if k not in refused]
+    for key in wanted:
+        if key in left:
+            continue
+        problem = verify_entry(into, key) or refusal(policy, into, key, own_tier=False)
+        if problem is None:
+            try:
+                if _unpack_for(into, key, toolchain):
+                    result.unpacked.append(key)
+            except Exception as exc:  # noqa: BLE001 - reported per key; the CLI exits 1
+                problem = f"cannot unpack its package: {type(exc).__name__}: {exc}"
+        if problem is not None:
+            result.failed[key] = problem
+    baked = [k for k in wanted if k not in left and k not in result.failed]
+    into.write(BAKE_RECORD, encode(BakeRecord(
+        at=time.time(), keys=baked, sources={k: result.sources[k] for k in baked},
+        unpacked=result.unpacked, toolchain=toolchain.name)))  # fmt: skip
+    return result
+
+
+def _unpack_for(store: Store, key: str, toolchain: Toolchain) -> bool:
+    """Unpack entry `key`'s package beside it when `toolchain` loads one; whether it did."""
+    prefix = store.published(key)
+    if prefix is None:
+        return False
+    record = read_record(store, prefix)
+    try:
+        artifact = ARTIFACTS.convert(record.meta, source=f"{store.url}/{key}/{ENTRY_RECORD}")
+    except ValueError:
+        return False  # not an artifact this toolchain loads: nothing of it to unpack
+    package = toolchain.package_of(artifact)
+    source = None if package is None else record.files.get(package)
+    if package is None or source is None:
+        return False
+    unpacked_dir(store, key, prefix, package, source)
+    return True

@@ -3,7 +3,9 @@
 Per key (docs/compile-cache.md), `_get` and `_locked_miss`:
 
 1. memory: what this process loaded already;
-2. fast local check, no lock (a hit is size-checked: one stat per file);
+2. fast local check, no lock (a hit is size-checked: one stat per file); then the
+   read-only tiers (a baked image's cache, a local tier this process cannot write:
+   `tiers/baked.py`), checked the same way and never written;
 3. take the key's lock (different keys never contend);
 4. re-check local: another process may have finished while we waited;
 5. a compile by the holder we waited for failed -> raise its error now, not at timeout;
@@ -42,7 +44,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
@@ -84,6 +86,7 @@ from ..entry.outcomes import (
     Won,
 )
 from ..entry.record import EntryProblem, EntryRecord
+from ..tiers.baked import ReadOnlyTiers, open_read_only_tier
 from ..tiers.build import CompileFn, EntryBuilder
 from ..tiers.health import LOCAL_DISK_FULL_OR_READ_ONLY, LocalTierFault, tier_dir, unwritable_cause
 from ..tiers.local import LocalTier
@@ -154,6 +157,8 @@ class TwoTierCache:
         trust: TrustPolicy | None = None,
         compile_workers: int | None = None,
         defer_compiles: bool = True,
+        read_only: Sequence[str | Store] = (),
+        read_only_own: str | None = None,
     ) -> None:
         if disabled and precompiled_only:
             raise ValueError(
@@ -183,6 +188,11 @@ class TwoTierCache:
             self.local, trust=self.trust, lease_duration=lease_duration, timeout=timeout,
             admit=self._admitted, forget=lambda key: self._loaded.pop(key, None))
         record = self.local_tier.record
+        # Consulted after the local tier, before the remote; never written (tiers/baked.py).
+        self.read_only = ReadOnlyTiers(
+            [open_read_only_tier(t) if isinstance(t, str) else t for t in read_only],
+            trust=self.trust, admit=self._admitted, record=record,
+            own=None if read_only_own is None else open_read_only_tier(read_only_own))
         self.remote_url = remote or None
         self.remote_write: RemoteWrite = remote_write
         self._remote = RemoteTier(self.remote_url, remote_options or {}, record,
@@ -348,6 +358,12 @@ class TwoTierCache:
                                       compile_seconds=hit.record.compile_seconds))
             self._loaded[key] = hit
             return hit
+        baked = self.read_only.lookup(key) if self.read_only.tiers else None
+        if baked is not None:
+            self._record(CacheHit(key=key, at=time.time(), tier="baked", seconds=baked.seconds,
+                                  compile_seconds=baked.record.compile_seconds))
+            self._loaded[key] = baked
+            return baked
         outcome = self._locked_miss(ask)
         if isinstance(outcome, Wait):
             return outcome
@@ -496,6 +512,8 @@ class TwoTierCache:
     def _precompiled_only_miss(self, key: str) -> PrecompiledOnlyMiss:
         self._record(CacheMiss(key=key, at=time.time()))
         where = f"the local cache {self.local_dir}"
+        for url in self.read_only.urls:
+            where += f", the read-only cache {url}"
         if self.remote_url:
             where += f" or the remote cache {self.remote_url}"
         untrusted = self._untrusted.get(key)

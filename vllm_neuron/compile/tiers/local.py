@@ -5,6 +5,11 @@ No compile, fetch, lock wait or fleet is in here: those are the decision's
 (`flow/cache.py`), which holds one `LocalTier` and asks it. A lookup takes no lock; what
 must happen under the key's lock (a withdrawal that could race a republication) is the
 caller's to arrange, which `lookup`'s `quarantine` flag says.
+
+A read-only tier (``read_only``: a baked tier, or a local tier this process cannot write)
+is looked up the same way, judged by the same trust policy, and never written: its events
+go to the `record` it is given (the writable tier's log), and a defective or untrusted
+entry there is skipped - one warning per key and process - never withdrawn or "repaired".
 """
 
 from __future__ import annotations
@@ -50,7 +55,8 @@ class LocalTier:
 
     def __init__(
         self, store: Store, *, trust: TrustPolicy, lease_duration: float, timeout: float,
-        admit: Admit, forget: Callable[[str], object],
+        admit: Admit, forget: Callable[[str], object], read_only: bool = False,
+        record: Callable[[Record], None] | None = None, foreign: bool = False,
     ) -> None:
         self.store = store
         self.url = store.url  # where the local tier is, for messages and tools
@@ -62,7 +68,13 @@ class LocalTier:
         # The last record bytes read for each key and their decoding: a hit still reads the
         # record and stats every file, but bytes seen before are not decoded again.
         self._decoded: dict[str, tuple[bytes, EntryRecord]] = {}
-        self._events: EventLog = store.log(
+        self.read_only = read_only
+        # Not this node's own tier (a baked image's): judged by signature alone, its node key
+        # never read (a key shipped in an image would be every pod's: trust/origin.py).
+        self.foreign = foreign
+        self._skipped: set[str] = set()  # keys of a read-only tier said skipped (once each)
+        self._elsewhere = record  # where a read-only tier's events go
+        self._events: EventLog | None = None if read_only else store.log(
             EVENTS_STREAM, writer=f"{socket.gethostname()}-{os.getpid()}")
         self._events_broken = False
 
@@ -70,6 +82,10 @@ class LocalTier:
     def record(self, event: Record) -> None:
         """Append `event` to this process's segment of the tier's event log (observers first);
         best-effort: a log that cannot be written is said once and given up."""
+        if self._events is None:  # a read-only tier: recorded where it was told to
+            if self._elsewhere is not None:
+                self._elsewhere(event)
+            return
         for observe in EVENT_OBSERVERS:
             observe(event)
         if self._events_broken:
@@ -125,13 +141,19 @@ class LocalTier:
                 self._decoded[key] = (data, record)
             store.check_sizes(prefix, record.files)
             trust = self.trust
-            verdict = None if trust.mode == "off" else trust.judge_local(record, data, store,
-                                                                         prefix)
+            verdict = None if trust.mode == "off" else (
+                trust.judge_signed(data, store, prefix) if self.foreign
+                else trust.judge_local(record, data, store, prefix))
         except Exception as exc:  # noqa: BLE001 - any defect is a miss (plus a quarantine)
-            if quarantine:
+            if self.read_only:
+                self.skip(key, str(exc))
+            elif quarantine:
                 self.withdraw(store, key, str(exc), tier="local")
             return None
         if verdict is not None and not verdict.trusted:
+            if self.read_only and self.trust.requires:  # said once, by `skip`; never loaded
+                self.skip(key, f"untrusted: {verdict.reason}")
+                return None
             # Under require the locked re-check decides (and says so); under warn every
             # hit is used and counted.
             if (quarantine or not self.trust.requires) and self._admit(key, "local", verdict):
@@ -153,12 +175,28 @@ class LocalTier:
         return read_record(self.store, prefix)
 
     # ------------------------------------------------------------ withdrawals
+    def skip(self, key: str, reason: str) -> None:
+        """A read-only tier's defective or untrusted entry: a miss, said once per key and
+        process (a ``verification_failed`` event, tier ``read-only``), never withdrawn."""
+        if key in self._skipped:
+            return
+        self._skipped.add(key)
+        self.record(VerificationFailed(key=key, at=time.time(), tier="read-only",
+                                       reason=reason))  # fmt: skip
+        logger.warning("compile cache: skipping entry %s of the read-only tier %s (%s); it "
+                       "is fetched or compiled instead, the tier is left as it is",
+                       key, self.url, reason)  # fmt: skip
+
     def withdraw(
         self, store: Store, key: str, reason: str, *, tier: str, version: str | None = None
     ) -> None:
         """Withdraw a defective entry of `store` (this tier, or the remote one: it becomes a
         miss) and say so once, in this tier's event log; with `version`, only that
-        publication (one another node published since stays)."""
+        publication (one another node published since stays). A read-only tier's own
+        entries are skipped instead (`skip`)."""
+        if self.read_only and store is self.store:
+            self.skip(key, reason)
+            return
         self.record(VerificationFailed(key=key, at=time.time(), tier=tier, reason=reason))
         if store is self.store:
             self._forget(key)

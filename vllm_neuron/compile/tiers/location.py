@@ -18,6 +18,7 @@ from __future__ import annotations
 import getpass
 import os
 import re
+import tempfile
 from collections.abc import Mapping
 
 from vllm_neuron.backends.mounts import NFS_TYPES, filesystem_type
@@ -44,6 +45,7 @@ __all__ = [
     "local_tier_moves",
     "resolve_local_tier",
     "trusted_local_tier_dir",
+    "writable_stand_in",
 ]
 
 # Where the local tier goes when the default cache root is on NFS.
@@ -177,6 +179,26 @@ def resolve_local_tier(
     setting = (f"{VLLM_CACHE_ROOT}={settings.cache_root}" if settings.cache_root_explicit
                else f"the local compile cache {local_dir}")  # fmt: skip
     return local_dir, f"{setting}: cannot write {local_dir}: {problem}"
+
+
+def writable_stand_in(
+    settings: CompileCacheSettings | None = None, *, environ: Mapping[str, str] | None = None,
+) -> tuple[str | None, str | None]:
+    """Where a process whose local tier is read-only writes instead: its compiles, their
+    unpacked copies, its events and statistics (docs/compile-cache.md, "Read-only and baked
+    tiers"): ``$TMPDIR/vllm_neuron_wdir_$USER/neuron/compile_cache`` (TMPDIR: a pod's
+    writable scratch; shared by the ranks of the node, this user's own, created 0700).
+    (the directory, None), or (None, why it cannot be used)."""
+    user = load_identity_settings(environ).user
+    root = os.path.join(tempfile.gettempdir(), f"vllm_neuron_wdir_{_login_name(user)}")
+    local_dir = os.path.join(root, "neuron", "compile_cache")
+    try:
+        check_private_directory(root)
+    except LocalTierUnusable as exc:
+        return None, str(exc)
+    make_private_dirs(local_dir)
+    problem = not_own_tier(local_dir) or local_tier_problem(local_dir)
+    return (None, f"{local_dir}: {problem}") if problem else (local_dir, None)
 
 
 def holds_entries(local_dir: str) -> bool:

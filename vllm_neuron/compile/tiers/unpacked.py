@@ -43,6 +43,12 @@ process, and its graphs load from their packages, each unpacked into a job direc
 ``$TMPDIR`` removed once loaded (`_load_package`); so does a package this code cannot unpack
 into the tier. A package that does not match its entry's record
 is the entry's fault: a `ToolchainError`, which the runtime heals (withdraw, compile).
+
+**A read-only tier's entry** (`tiers/baked.py`) loads from the copy baked beside it
+(`vllm-neuron cache bake` makes them; a local tier turned read-only has those it made):
+verified as above, and nothing is written there - a copy that is absent or unsound is
+neither made nor withdrawn; the graph then loads from its package through a private job
+directory of ``$TMPDIR``, removed once loaded (`_load_package`; an unsound one is said once).
 """
 
 from __future__ import annotations
@@ -251,13 +257,14 @@ _WARNED: set[str] = set()
 
 
 def load_entry(toolchain: Toolchain, store: Store, result: CacheResult,
-               artifact: CompiledArtifact, *,
-               grew: Callable[[], None] | None = None) -> Callable[..., Any]:  # fmt: skip
+               artifact: CompiledArtifact, *, grew: Callable[[], None] | None = None,
+               read_only: Store | None = None) -> Callable[..., Any]:  # fmt: skip
     """Load `result`'s artifact: from the verified copy of its package in `store` (the local
     tier) when the toolchain loads one, else, or when that cannot be, as `toolchain.load`
     does. A package that fails its entry's record is a `ToolchainError` (the entry's
     fault); what fails only in the copy costs a warning, never the load. `grew()` is called
-    once a copy is made (the size bound counts copies)."""
+    once a copy is made (the size bound counts copies). `read_only`: the read-only tier
+    the entry is in (see the module doc); nothing is written there."""
     path, package = result.path, toolchain.package_of(artifact)
     if path is None:
         raise RuntimeError(f"{store.url} is not on local disk: {result.key} cannot be loaded")
@@ -266,6 +273,8 @@ def load_entry(toolchain: Toolchain, store: Store, result: CacheResult,
     source = result.record.files.get(package)
     if source is None or not result.prefix or store.url in _NO_ROOM:
         return _load_package(toolchain, path, package, artifact)  # a scratch compile, no room
+    if read_only is not None:
+        return _load_baked(toolchain, read_only, result, package, source, artifact)
     try:
         directory = unpacked_dir(store, result.key, result.prefix, package, source, made=grew)
     except PackageMismatch as exc:
@@ -288,6 +297,32 @@ def load_entry(toolchain: Toolchain, store: Store, result: CacheResult,
     except ToolchainError as exc:
         if isinstance(exc.__cause__, MissingOpLibrary):
             raise  # this Python lacks a kernel library: the package would not load either
+        return _package_instead(toolchain, path, package, artifact, "load", str(exc))
+
+
+def _load_baked(toolchain: Toolchain, tier: Store, result: CacheResult, package: str,
+                source: FileDigest, artifact: CompiledArtifact) -> Callable[..., Any]:  # fmt: skip
+    """A read-only tier's entry: loaded in place from its baked copy when that is sound,
+    else from its package through a private job directory; the tier is never written."""
+    path = result.path
+    assert path is not None
+    name = copy_name(result.key, source)
+    try:
+        found = _sound(tier, name, result.key, package, source)
+    except _Unsound as exc:
+        found = None
+        if "baked-copy" not in _WARNED:
+            _WARNED.add("baked-copy")
+            logger.warning("vllm_neuron: %s; the copy is skipped (the read-only tier %s is "
+                           "left as it is): the graph loads from its package", exc, tier.url)
+    directory = None if found is None else tier.local_dir_of(found)
+    if directory is None:
+        return _load_package(toolchain, path, package, artifact)
+    try:
+        return toolchain.load_unpacked(directory, artifact)
+    except ToolchainError as exc:
+        if isinstance(exc.__cause__, MissingOpLibrary):
+            raise
         return _package_instead(toolchain, path, package, artifact, "load", str(exc))
 
 
