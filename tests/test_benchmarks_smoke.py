@@ -57,10 +57,11 @@ RATIO_LINES: dict[str, list[str]] = {
     "bench_vllm_cold_start": [
         r"P8 vLLM cold start: setup (checked, no server started|skipped: vLLM environment "
         r"not built)"],
+    "bench_march": [rf"explicit/native time per call {RATIO} median of per-round ratios"],
     "bench_trust": [rf"signature check / fetch .* \({RATIO}\)",
                     rf"hit require/off {RATIO} median of per-round ratios"],
 }
-SLOW = {"bench_cache_compile", "bench_hit_load"}  # real Inductor compiles, fresh processes
+SLOW = {"bench_cache_compile", "bench_hit_load", "bench_march"}  # real Inductor compiles, fresh processes
 
 
 def _params() -> list[object]:

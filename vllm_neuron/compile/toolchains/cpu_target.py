@@ -205,8 +205,8 @@ def _torch_arch_cflags(compiler: str, inductor_configs: Mapping[str, Any]) -> tu
     ``cpp.march`` (a torch without the function: ``march=native``, its default)."""
     from torch._inductor import config, cpp_builder
 
-    original = getattr(cpp_builder._get_cpu_arch_cflags, "__wrapped__",
-                       getattr(cpp_builder, "_get_cpu_arch_cflags", None))  # fmt: skip
+    current = getattr(cpp_builder, "_get_cpu_arch_cflags", None)
+    original = getattr(current, "__wrapped__", current)
     if not callable(original):
         return ("march=native",)
     patch = {"cpp.march": inductor_configs["cpp.march"]} if "cpp.march" in inductor_configs else {}
