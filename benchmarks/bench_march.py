@@ -11,8 +11,8 @@ matrix product, which runs in oneDNN/BLAS whatever the flags) compiled by the ho
 as it compiles now, loaded, and called. Baseline, in the same process: the same graph
 compiled with torch's own flags (``-march=native``: the toolchain given no CPU to derive a
 target from), loaded and called. Calls of both alternate, round by round; judged on the
-median of per-round ratios of time per call, on one thread. Target: explicit / native <= 1.05x. The outputs
-of both equal eager PyTorch's.
+median of per-round ratios of time per call, on one thread. Target: explicit / native
+<= 1.05x. The outputs of both equal eager PyTorch's.
 """
 
 from __future__ import annotations

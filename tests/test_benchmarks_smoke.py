@@ -61,7 +61,8 @@ RATIO_LINES: dict[str, list[str]] = {
     "bench_trust": [rf"signature check / fetch .* \({RATIO}\)",
                     rf"hit require/off {RATIO} median of per-round ratios"],
 }
-SLOW = {"bench_cache_compile", "bench_hit_load", "bench_march"}  # real Inductor compiles, fresh processes
+# Real Inductor compiles (and fresh processes).
+SLOW = {"bench_cache_compile", "bench_hit_load", "bench_march"}
 
 
 def _params() -> list[object]:
