@@ -59,11 +59,12 @@ RATIO_LINES: dict[str, list[str]] = {
         r"not built)"],
     "bench_baked_hit": [rf"baked / local, fresh processes: {RATIO} median of per-round ratios",
                         r"baked tier unchanged by the hits: yes"],
+    "bench_march": [rf"explicit/native time per call {RATIO} median of per-round ratios"],
     "bench_trust": [rf"signature check / fetch .* \({RATIO}\)",
                     rf"hit require/off {RATIO} median of per-round ratios"],
 }
-# Real Inductor compiles, fresh processes.
-SLOW = {"bench_baked_hit", "bench_cache_compile", "bench_hit_load"}
+# Real Inductor compiles (and fresh processes).
+SLOW = {"bench_baked_hit", "bench_cache_compile", "bench_hit_load", "bench_march"}
 
 
 def _params() -> list[object]:

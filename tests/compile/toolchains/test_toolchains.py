@@ -206,7 +206,7 @@ def test_host_versions_and_args() -> None:
     assert versions["torch"] == torch.__version__
     assert versions["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
     assert set(versions) == {"torch", "machine", "cpu_capability", "cpu_features",
-                             "program_rewrites"}
+                             "cpu_target", "cpu_requires", "compiler", "program_rewrites"}
     assert HostToolchain().compiler_args() == []
     configured = HostToolchain({"max_autotune": False, "cpp.threads": 2})
     assert configured.compiler_args() == ["--cpp.threads=2", "--max_autotune=False"]

@@ -4,9 +4,10 @@ made once, and only ever from a place no other user can change.
 An object is kept in a directory of this user's own in the temporary directory
 (`runtime_objects_dir`), named by the SHA-256 of everything its bytes depend on (the part's
 text, the compile command, torch's version and AOTInductor runtime headers, the compiler's
-version) and by the SHA-256 of its own bytes, checked before each use: a torn or changed
-object is removed and made again. It is made under a kernel lock (dropped if its maker
-dies) from a source and a staging file of that attempt's own, and renamed into place whole.
+version, and what a ``native`` target in the command means on this CPU) and by the SHA-256 of
+its own bytes, checked before each use: a torn or changed object is removed and made again.
+It is made under a kernel lock (dropped if its maker dies) from a source and a staging file
+of that attempt's own, and renamed into place whole.
 It is used only from a directory this user owns and no one else can write, under
 directories no one else can replace (private_dirs.py `why_not_private`): it is linked into
 every artifact the node compiles, and those are published to the fleet.
@@ -26,6 +27,7 @@ import time
 
 from vllm_neuron.backends import KernelLock, LockTimeout
 from vllm_neuron.backends.digests import file_digest
+from vllm_neuron.compile.toolchains.cpu_target import torch_meaning
 from vllm_neuron.compile.toolchains.private_dirs import make_private_dir
 from vllm_neuron.compile.toolchains.torn_headers import run_healing_torn_headers
 
@@ -69,12 +71,16 @@ class KeptRuntime:
     """A wrapper's runtime part and where its object is kept. Its name covers everything
     the object's bytes depend on: the part's text, the compile command (flags, the
     precompiled header's path, which torch names by compiler and headers), torch's version
-    and its AOTInductor runtime headers, and the compiler's version."""
+    and its AOTInductor runtime headers, the compiler's version, and - for a command that
+    compiles for ``native`` (torch's own flags: cpu_target.py) - what ``native`` means on
+    this CPU, which the literal string does not say."""
 
     def __init__(self, text: str, cmd: list[str], source: str, out: str) -> None:
         digest = hashlib.sha256()
         flags = [t for t in cmd if t not in (source, out)]
-        for piece in (text, *flags, *_build_identity(cmd[0])):
+        native = tuple(t[1:] for t in flags if t.startswith("-") and t.endswith("=native"))
+        meaning = (torch_meaning(cmd[0], native),) if native else ()
+        for piece in (text, *flags, *_build_identity(cmd[0]), *meaning):
             digest.update(piece.encode("utf-8", "surrogateescape"))
             digest.update(b"\0")
         self.name = digest.hexdigest()[:40]

@@ -56,6 +56,7 @@ from vllm_neuron.compile.toolchains.aoti_runtime_store import (
     runtime_objects_dir,
     swap,
 )
+from vllm_neuron.compile.toolchains.cpu_target import compiling_for
 from vllm_neuron.compile.toolchains.private_dirs import secure_inductor_dirs
 from vllm_neuron.compile.toolchains.torn_headers import run_healing_torn_headers
 from vllm_neuron.compile.toolchains.vector_isa import ask_first_valid_only
@@ -80,22 +81,24 @@ _install_lock = threading.Lock()
 RunCmd = Callable[[str, str], None]
 
 
-def compile_and_package(program: Any, package_path: str,
-                        inductor_configs: Mapping[str, Any]) -> None:  # fmt: skip
+def compile_and_package(program: Any, package_path: str, inductor_configs: Mapping[str, Any],
+                        cflags: tuple[str, ...] = ()) -> None:  # fmt: skip
     """torch's ``aoti_compile_and_package`` of an exported `program`, its wrapper compiled
-    in two parts: how the host toolchain compiles, in a worker or in place."""
+    in two parts, for the explicit target `cflags` where torch would compile for ``native``
+    (cpu_target.py; empty: torch's own flags): how the host toolchain compiles, in a worker
+    or in place."""
     # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
     secure_inductor_dirs()  # its cache and headers go into the artifact: private ones only
     ask_first_valid_only()  # Inductor's CPU probe tests only the ISA it will pick
-    with split_wrapper_builds():
+    with compiling_for(cflags, inductor_configs), split_wrapper_builds():
         torch._inductor.aoti_compile_and_package(
             program, package_path=package_path, inductor_configs=dict(inductor_configs) or None)
 
 
-def prepare_runtime(program: Any, package_path: str,
-                    inductor_configs: Mapping[str, Any]) -> bool:  # fmt: skip
+def prepare_runtime(program: Any, package_path: str, inductor_configs: Mapping[str, Any],
+                    cflags: tuple[str, ...] = ()) -> bool:  # fmt: skip
     """Compile `program` only as far as its wrapper's runtime part: what AOTInductor builds
     once per node (precompiled headers, then that part) is then kept for later compiles;
     the graph's own code is not compiled. True when the runtime part is kept (else the
@@ -106,7 +109,8 @@ def prepare_runtime(program: Any, package_path: str,
     secure_inductor_dirs()
     ask_first_valid_only()
     try:
-        with split_wrapper_builds(stop_after_runtime=True):
+        with compiling_for(cflags, inductor_configs), \
+                split_wrapper_builds(stop_after_runtime=True):
             torch._inductor.aoti_compile_and_package(
                 program, package_path=package_path,
                 inductor_configs=dict(inductor_configs) or None)  # fmt: skip

@@ -73,6 +73,9 @@ class CompiledArtifact(Record, frozen=True, kw_only=True, tag=ARTIFACT_TAG):
     # compiled program reads from its tensor inputs' shapes instead; the loaded callable
     # takes all ``num_inputs`` and drops these.
     derived_inputs: tuple[int, ...] = ()
+    # The CPU features the artifact's code may use (host: /proc/cpuinfo flags of the target
+    # it was compiled for, cpu_target.py); a node lacking one never loads it.
+    requires: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in (*self.files, *([self.hlo_file] if self.hlo_file else [])):

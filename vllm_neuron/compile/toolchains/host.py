@@ -22,6 +22,7 @@ inputs (``CompiledArtifact.derived_inputs``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -37,6 +38,14 @@ from vllm_neuron.compile.toolchains.base import (
     format_shape,
     restore_output_structure,
 )
+from vllm_neuron.compile.toolchains.cpu_target import (
+    CpuInfo,
+    HostTarget,
+    compiler_identity,
+    host_target,
+    missing_features,
+    read_cpuinfo,
+)
 from vllm_neuron.compile.toolchains.host_collectives import (
     calls_functional_collectives,
     register_collective_ops,
@@ -49,7 +58,8 @@ __all__ = ["HostToolchain"]
 ARTIFACT_NAME = "graph.pt2"
 
 # CPU features whose presence changes the vector code Inductor emits; an artifact built
-# with AVX-512 dies with SIGILL on an AVX2-only node, so they are part of the key.
+# with AVX-512 dies with SIGILL on an AVX2-only node, so they are part of the key (with the
+# explicit target the code is compiled for and the features it needs: cpu_target.py).
 _CPU_FEATURE_PROBES = (
     ("avx2", "_is_avx2_supported"),
     ("avx512", "_is_avx512_supported"),
@@ -69,9 +79,22 @@ class HostToolchain(Toolchain):
 
     name: ClassVar[ToolchainKind] = "host"
 
-    def __init__(self, inductor_configs: Mapping[str, Any] | None = None) -> None:
+    def __init__(self, inductor_configs: Mapping[str, Any] | None = None, *,
+                 cpu: CpuInfo | None | str = "node") -> None:  # fmt: skip
+        """`cpu`: the CPU to compile for; ``"node"`` (the default) reads this node's
+        (/proc/cpuinfo). Whatever it is, an artifact loads only where this node has every
+        feature it needs."""
         self.target = "cpu-inductor"
         self._inductor_configs = dict(inductor_configs or {})
+        self._cpu = node_cpu() if cpu == "node" else cpu
+        self._target: HostTarget | None = None
+
+    def host_target(self) -> HostTarget:
+        """The target this toolchain compiles for (computed once: cpu_target.py)."""
+        if self._target is None:
+            self._target = host_target(cpp_compiler(), self._inductor_configs,
+                                       None if isinstance(self._cpu, str) else self._cpu)
+        return self._target
 
     def versions(self) -> dict[str, str]:
         # Lazy: torch is heavy and optional; only this path needs it.
@@ -87,6 +110,10 @@ class HostToolchain(Toolchain):
             "machine": platform.machine(),
             "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
             "cpu_features": ",".join(features),
+            # What decides the instructions the artifact may contain (cpu_target.py).
+            "cpu_target": self.host_target().describe,
+            "cpu_requires": ",".join(self.host_target().requires),
+            "compiler": compiler_identity(cpp_compiler()),
             "program_rewrites": PROGRAM_REWRITES,
         }
 
@@ -108,7 +135,8 @@ class HostToolchain(Toolchain):
         package_path = os.path.join(out_dir, ARTIFACT_NAME)
         try:
             with _outside_tracing():
-                compile_and_package(ep, package_path, self._inductor_configs)
+                compile_and_package(ep, package_path, self._inductor_configs,
+                                    self.host_target().cflags)
         except Exception as exc:
             raise ToolchainError(f"AOTInductor failed to compile the graph: {exc}") from exc
         return CompiledArtifact(
@@ -119,7 +147,20 @@ class HostToolchain(Toolchain):
             out_spec=pytree.treespec_dumps(out_spec),
             num_inputs=len(inputs),
             derived_inputs=plan.derived,
+            requires=self.host_target().requires,
         )
+
+    def check_meta(self, meta: CompiledArtifact) -> None:
+        """Also refuse an artifact that needs a CPU feature this node lacks (compiled for a
+        newer CPU): it is never loaded, whatever key it was found under."""
+        super().check_meta(meta)
+        missing = missing_features(meta.requires, node_cpu())
+        if missing:
+            cpu = node_cpu()
+            raise ToolchainError(
+                f"artifact was compiled for CPU features this CPU "
+                f"({cpu.model if cpu else 'flags unreadable'}) lacks: {', '.join(missing)}; "
+                "it is not loaded here")
 
     def load(self, entry_dir: str, meta: CompiledArtifact) -> Callable[..., Any]:
         self.check_meta(meta)
@@ -145,6 +186,25 @@ class HostToolchain(Toolchain):
             raise ToolchainError(
                 f"cannot load the unpacked AOTInductor package in {directory}: {exc}") from exc
         return _graph_callable(runner, meta)
+
+
+@functools.cache
+def node_cpu() -> CpuInfo | None:
+    """This node's CPU, as /proc/cpuinfo describes it (read once)."""
+    return read_cpuinfo()
+
+
+def cpp_compiler() -> str:
+    """The C++ compiler Inductor compiles with (its own choice; ``g++`` where torch cannot
+    say: a torch laid out otherwise)."""
+    # Lazy: torch is heavy and optional; only this path needs it.
+    from torch._inductor import cpp_builder
+
+    choose = getattr(cpp_builder, "get_cpp_compiler", None)
+    try:
+        return str(choose()) if callable(choose) else "g++"
+    except Exception:  # noqa: BLE001 - then the compile itself fails with torch's error
+        return "g++"
 
 
 def _graph_callable(runner: Callable[..., Any], meta: CompiledArtifact) -> Callable[..., Any]:

@@ -47,6 +47,10 @@ class HostJob(msgspec.Struct, frozen=True):
     # The torch.ops namespaces the program calls beyond torch's own (vLLM's kernels, this
     # package's collectives): their libraries are loaded before the program is read.
     namespaces: tuple[str, ...] = ()
+    # The explicit target the key was computed for, and the CPU features it needs
+    # (cpu_target.py): the worker compiles for exactly that.
+    cflags: tuple[str, ...] = ()
+    requires: tuple[str, ...] = ()
 
 
 def export_job(toolchain: HostToolchain, gm: Any, example_inputs: Sequence[Any],
@@ -66,9 +70,11 @@ def export_job(toolchain: HostToolchain, gm: Any, example_inputs: Sequence[Any],
         torch.export.save(ep, buffer)
     with open(os.path.join(job_dir, JOB_PROGRAM), "wb") as f:
         f.write(buffer.getbuffer())
+    target = toolchain.host_target()
     job = HostJob(inductor_configs=toolchain.inductor_configs, out_spec=pytree.treespec_dumps(
         out_spec), output_shapes=tuple(shapes), num_inputs=len(inputs),
-        derived_inputs=plan.derived, namespaces=_op_namespaces(ep))  # fmt: skip
+        derived_inputs=plan.derived, namespaces=_op_namespaces(ep), cflags=target.cflags,
+        requires=target.requires)  # fmt: skip
     with open(os.path.join(job_dir, JOB_RECORD), "wb") as f:
         f.write(msgspec.json.encode(job))
     return job
@@ -91,13 +97,14 @@ def compile_job(job_dir: str, out_dir: str) -> CompiledArtifact:
         ep = torch.export.load(path)
     os.makedirs(out_dir, exist_ok=True)
     try:
-        compile_and_package(ep, os.path.join(out_dir, ARTIFACT_NAME), job.inductor_configs)
+        compile_and_package(ep, os.path.join(out_dir, ARTIFACT_NAME), job.inductor_configs,
+                            job.cflags)
     except Exception as exc:
         raise ToolchainError(f"AOTInductor failed to compile the graph: {exc}") from exc
     return CompiledArtifact(toolchain=HostToolchain.name, target="cpu-inductor",
                             files=(ARTIFACT_NAME,), output_shapes=job.output_shapes,
                             out_spec=job.out_spec, num_inputs=job.num_inputs,
-                            derived_inputs=job.derived_inputs)  # fmt: skip
+                            derived_inputs=job.derived_inputs, requires=job.requires)  # fmt: skip
 
 
 def prepare_host_compiles(out_dir: str) -> bool:
@@ -115,7 +122,8 @@ def prepare_host_compiles(out_dir: str) -> bool:
 
     _, program, _, _ = export_program(torch.fx.symbolic_trace(Tiny()), (torch.randn(4, 8),))
     with _outside_tracing():
-        return prepare_runtime(program, os.path.join(out_dir, ARTIFACT_NAME), {})
+        return prepare_runtime(program, os.path.join(out_dir, ARTIFACT_NAME), {},
+                               HostToolchain().host_target().cflags)
 
 
 _TORCH_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d_functional",

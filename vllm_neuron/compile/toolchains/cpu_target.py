@@ -1,0 +1,268 @@
+"""The instructions a host artifact may contain: an explicit compiler target from the CPU's
+features, never the compiler's ``native``.
+
+Why: Inductor compiles its C++ with ``-march=native`` unless told otherwise, and what
+``native`` means is the CPU model, not the features the key can see: an Ice Lake emits AVX-512
+VBMI, GFNI and VAES where a Cascade Lake has none, and both claim AVX2, AVX-512 and VNNI. An
+artifact fetched from the shared tier could then kill a serving node with SIGILL. So the host
+toolchain compiles for a target named by features (`HostTarget`): the highest x86-64
+micro-architecture level (``x86-64-v2``/``-v3``/``-v4``) whose features the CPU has, each
+further feature of `FEATURES` it has as its own ``-m`` option (those the compiler does not
+know are left out: the compiler could not emit them with ``native`` either), and
+``-mtune=generic``. Two CPU models with the same features get the same target, the same code
+and the same key; the features the target enables are what a node must have to load the
+artifact (`missing_features`).
+
+The target reaches Inductor through its private ``cpp_builder._get_cpu_arch_cflags``, only
+where it answers ``march=native`` (Inductor's default: neither ``cpp.march`` nor
+``TORCHINDUCTOR_CPP_MARCH`` set) and only in a thread inside `compiling_for`. A torch laid
+out otherwise, a ``cpp.march`` of the user's, a CPU whose flags cannot be read or a machine
+that is not x86-64 Linux keep torch's own flags, and the key then says what those flags mean
+on this node: the compiler's own account of the target options they enable (`torch_meaning`)
+- a different key from every explicit target, never a shared one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import platform
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FEATURES", "LEVELS", "CpuInfo", "HostTarget", "compiler_identity", "compiling_for",
+           "host_target", "missing_features", "read_cpuinfo", "torch_meaning"]  # fmt: skip
+
+logger = logging.getLogger("vllm_neuron.compile")
+
+CPUINFO = "/proc/cpuinfo"
+
+# /proc/cpuinfo flag -> the compiler option that lets it emit that feature's instructions.
+FEATURES: dict[str, str] = {
+    "pni": "msse3", "ssse3": "mssse3", "sse4_1": "msse4.1", "sse4_2": "msse4.2",
+    "popcnt": "mpopcnt", "cx16": "mcx16", "lahf_lm": "msahf",
+    "avx": "mavx", "avx2": "mavx2", "bmi1": "mbmi", "bmi2": "mbmi2", "f16c": "mf16c",
+    "fma": "mfma", "abm": "mlzcnt", "movbe": "mmovbe", "xsave": "mxsave",
+    "avx512f": "mavx512f", "avx512bw": "mavx512bw", "avx512cd": "mavx512cd",
+    "avx512dq": "mavx512dq", "avx512vl": "mavx512vl",
+    "avx512vnni": "mavx512vnni", "avx512_bf16": "mavx512bf16", "avx512vbmi": "mavx512vbmi",
+    "avx512_vbmi2": "mavx512vbmi2", "avx512ifma": "mavx512ifma",
+    "avx512_bitalg": "mavx512bitalg", "avx512_vpopcntdq": "mavx512vpopcntdq",
+    "avx512_fp16": "mavx512fp16", "avx_vnni": "mavxvnni", "avx_vnni_int8": "mavxvnniint8",
+    "avx_ifma": "mavxifma", "avx_ne_convert": "mavxneconvert",
+    "gfni": "mgfni", "vaes": "mvaes", "vpclmulqdq": "mvpclmulqdq", "pclmulqdq": "mpclmul",
+    "aes": "maes", "sha_ni": "msha", "adx": "madx", "rdrand": "mrdrnd", "rdseed": "mrdseed",
+    "fsgsbase": "mfsgsbase", "clflushopt": "mclflushopt", "clwb": "mclwb",
+    "xsavec": "mxsavec", "xsaveopt": "mxsaveopt", "xsaves": "mxsaves",
+    "3dnowprefetch": "mprfchw", "movdiri": "mmovdiri", "movdir64b": "mmovdir64b",
+    "serialize": "mserialize", "sse4a": "msse4a", "clzero": "mclzero", "rdpid": "mrdpid",
+    "amx_tile": "mamx-tile", "amx_bf16": "mamx-bf16", "amx_int8": "mamx-int8",
+    "amx_fp16": "mamx-fp16", "cmpccxadd": "mcmpccxadd",
+}  # fmt: skip
+
+_V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
+_V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
+_V4 = _V3 | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}
+LEVELS: tuple[tuple[str, frozenset[str]], ...] = (
+    ("x86-64-v4", _V4), ("x86-64-v3", _V3), ("x86-64-v2", _V2), ("x86-64", frozenset()))
+"""The x86-64 micro-architecture levels, highest first, with the features each implies."""
+
+TUNE = "mtune=generic"
+_ACTIVE = threading.local()
+_INSTALL = threading.Lock()
+_MARK = "_vllm_neuron_explicit_target"
+
+
+@dataclass(frozen=True)
+class CpuInfo:
+    """What /proc/cpuinfo says of the first CPU: its model (never in the key: two models
+    with the same features share entries) and its feature flags."""
+
+    model: str
+    flags: frozenset[str]
+
+
+def read_cpuinfo(text: str | None = None) -> CpuInfo | None:
+    """This node's `CpuInfo` (or that of `text`, /proc/cpuinfo's layout); None when there
+    is none to read (not Linux, no ``flags`` line)."""
+    if text is None:
+        try:
+            with open(CPUINFO, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+        except OSError:
+            return None
+    model, flags = "", None
+    for line in text.splitlines():
+        name, sep, value = line.partition(":")
+        name = name.strip()
+        if not sep:
+            continue
+        if name == "model name" and not model:
+            model = value.strip()
+        elif name == "flags" and flags is None:
+            flags = frozenset(value.split())
+    return None if flags is None else CpuInfo(model, flags)
+
+
+@dataclass(frozen=True)
+class HostTarget:
+    """What the host toolchain compiles for, and what the key says of it.
+
+    ``cflags``: the explicit target in Inductor's form (options without the leading dash),
+    or empty when torch's own flags are kept. ``describe``: the key's ``cpu_target``.
+    ``requires``: the CPU flags a node must have to run the code (empty when unknown: the
+    key's ``describe`` then names this node's CPU precisely)."""
+
+    cflags: tuple[str, ...]
+    describe: str
+    requires: tuple[str, ...]
+
+
+def explicit_target(cpu: CpuInfo, accepts: Callable[[tuple[str, ...]], bool]) -> HostTarget:
+    """The explicit target of `cpu`: its highest level, its further `FEATURES` the compiler
+    `accepts`, generic tuning."""
+    level, implied = next((name, feats) for name, feats in LEVELS if feats <= cpu.flags)
+    base = (f"march={level}", TUNE)
+    extras: list[tuple[str, str]] = []
+    candidates = [(f, o) for f, o in FEATURES.items() if f in cpu.flags and f not in implied]
+    if accepts(base + tuple(o for _, o in candidates)):
+        extras = candidates
+    else:  # one the compiler does not know: it cannot emit it with `native` either
+        extras = [(f, o) for f, o in candidates if accepts(base + (o,))]
+    cflags = base + tuple(o for _, o in extras)
+    requires = tuple(sorted(implied | {f for f, _ in extras}))
+    return HostTarget(cflags, " ".join(f"-{c}" for c in cflags), requires)
+
+
+def host_target(compiler: str, inductor_configs: Mapping[str, Any],
+                cpu: CpuInfo | None) -> HostTarget:  # fmt: skip
+    """The target the host toolchain compiles for with `compiler` and `inductor_configs`:
+    `explicit_target` of `cpu` where torch would use ``-march=native`` and the override is
+    in place (`_fence_holds`); else torch's own flags, described by `torch_meaning`."""
+    torch_flags = _torch_arch_cflags(compiler, inductor_configs)
+    if (cpu is not None and torch_flags == ("march=native",) and _fence_holds()
+            and sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")):
+        return explicit_target(cpu, functools.partial(_accepts, compiler))
+    requires = tuple(sorted(cpu.flags)) if cpu is not None and torch_flags else ()
+    return HostTarget((), torch_meaning(compiler, torch_flags), requires)
+
+
+def missing_features(requires: tuple[str, ...] | list[str], cpu: CpuInfo | None) -> list[str]:
+    """The features of `requires` this CPU does not claim (all of them when its flags cannot
+    be read: fail closed)."""
+    have = cpu.flags if cpu is not None else frozenset()
+    return [f for f in requires if f not in have]
+
+
+# -------------------------------------------------------------------------- the compiler
+@functools.lru_cache(maxsize=8)
+def compiler_identity(compiler: str) -> str:
+    """What the key says of `compiler`: a digest of its ``--version`` and target triple (its
+    path is left out: the same compiler is installed in different places), or what kept it
+    from answering (a distinct key, never a shared one)."""
+    try:
+        out = [subprocess.run([compiler, arg], capture_output=True, text=True, check=True,
+                              timeout=60).stdout for arg in ("--version", "-dumpmachine")]
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unreadable: {compiler}: {type(exc).__name__}"
+    return hashlib.sha256("\0".join(out).encode()).hexdigest()[:32]
+
+
+@functools.lru_cache(maxsize=64)
+def _accepts(compiler: str, cflags: tuple[str, ...]) -> bool:
+    try:
+        done = subprocess.run([compiler, *(f"-{c}" for c in cflags), "-x", "c++",
+                               "-fsyntax-only", "/dev/null"], capture_output=True,
+                              check=False, timeout=60)  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return done.returncode == 0
+
+
+@functools.lru_cache(maxsize=8)
+def torch_meaning(compiler: str, cflags: tuple[str, ...]) -> str:
+    """What torch's own `cflags` mean on this node: a digest of the compiler's account of
+    the target options they enable (``-Q --help=target``: ``native`` expanded to this CPU's
+    model and features), or what kept it from answering."""
+    args = [compiler, *(f"-{c}" for c in cflags), "-Q", "--help=target"]
+    try:
+        out = subprocess.run(args, capture_output=True, text=True, check=True,
+                             timeout=60).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"torch {' '.join(cflags) or '(none)'}: unreadable {type(exc).__name__}"
+    return f"torch {' '.join(cflags) or '(none)'}: {hashlib.sha256(out.encode()).hexdigest()[:32]}"
+
+
+# --------------------------------------------------------------------- torch, behind a fence
+def _torch_arch_cflags(compiler: str, inductor_configs: Mapping[str, Any]) -> tuple[str, ...]:
+    """The architecture flags torch itself compiles with, under `inductor_configs`'
+    ``cpp.march`` (a torch without the function: ``march=native``, its default)."""
+    from torch._inductor import config, cpp_builder
+
+    current = getattr(cpp_builder, "_get_cpu_arch_cflags", None)
+    original = getattr(current, "__wrapped__", current)
+    if not callable(original):
+        return ("march=native",)
+    patch = {"cpp.march": inductor_configs["cpp.march"]} if "cpp.march" in inductor_configs else {}
+    with config.patch(patch):
+        return tuple(original(compiler))
+
+
+def _fence_holds() -> bool:
+    """Whether torch is laid out as the override needs: installed (or installable)."""
+    return _install()
+
+
+def _install() -> bool:
+    from torch._inductor import config, cpp_builder
+
+    with _INSTALL:
+        current = getattr(cpp_builder, "_get_cpu_arch_cflags", None)
+        if getattr(current, _MARK, False):
+            return True
+        if not callable(current) or not hasattr(getattr(config, "cpp", None), "march"):
+            logger.debug("vllm_neuron: Inductor's architecture flags are not laid out as "
+                         "expected; torch's own are used (and keyed)")  # fmt: skip
+            return False
+        original: Callable[[str], list[str]] = current
+
+        def arch_cflags(cpp_compiler: str) -> list[str]:
+            flags = original(cpp_compiler)
+            target: tuple[str, ...] | None = getattr(_ACTIVE, "cflags", None)
+            if target and flags == ["march=native"] and config.cpp.march is None:
+                return list(target)
+            return flags
+
+        setattr(arch_cflags, _MARK, True)
+        arch_cflags.__wrapped__ = original  # type: ignore[attr-defined]
+        cpp_builder._get_cpu_arch_cflags = arch_cflags
+        return True
+
+
+@contextlib.contextmanager
+def compiling_for(cflags: tuple[str, ...], inductor_configs: Mapping[str, Any]) -> Iterator[None]:
+    """Within this block, in this thread, Inductor compiles for `cflags` where it would
+    compile for ``native`` (nothing changes when `cflags` is empty: torch's own flags).
+    Raises ValueError when `cflags` were keyed but torch would no longer compile for
+    ``native`` (``cpp.march`` set since): the artifact would not be what its key says."""
+    if cflags:
+        from torch._inductor import cpp_builder
+
+        compiler = cpp_builder.get_cpp_compiler()
+        now = _torch_arch_cflags(compiler, inductor_configs)
+        if now != ("march=native",) or not _install():
+            raise ValueError(f"the key names the explicit target {' '.join(cflags)}, but "
+                             f"Inductor now compiles with {' '.join(now) or 'no target'} "
+                             "(cpp.march or TORCHINDUCTOR_CPP_MARCH set since)")
+    saved = getattr(_ACTIVE, "cflags", None)
+    _ACTIVE.cflags = cflags
+    try:
+        yield
+    finally:
+        _ACTIVE.cflags = saved
