@@ -244,11 +244,14 @@ class Adversary:
         return "keep: an older version"
 
     def replay(self, source: str, target: str) -> str:
-        """Put `source`'s kept (signed) version under `target`'s name: the same key (an
-        older version), or another key (a valid signature of another entry)."""
+        """Put `source`'s kept (signed) version - or, none kept, its current one - under
+        `target`'s name: the same key (an older version), or another key (a valid signature
+        of another entry)."""
+        if source not in self.kept:
+            self.keep_version(source)  # nothing kept yet: what is published now
         files = self.kept.get(source)
         if not files:
-            return "replay: nothing kept"
+            return "replay: nothing published"
         prefix = self.published(target)
         if prefix is None:
             prefix = target if self.folder else join(target, ".v", uuid.uuid4().hex)
