@@ -150,7 +150,9 @@ def _machine(fleet: Fleet, backend: str, s3_url: str) -> type[RuleBasedStateMach
         def ask(self, data: st.DataObject) -> None:
             """Nodes ask for a graph (at once, if several); each may be a new node (a fresh
             local tier: what it gets comes from the remote)."""
-            key = data.draw(st.sampled_from(self.signed + self.open), label="key")
+            self._ask(data, data.draw(st.sampled_from(self.signed + self.open), label="key"))
+
+        def _ask(self, data: st.DataObject, key: str) -> None:
             names = ["builder", "serving"] + (["unsigned"] if key in self.open else [])
             asked = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names),
                                        unique=True), label="nodes")  # fmt: skip
@@ -214,38 +216,42 @@ def _machine(fleet: Fleet, backend: str, s3_url: str) -> type[RuleBasedStateMach
         @rule(data=st.data(), move=st.sampled_from(MOVES if folder else [*MOVES, "commit"]),
               junk=st.binary(max_size=64))  # fmt: skip
         def adversary(self, data: st.DataObject, move: str, junk: bytes) -> None:
-            """One write into the remote (see the module doc); `junk`: its arbitrary bytes."""
+            """One write into the remote (see the module doc; `junk`: its arbitrary bytes),
+            then, often, the fleet asks for the key it wrote at (a note or lease matters
+            only to a key some node still has to compile)."""
             adversary = self.adversary
             began = time.monotonic()
+            key = self._key(data, forge=move in ("canary", "keep", "replay"))
             if move == "entry-file":
                 name = data.draw(st.sampled_from([ENTRY_RECORD, SIGNATURE_FILE, SO_NAME,
                                                   "graph.bin"]), label="file")  # fmt: skip
                 what = data.draw(st.sampled_from(hostile), label="what")
-                said = adversary.entry_file(self._key(data), name, what, junk)
+                said = adversary.entry_file(key, name, what, junk)
             elif move == "canary":
                 signature = data.draw(st.sampled_from(["keep", "drop", "junk"]), label="sig")
-                said = adversary.canary_entry(self._key(data, forge=True), signature)
+                said = adversary.canary_entry(key, signature)
             elif move == "keep":
-                said = adversary.keep_version(self._key(data, forge=True))
+                said = adversary.keep_version(key)
             elif move == "replay":
-                source, target = self._key(data, forge=True), self._key(data, forge=True)
-                said = adversary.replay(source, target)
+                source = self._key(data, forge=True)
+                said = adversary.replay(source, key)
             elif move == "note":
                 what = data.draw(st.sampled_from(
                     ["fresh", "near-future", "far-future", "year-2100", "malformed", *hostile]),
                     label="what")  # fmt: skip
-                key = self._key(data)
                 self.note_of[key] = what
                 said = adversary.note(key, what, junk)
             elif move == "lease":
                 what = data.draw(st.sampled_from(["forged", "huge-generation", "junk-names",
                                                   *hostile]), label="what")  # fmt: skip
-                said = adversary.lease(self._key(data), what, junk)
+                said = adversary.lease(key, what, junk)
             else:  # S3: the commit record naming the published version
                 what = data.draw(st.sampled_from(hostile), label="what")
-                said = adversary.commit_record(self._key(data), what, junk)
+                said = adversary.commit_record(key, what, junk)
             self._event(said)
             TIMES[f"adversary {move}"] += time.monotonic() - began
+            if data.draw(st.booleans(), label="asked for at once"):  # what the move did
+                self._ask(data, key)
 
         # ------------------------------------------------------------------ the end
         def teardown(self) -> None:
