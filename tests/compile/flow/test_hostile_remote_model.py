@@ -17,6 +17,9 @@ an unsigned node (trust off). The unsigned node asks only the "open" keys, which
 adversary never forges content for (recomputed digests, replays): with trust off nothing
 looks at signatures, so a forged entry is served by design; it is in the model for the
 bounds that hold whatever the trust policy (notes, leases, special and oversize files).
+Failure notes are planted on the open keys and the unsigned node then asks at once (under
+``require`` an unsigned note is ignored whatever its date, so only a node with trust off
+shows the clock-skew margin and the retry bound; builders and serving nodes ask there too).
 
 Invariants, after each step:
 
@@ -129,7 +132,7 @@ def _machine(fleet: Fleet, backend: str, s3_url: str) -> type[RuleBasedStateMach
             self.remote = str(self.base / "remote") if folder else f"{s3_url}/ex-{n}"
             self.options = {"lock": "lease"} if folder else {}  # as on NFS: no shared kernel
             self.signed = fresh_keys(n, f"{backend}-signed", 3)
-            self.open = fresh_keys(n, f"{backend}-open", 2)
+            self.open = fresh_keys(n, f"{backend}-open", 4)
             self.adversary = Adversary(self.remote, folder, canary=fleet.canary,
                                        secret=fleet.secret)  # fmt: skip
             self.note_of: dict[str, str] = {}
@@ -152,10 +155,11 @@ def _machine(fleet: Fleet, backend: str, s3_url: str) -> type[RuleBasedStateMach
             local tier: what it gets comes from the remote)."""
             self._ask(data, data.draw(st.sampled_from(self.signed + self.open), label="key"))
 
-        def _ask(self, data: st.DataObject, key: str) -> None:
+        def _ask(self, data: st.DataObject, key: str, must: list[str] | None = None) -> None:
             names = ["builder", "serving"] + (["unsigned"] if key in self.open else [])
             asked = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names),
                                        unique=True), label="nodes")  # fmt: skip
+            asked += [name for name in must or [] if name not in asked]
             for name in asked:
                 if data.draw(st.booleans(), label=f"{name} new"):
                     self.tiers[name] += 1
@@ -221,7 +225,10 @@ def _machine(fleet: Fleet, backend: str, s3_url: str) -> type[RuleBasedStateMach
             only to a key some node still has to compile)."""
             adversary = self.adversary
             began = time.monotonic()
-            key = self._key(data, forge=move in ("canary", "keep", "replay"))
+            if move == "note":  # a note stops only the unsigned node, and only an open key
+                key = data.draw(st.sampled_from(self.open), label="target")
+            else:
+                key = self._key(data, forge=move in ("canary", "keep", "replay"))
             if move == "entry-file":
                 name = data.draw(st.sampled_from([ENTRY_RECORD, SIGNATURE_FILE, SO_NAME,
                                                   "graph.bin"]), label="file")  # fmt: skip
@@ -250,8 +257,8 @@ def _machine(fleet: Fleet, backend: str, s3_url: str) -> type[RuleBasedStateMach
                 said = adversary.commit_record(key, what, junk)
             self._event(said)
             TIMES[f"adversary {move}"] += time.monotonic() - began
-            if data.draw(st.booleans(), label="asked for at once"):  # what the move did
-                self._ask(data, key)
+            if move == "note" or data.draw(st.booleans(), label="asked for at once"):
+                self._ask(data, key, must=["unsigned"] if move == "note" else [])
 
         # ------------------------------------------------------------------ the end
         def teardown(self) -> None:
