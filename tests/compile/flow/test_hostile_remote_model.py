@@ -17,7 +17,7 @@ an unsigned node (trust off). The unsigned node asks only the "open" keys, which
 adversary never forges content for (recomputed digests, replays): with trust off nothing
 looks at signatures, so a forged entry is served by design; it is in the model for the
 bounds that hold whatever the trust policy (notes, leases, special and oversize files).
-Failure notes are planted on the open keys and the unsigned node then asks at once (under
+Failure notes are planted on the open keys and the unsigned node alone then asks (under
 ``require`` an unsigned note is ignored whatever its date, so only a node with trust off
 shows the clock-skew margin and the retry bound; builders and serving nodes ask there too).
 
@@ -155,11 +155,10 @@ def _machine(fleet: Fleet, backend: str, s3_url: str) -> type[RuleBasedStateMach
             local tier: what it gets comes from the remote)."""
             self._ask(data, data.draw(st.sampled_from(self.signed + self.open), label="key"))
 
-        def _ask(self, data: st.DataObject, key: str, must: list[str] | None = None) -> None:
+        def _ask(self, data: st.DataObject, key: str, only: list[str] | None = None) -> None:
             names = ["builder", "serving"] + (["unsigned"] if key in self.open else [])
-            asked = data.draw(st.lists(st.sampled_from(names), min_size=1, max_size=len(names),
-                                       unique=True), label="nodes")  # fmt: skip
-            asked += [name for name in must or [] if name not in asked]
+            asked = only or data.draw(st.lists(st.sampled_from(names), min_size=1,
+                                               max_size=len(names), unique=True), label="nodes")
             for name in asked:
                 if data.draw(st.booleans(), label=f"{name} new"):
                     self.tiers[name] += 1
@@ -257,8 +256,10 @@ def _machine(fleet: Fleet, backend: str, s3_url: str) -> type[RuleBasedStateMach
                 said = adversary.commit_record(key, what, junk)
             self._event(said)
             TIMES[f"adversary {move}"] += time.monotonic() - began
-            if move == "note" or data.draw(st.booleans(), label="asked for at once"):
-                self._ask(data, key, must=["unsigned"] if move == "note" else [])
+            if move == "note":  # alone: another node's publication would end its wait
+                self._ask(data, key, only=["unsigned"])
+            elif data.draw(st.booleans(), label="asked for at once"):
+                self._ask(data, key)
 
         # ------------------------------------------------------------------ the end
         def teardown(self) -> None:
