@@ -130,6 +130,7 @@ LONG_MODULES = (
     "tests/plugin/test_vllm_serve_tp.py",
     "tests/profiling/test_real_vllm.py",
     "tests/compile/flow/test_fleet.py",
+    "tests/compile/flow/test_hostile_remote_model.py",
     "tests/compile/flow/test_cache_processes.py",
     "tests/compile/tiers/test_tier_faults.py",
     "tests/compile/toolchains/test_host_collectives.py",
