@@ -131,7 +131,8 @@ VARIABLES: tuple[EnvVar, ...] = (
         "300",
         "compile-cache",
         "Seconds after a compile failed somewhere in the fleet during which other "
-        "processes raise its error instead of compiling the graph again.",
+        "processes raise its error instead of compiling the graph again; also the longest a "
+        "node waits on another node's lease before compiling the graph itself.",
     ),
     EnvVar(
         VLLM_NEURON_CACHE_MAX_SIZE,
