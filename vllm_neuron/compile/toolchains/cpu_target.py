@@ -29,21 +29,27 @@ import functools
 import hashlib
 import logging
 import platform
+import secrets
 import subprocess
 import sys
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-__all__ = ["FEATURES", "LEVELS", "CpuInfo", "HostTarget", "compiler_identity", "compiling_for",
-           "host_target", "missing_features", "read_cpuinfo", "torch_meaning"]  # fmt: skip
+__all__ = ["FEATURES", "ISA_FLAGS", "LEVELS", "UNSHOWN", "CpuInfo", "HostTarget",
+           "compiler_identity", "compiling_for", "host_target", "missing_features",
+           "node_token", "read_cpuinfo", "torch_meaning", "vector_isa_requires"]  # fmt: skip
 
 logger = logging.getLogger("vllm_neuron.compile")
 
 CPUINFO = "/proc/cpuinfo"
 
 # /proc/cpuinfo flag -> the compiler option that lets it emit that feature's instructions.
+# The flag names are the kernel's own /proc/cpuinfo spellings (arch/x86/include/asm/
+# cpufeatures.h, the quoted name of each X86_FEATURE_*): ``avx512_vnni``, not ``avx512vnni``.
+# A feature the kernel does not print (AMX-FP16, AVX-IFMA, AVX-VNNI-INT8, AVX-NE-CONVERT,
+# CMPccXADD) is not here: no node could show it, so it is never enabled (`UNSHOWN`).
 FEATURES: dict[str, str] = {
     "pni": "msse3", "ssse3": "mssse3", "sse4_1": "msse4.1", "sse4_2": "msse4.2",
     "popcnt": "mpopcnt", "cx16": "mcx16", "lahf_lm": "msahf",
@@ -51,11 +57,10 @@ FEATURES: dict[str, str] = {
     "fma": "mfma", "abm": "mlzcnt", "movbe": "mmovbe", "xsave": "mxsave",
     "avx512f": "mavx512f", "avx512bw": "mavx512bw", "avx512cd": "mavx512cd",
     "avx512dq": "mavx512dq", "avx512vl": "mavx512vl",
-    "avx512vnni": "mavx512vnni", "avx512_bf16": "mavx512bf16", "avx512vbmi": "mavx512vbmi",
+    "avx512_vnni": "mavx512vnni", "avx512_bf16": "mavx512bf16", "avx512vbmi": "mavx512vbmi",
     "avx512_vbmi2": "mavx512vbmi2", "avx512ifma": "mavx512ifma",
     "avx512_bitalg": "mavx512bitalg", "avx512_vpopcntdq": "mavx512vpopcntdq",
-    "avx512_fp16": "mavx512fp16", "avx_vnni": "mavxvnni", "avx_vnni_int8": "mavxvnniint8",
-    "avx_ifma": "mavxifma", "avx_ne_convert": "mavxneconvert",
+    "avx512_fp16": "mavx512fp16", "avx_vnni": "mavxvnni",
     "gfni": "mgfni", "vaes": "mvaes", "vpclmulqdq": "mvpclmulqdq", "pclmulqdq": "mpclmul",
     "aes": "maes", "sha_ni": "msha", "adx": "madx", "rdrand": "mrdrnd", "rdseed": "mrdseed",
     "fsgsbase": "mfsgsbase", "clflushopt": "mclflushopt", "clwb": "mclwb",
@@ -63,8 +68,27 @@ FEATURES: dict[str, str] = {
     "3dnowprefetch": "mprfchw", "movdiri": "mmovdiri", "movdir64b": "mmovdir64b",
     "serialize": "mserialize", "sse4a": "msse4a", "clzero": "mclzero", "rdpid": "mrdpid",
     "amx_tile": "mamx-tile", "amx_bf16": "mamx-bf16", "amx_int8": "mamx-int8",
-    "amx_fp16": "mamx-fp16", "cmpccxadd": "mcmpccxadd",
 }  # fmt: skip
+
+UNSHOWN: dict[str, str] = {
+    "mamx-fp16": "amx_fp16", "mavxifma": "avx_ifma", "mavxvnniint8": "avx_vnni_int8",
+    "mavxneconvert": "avx_ne_convert", "mcmpccxadd": "cmpccxadd"}  # fmt: skip
+"""Options whose feature /proc/cpuinfo does not print: a node cannot show it has them, so
+code built with one requires every instruction-set flag of the node that built it."""
+
+_BASELINE = frozenset({"fpu", "cx8", "cmov", "clflush", "mmx", "fxsr", "sse", "sse2", "lm",
+                       "syscall"})  # fmt: skip
+_OTHER_ISA = frozenset({
+    "mmxext", "3dnow", "3dnowext", "rdtscp", "xop", "fma4", "tbm", "lwp", "mwaitx",
+    "monitor", "rtm", "hle", "pku", "waitpkg", "cldemote", "enqcmd", "sgx", "pconfig",
+    "tsxldtrk", "wbnoinvd", "rdpru", "avx512pf", "avx512er", "avx512_4vnniw",
+    "avx512_4fmaps", "avx512_vp2intersect"})  # fmt: skip
+ISA_FLAGS: frozenset[str] = frozenset(FEATURES) | _BASELINE | _OTHER_ISA
+"""The /proc/cpuinfo flags that name instructions (x86-64 baseline and levels, `FEATURES`,
+and the further extensions a compiler's ``native`` may emit: XOP, FMA4, TBM, RTM, WAITPKG,
+...). Where torch's own flags are kept, these are what an artifact requires; the other
+flags (``md_clear``, ``flush_l1d``, ``ibpb``, ``hypervisor``, ``tsc_known_freq``...) change
+with kernel, microcode and hypervisor and say nothing of the code."""
 
 _V2 = frozenset({"cx16", "lahf_lm", "popcnt", "pni", "sse4_1", "sse4_2", "ssse3"})
 _V3 = _V2 | {"avx", "avx2", "bmi1", "bmi2", "f16c", "fma", "abm", "movbe", "xsave"}
@@ -144,13 +168,63 @@ def host_target(compiler: str, inductor_configs: Mapping[str, Any],
                 cpu: CpuInfo | None) -> HostTarget:  # fmt: skip
     """The target the host toolchain compiles for with `compiler` and `inductor_configs`:
     `explicit_target` of `cpu` where torch would use ``-march=native`` and the override is
-    in place (`_fence_holds`); else torch's own flags, described by `torch_meaning`."""
+    in place (`_fence_holds`); else torch's own flags, described by `torch_meaning`. Either
+    way it requires what Inductor's vector ISA adds (`vector_isa_requires`).
+
+    A CPU whose flags cannot be read (`cpu` None) requires nothing that could be checked,
+    so its ``describe`` names this node (`node_token`): its code is never shared."""
     torch_flags = _torch_arch_cflags(compiler, inductor_configs)
     if (cpu is not None and torch_flags == ("march=native",) and _fence_holds()
             and sys.platform == "linux" and platform.machine() in ("x86_64", "AMD64")):
-        return explicit_target(cpu, functools.partial(_accepts, compiler))
-    requires = tuple(sorted(cpu.flags)) if cpu is not None and torch_flags else ()
-    return HostTarget((), torch_meaning(compiler, torch_flags), requires)
+        target = explicit_target(cpu, functools.partial(_accepts, compiler))
+    elif cpu is None:
+        return HostTarget((), f"{torch_meaning(compiler, torch_flags)}; CPU flags unreadable "
+                              f"on node {node_token()}", ())  # fmt: skip
+    else:
+        isa = sorted(cpu.flags & ISA_FLAGS) if torch_flags else []
+        target = HostTarget((), torch_meaning(compiler, torch_flags), tuple(isa))
+    vector = vector_isa_requires(_vector_isa_options(), cpu)
+    return HostTarget(target.cflags, target.describe,
+                      tuple(sorted(set(target.requires) | vector)))  # fmt: skip
+
+
+def vector_isa_requires(options: str, cpu: CpuInfo) -> frozenset[str]:
+    """The CPU flags `options` (the build flags of Inductor's vector ISA, which it adds to
+    every command itself: ``-mavx512vnni``, ``-mamx-int8``...) let the code use; where one
+    names a feature /proc/cpuinfo does not print (`UNSHOWN`) or one unknown here, every
+    instruction-set flag of `cpu` (fail closed: no node with less loads it)."""
+    by_option = {option: flag for flag, option in FEATURES.items()}
+    required: set[str] = set()
+    for option in options.split():
+        flag = by_option.get(option.lstrip("-"))
+        if flag is None:
+            return frozenset(cpu.flags & ISA_FLAGS)
+        required.add(flag)
+    return frozenset(required)
+
+
+def _vector_isa_options() -> str:
+    """The build flags of every vector ISA Inductor could pick on this CPU (those whose
+    features the CPU claims, as Inductor's own list tests them, with the extensions it adds
+    where torch says the CPU has them): an upper bound of its pick, read without the test
+    builds that make the pick itself cost seconds (vector_isa.py)."""
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return ""
+    import torch
+    from torch._inductor import cpu_vec_isa
+
+    checker = getattr(cpu_vec_isa, "x86_isa_checker", None)
+    candidates = getattr(cpu_vec_isa, "supported_vec_isa_list", None)
+    if not callable(checker) or not isinstance(candidates, list):
+        return "-unknown-vector-isa"  # torch laid out otherwise: fail closed
+    claimed = checker()
+    options = [isa.build_arch_flags() for isa in candidates
+               if str(isa).split() and all(f in claimed for f in str(isa).split())]  # fmt: skip
+    if "avx512" in claimed and getattr(torch.cpu, "_is_avx512_bf16_supported", bool)():
+        options.append("-mavx512bf16")
+    if "amx_tile" in claimed and getattr(torch.cpu, "_is_amx_fp16_supported", bool)():
+        options.append("-mamx-fp16")
+    return " ".join(options)
 
 
 def missing_features(requires: tuple[str, ...] | list[str], cpu: CpuInfo | None) -> list[str]:
@@ -160,42 +234,79 @@ def missing_features(requires: tuple[str, ...] | list[str], cpu: CpuInfo | None)
     return [f for f in requires if f not in have]
 
 
+def node_token() -> str:
+    """This node's name in a key that must never be shared (a digest of its host name and
+    machine id): what could not be read here is not assumed to be as elsewhere."""
+    parts = [platform.node()]
+    with contextlib.suppress(OSError), open("/etc/machine-id", encoding="utf-8") as f:
+        parts.append(f.read().strip())
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+
+
 # -------------------------------------------------------------------------- the compiler
-@functools.lru_cache(maxsize=8)
+_PROCESS_TOKEN = secrets.token_hex(8)
+"""Names what a compiler did not answer in the key: never equal in another process, so the
+code it built is never shared (`_answered`)."""
+_T = TypeVar("_T")
+
+
+def _answered(failed: Callable[..., _T]) -> Callable[[Callable[..., _T]], Callable[..., _T]]:
+    """Cache the answers of a compiler probe, never its failures (a timeout, ENOMEM, a
+    compiler being replaced): a failure is tried once more, then the call answers
+    `failed(*args, exc)` - a key of its own, for this call only."""
+
+    def wrap(probe: Callable[..., _T]) -> Callable[..., _T]:
+        answers: dict[tuple[Any, ...], _T] = {}
+
+        @functools.wraps(probe)
+        def cached(*args: Any) -> _T:
+            if args in answers:
+                return answers[args]
+            for attempt in (1, 2):
+                try:
+                    answers[args] = answer = probe(*args)
+                    return answer
+                except (OSError, subprocess.SubprocessError) as exc:
+                    if attempt == 2:
+                        logger.warning("vllm_neuron: the C++ compiler did not answer %s (%s); "
+                                       "this compile gets a key of its own", args, exc)  # fmt: skip
+                        return failed(*args, exc)
+            raise AssertionError("unreachable")
+
+        cached.cache_clear = answers.clear  # type: ignore[attr-defined]
+        return cached
+
+    return wrap
+
+
+@_answered(lambda compiler, exc: f"unreadable: {compiler}: {type(exc).__name__} "
+                                 f"(process {_PROCESS_TOKEN})")  # fmt: skip
 def compiler_identity(compiler: str) -> str:
     """What the key says of `compiler`: a digest of its ``--version`` and target triple (its
     path is left out: the same compiler is installed in different places), or what kept it
-    from answering (a distinct key, never a shared one)."""
-    try:
-        out = [subprocess.run([compiler, arg], capture_output=True, text=True, check=True,
-                              timeout=60).stdout for arg in ("--version", "-dumpmachine")]
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"unreadable: {compiler}: {type(exc).__name__}"
+    from answering (a key of this process's own, never a shared one)."""
+    out = [subprocess.run([compiler, arg], capture_output=True, text=True, check=True,
+                          timeout=60).stdout for arg in ("--version", "-dumpmachine")]  # fmt: skip
     return hashlib.sha256("\0".join(out).encode()).hexdigest()[:32]
 
 
-@functools.lru_cache(maxsize=64)
+@_answered(lambda compiler, cflags, exc: False)
 def _accepts(compiler: str, cflags: tuple[str, ...]) -> bool:
-    try:
-        done = subprocess.run([compiler, *(f"-{c}" for c in cflags), "-x", "c++",
-                               "-fsyntax-only", "/dev/null"], capture_output=True,
-                              check=False, timeout=60)  # fmt: skip
-    except (OSError, subprocess.SubprocessError):
-        return False
+    done = subprocess.run([compiler, *(f"-{c}" for c in cflags), "-x", "c++",
+                           "-fsyntax-only", "/dev/null"], capture_output=True,
+                          check=False, timeout=60)  # fmt: skip
     return done.returncode == 0
 
 
-@functools.lru_cache(maxsize=8)
+@_answered(lambda compiler, cflags, exc: f"torch {' '.join(cflags) or '(none)'}: unreadable "
+                                         f"{type(exc).__name__} (process {_PROCESS_TOKEN})")
 def torch_meaning(compiler: str, cflags: tuple[str, ...]) -> str:
     """What torch's own `cflags` mean on this node: a digest of the compiler's account of
     the target options they enable (``-Q --help=target``: ``native`` expanded to this CPU's
-    model and features), or what kept it from answering."""
+    model and features), or what kept it from answering (a key of this process's own)."""
     args = [compiler, *(f"-{c}" for c in cflags), "-Q", "--help=target"]
-    try:
-        out = subprocess.run(args, capture_output=True, text=True, check=True,
-                             timeout=60).stdout  # fmt: skip
-    except (OSError, subprocess.SubprocessError) as exc:
-        return f"torch {' '.join(cflags) or '(none)'}: unreadable {type(exc).__name__}"
+    out = subprocess.run(args, capture_output=True, text=True, check=True,
+                         timeout=60).stdout  # fmt: skip
     return f"torch {' '.join(cflags) or '(none)'}: {hashlib.sha256(out.encode()).hexdigest()[:32]}"
 
 
