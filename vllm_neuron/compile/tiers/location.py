@@ -33,7 +33,7 @@ from vllm_neuron.envs import (
 )
 from vllm_neuron.envs.compile_cache import VLLM_CACHE_ROOT
 
-from ..toolchains.private_dirs import why_not_a_temp_root, why_not_private
+from ..toolchains.private_dirs import why_not_a_temp_root
 from .health import (
     LocalTierUnusable,
     check_private_directory,
@@ -219,8 +219,9 @@ def writable_stand_in(
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     local_dir = os.path.join(root, "neuron", "compile_cache")
     make_private_dirs(local_dir)
-    # Its parent may be anyone's to write (that is why it is ours alone): judged from it down.
-    problem = why_not_private(root) or local_tier_problem(local_dir)
+    # Made 0700 by this process under a name no one could guess; its parent may be anyone's
+    # to write (that is why it is ours alone), so only the write probe is left to judge.
+    problem = local_tier_problem(local_dir)
     if problem:
         return None, f"{local_dir}: {problem}" + (f" ({refused})" if refused else "")
     return local_dir, None
