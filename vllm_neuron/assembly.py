@@ -55,10 +55,11 @@ def build_runtime() -> CompileRuntime:
     # Last of the settings: its probe writes (a malformed setting must refuse first).
     local_dir, bypassed = resolve_local_tier(settings)
     read_only = list(settings.baked_caches)  # NEURON_LIBTORCH_BAKED_CACHE
-    own_read_only = None
     if bypassed is not None and local_dir and os.path.isdir(local_dir):
         # This user's own tier, that this process cannot write (a read-only image or
-        # mount, no space): served from in place, never written (compile/tiers/baked.py).
+        # mount, no space): served from in place, never written, judged as any read-only
+        # tier (by signature: it may be an image layer prepared elsewhere; tiers/baked.py).
+        read_only.insert(0, local_dir)
         stand_in, why_not = writable_stand_in(settings)
         if stand_in is None:
             bypassed += f"; no writable place for this process's compiles either ({why_not})"
@@ -66,15 +67,19 @@ def build_runtime() -> CompileRuntime:
             logger.info("vllm_neuron: %s; the local compile cache is read-only for this "
                         "process: its entries are served in place and it is never written; "
                         "compiles, events and statistics go to %s", bypassed, stand_in)
-            own_read_only, local_dir, bypassed = local_dir, stand_in, None
+            local_dir, bypassed = stand_in, None
     if bypassed is not None:
-        if settings.disable_warmup_compile:
+        if settings.disable_warmup_compile and not read_only:
             raise ConfigError(
                 f"{bypassed}; VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 serves only pre-compiled "
                 "graphs from the local tier, so nothing could be served"
             )
+        # Hits need no writes: the read-only tiers still serve theirs.
+        kept = f"; the read-only tiers {', '.join(read_only)} still serve their hits" if (
+            read_only) else ""  # fmt: skip
         logger.warning("vllm_neuron: %s; the compile cache is bypassed for this process: "
-                       "every graph is compiled and served, nothing is cached", bypassed)
+                       "every graph is compiled and served, nothing is cached%s", bypassed,
+                       kept)  # fmt: skip
         # A tier in memory that nothing is published to: the cache's events stay readable
         # in-process (metrics) and nothing touches the refused directory.
         local_dir = f"memory://vllm-neuron-bypassed-{os.getpid()}"
@@ -96,8 +101,8 @@ def build_runtime() -> CompileRuntime:
         max_size=settings.cache_max_size,
         compile_workers=settings.compile_workers,
         defer_compiles=settings.defer_compiles,
-        read_only=[] if bypassed else read_only,
-        read_only_own=None if bypassed else own_read_only,
+        read_only=read_only,
+        writes_bypassed=bypassed is not None,
     )
     runtime = CompileRuntime(cache, toolchain)
     install_recorder(runtime, manifest_dir)

@@ -242,7 +242,8 @@ class CompileRuntime:
         # (a hit then writes nothing to $TMPDIR): compile/tiers/unpacked.py.
         return artifact, load_entry(self.toolchain, self.cache.local, result, artifact,
                                     grew=self.cache.keep_within_bound,
-                                    read_only=self.cache.read_only.holding(result))
+                                    read_only=self.cache.read_only.holding(result),
+                                    baked_copies=self.cache.read_only.copies_usable)
 
 
 class DeferredGraph:

@@ -283,3 +283,109 @@ def test_a_baked_tier_under_require_serves_signed_entries_and_skips_unsigned_one
     assert len(warned) == 2, got["said"]  # one per planted entry
     assert [k for k in (K2, K3) if any("skipping entry " + k in w for w in warned)] == [K2, K3]
     assert listing(read_only) == before
+
+
+def test_a_signed_baked_entry_with_a_file_replaced_by_one_of_the_same_size_is_skipped(
+    read_only: Path, tmp_path: Path, signing: dict[str, str],
+) -> None:
+    """A signature covers the record; a hit checks sizes only - so every file of a read-only
+    tier's entry is checked against the record's digests before its first use."""
+    remote = tmp_path / "remote"
+    builder, require = json.loads(signing["builder"]), json.loads(signing["require"])
+    assembled([K1, K2], tmp_path / "a", VLLM_CACHE_ROOT=str(tmp_path / "builder"),
+              NEURON_LIBTORCH_REMOTE_CACHE=str(remote), **builder)
+    into = read_only / "baked"
+    assert bake([K1, K2], into, tmp_path, remote, **require).returncode == 0
+    victim = into / K1 / "graph.bin"
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size: only a checksum tells
+    victim.write_bytes(bytes(data))
+    remount(read_only, "ro")
+    got = assembled([K1, K2], tmp_path / "pod", VLLM_CACHE_ROOT=str(tmp_path / "pod-root"),
+                    NEURON_LIBTORCH_BAKED_CACHE=str(into), **require)
+    assert got["sources"] == {K1: "compiled", K2: "baked"}, got
+    assert got["compiles"] == 1 and not any(got["wrong"].values()), got
+    warned = [s for s in got["said"] if s.startswith("WARNING")]
+    assert len(warned) == 1 and "skipping entry " + K1 in warned[0], got["said"]
+    assert "graph.bin fails its" in warned[0], warned
+
+
+def test_a_read_only_own_root_with_its_node_key_is_judged_by_signature_alone(
+    read_only: Path, tmp_path: Path, signing: dict[str, str],
+) -> None:
+    """An image layer holding a cache root and its node key, prepared elsewhere: its sealed
+    entries are not this node's compiles, so under require an unsigned one is never loaded."""
+    require = json.loads(signing["require"])
+    root = {"VLLM_CACHE_ROOT": str(read_only)}
+    filled = assembled([K1], tmp_path / "fill", **root, **require)  # sealed, unsigned
+    assert filled["sources"] == {K1: "compiled"}, filled
+    tier = read_only / "neuron" / "compile_cache"
+    assert Path(str(tier) + NODE_KEY_SUFFIX).exists()  # the key is in the layer too
+    remount(read_only, "ro")
+    before = listing(read_only)
+    got = assembled([K1], tmp_path / "run", **root, **require)
+    assert got["sources"] == {K1: "compiled"} and got["compiles"] == 1, got
+    assert str(got["paths"][K1]).startswith(got["local_dir"]), got
+    warned = [s for s in got["said"] if s.startswith("WARNING")]
+    assert len(warned) == 1 and "skipping entry " + K1 in warned[0], got["said"]
+    assert "untrusted" in warned[0] and "node key" not in " ".join(got["said"]), got["said"]
+    assert listing(read_only) == before
+
+
+@pytest.mark.parametrize("temp", ["emptydir", "taken"])
+def test_baked_tiers_serve_with_a_shared_temp_dir_or_the_stand_in_name_taken(
+    read_only: Path, tmp_path: Path, temp: str,
+) -> None:
+    """TMPDIR writable by all and not sticky (a Kubernetes emptyDir), or the stand-in's
+    usual name made first by another user: the stand-in is a private directory of this
+    process, and the read-only tiers serve their hits."""
+    root = {"VLLM_CACHE_ROOT": str(read_only)}
+    assembled([K1], tmp_path / "fill", **root)
+    remount(read_only, "ro")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    if temp == "emptydir":
+        shared.chmod(0o777)
+    else:
+        shared.chmod(0o1777)
+        user = os.environ.get("USER") or __import__("getpass").getuser()
+        taken = shared / f"vllm_neuron_wdir_{user}"
+        taken.mkdir(mode=0o700)
+        os.chown(taken, 4242, 4242)  # another user's (the tests run as root)
+    got = assembled([K1, K2], shared, **root)
+    assert got["sources"] == {K1: "baked", K2: "compiled"}, got
+    stand_in = Path(got["local_dir"])
+    assert stand_in.parts[:len(shared.parts)] == shared.parts, got
+    made = stand_in.parents[1]  # <made>/neuron/compile_cache
+    assert made.parent == shared and made.name.startswith("vllm_neuron_wdir_"), made
+    assert made.name != f"vllm_neuron_wdir_{os.environ.get('USER', '')}", made
+    assert not made.exists()  # removed when the process exited
+    assert not [s for s in got["said"] if "bypassed" in s], got["said"]
+
+
+def test_with_no_writable_place_the_read_only_tiers_still_serve_their_hits(
+    read_only: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No usable temporary directory at all (gettempdir raises): the writes are bypassed with
+    one warning, never a crash, and the read-only tiers (own root and baked) keep serving."""
+    import tempfile
+
+    from vllm_neuron.compile.flow.cache import TwoTierCache
+    from vllm_neuron.compile.tiers.location import writable_stand_in
+    from vllm_neuron.compile.trust.policy import TrustPolicy
+
+    def no_temp_dir() -> str:
+        raise FileNotFoundError(2, "No usable temporary directory found in ['/tmp']")
+
+    monkeypatch.setattr(tempfile, "gettempdir", no_temp_dir)
+    stand_in, why = writable_stand_in(environ={})
+    assert stand_in is None and "No usable temporary directory" in str(why), why
+    assembled([K1], tmp_path / "fill", VLLM_CACHE_ROOT=str(read_only))
+    tier = read_only / "neuron" / "compile_cache"
+    remount(read_only, "ro")
+    cache = TwoTierCache("memory://bypassed", disabled=True, writes_bypassed=True,
+                         read_only=[str(tier)], precompiled_only=True, trust=TrustPolicy())
+    hit = cache.get_or_compile(K1, lambda d: pytest.fail("a hit compiled"))
+    assert hit.source == "baked" and str(hit.path).startswith(str(tier)), hit
+    with pytest.raises(Exception, match="PrecompiledOnlyMiss|forbids compiling"):
+        cache.get_or_compile(K2, lambda d: pytest.fail("a strict start compiled"))

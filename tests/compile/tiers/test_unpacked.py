@@ -15,6 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -417,3 +418,63 @@ def test_cache_ls_says_the_bytes_of_the_unpacked_copies(hit: Hit, capsys) -> Non
     assert main(["cache", "--cache-dir", str(hit.tier), "ls", "--json"]) == 0
     (listed,) = json.loads(capsys.readouterr().out)
     assert listed["key"] == hit.key and listed["unpacked_size"] == copied > 0
+
+
+def plant_a_copy(hit: Hit) -> Path:
+    """Change the copy's library and rewrite its unpacked.json to match: a copy that passes
+    `_sound` (it checks the copy only against its own record, which nobody signs)."""
+    copy = hit.copy_dir()
+    so = so_of(copy)
+    data = bytearray(so.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    so.write_bytes(bytes(data))
+    path = copy / UNPACKED_RECORD
+    record = UNPACKED_RECORDS.decode(path.read_bytes())
+    files = dict(record.files)
+    rel = str(so.relative_to(copy))
+    files[rel] = open_store(str(copy)).digest(rel)
+    path.write_bytes(encode(msgspec.structs.replace(record, files=files)))
+    assert unpacked._sound(hit.store, f"{UNPACKED_DIR}/{copy.name}", hit.key, "graph.pt2",
+                           hit.result.record.files["graph.pt2"])  # fmt: skip
+    return copy
+
+
+@pytest.mark.parametrize("mode", ["warn", "require"])
+def test_a_baked_copy_is_never_loaded_unless_trust_is_off(
+    hit: Hit, expected: Callable[[Hit], Any], mode: str, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm_neuron.compile.tiers.baked import ReadOnlyTiers
+    from vllm_neuron.compile.trust.policy import TrustPolicy
+
+    planted = plant_a_copy(hit)
+    handed: list[str] = []
+    real = HostToolchain.load_unpacked
+
+    def spy(self: HostToolchain, directory: str, artifact: Any) -> Any:
+        handed.append(directory)
+        assert Path(directory) != planted, "the planted copy was loaded"
+        return real(self, directory, artifact)
+
+    monkeypatch.setattr(HostToolchain, "load_unpacked", spy)
+    tiers = ReadOnlyTiers([hit.store], trust=TrustPolicy(mode=mode),  # type: ignore[arg-type]
+                          admit=lambda *a: True, record=lambda e: None)
+    assert not tiers.copies_usable and ReadOnlyTiers(
+        [hit.store], trust=TrustPolicy(), admit=lambda *a: True,
+        record=lambda e: None).copies_usable  # only with trust off
+    fn = load_entry(HostToolchain(), hit.store, hit.result, hit.artifact, read_only=hit.store,
+                    baked_copies=tiers.copies_usable)
+    torch.testing.assert_close(fn(*hit.inputs()), expected(hit))
+    assert handed and all(Path(d) != planted for d in handed), handed
+
+
+def test_cache_bake_replaces_a_copy_already_in_dir(hit: Hit, tmp_path: Path) -> None:
+    from vllm_neuron.compile.commands.warm import bake_keys
+
+    planted = plant_a_copy(hit)
+    source = open_store(str(tmp_path / "pristine-source"))
+    shutil.copytree(hit.tier / hit.key, tmp_path / "pristine-source" / hit.key)
+    result = bake_keys(hit.store, [source], [hit.key], toolchain=HostToolchain())
+    assert not result.failed and result.unpacked == [hit.key], result
+    with zipfile.ZipFile(hit.tier / hit.key / "graph.pt2") as archive:
+        member = archive.read(str(so_of(planted).relative_to(planted)))
+    assert so_of(planted).read_bytes() == member  # made again from the verified package

@@ -32,7 +32,7 @@ from ..entry.events import Fetched
 from ..entry.record import ENTRY_RECORD, EntryProblem, decode_record, read_record
 from ..tiers.quarantine import quarantine_entry
 from ..tiers.remote import fetch_entry
-from ..tiers.unpacked import unpacked_dir
+from ..tiers.unpacked import copy_name, unpacked_dir
 from ..toolchains.base import ARTIFACTS, Toolchain
 from ..trust.policy import TrustPolicy, UntrustedEntry, refusal, trust_policy
 
@@ -220,8 +220,9 @@ def bake_keys(into: Store, sources: Sequence[Store], keys: Sequence[str], *,
     tier where a start compiled them - exactly as `warm_keys` fetches (each file verified
     as it is copied, judged by `policy` first). Then every entry is verified in full and
     judged as a read-only tier's entry will be at each hit (`refusal`, not this node's own
-    tier), what `toolchain` loads from an unpacked copy is unpacked beside it
-    (`tiers/unpacked.py`: nothing to write at a hit), and `BAKE_RECORD` says what was baked."""
+    tier), what `toolchain` loads from an unpacked copy is unpacked beside it, anew from the
+    verified package (`tiers/unpacked.py`: nothing to write at a hit; a copy already there
+    is replaced, never trusted), and `BAKE_RECORD` says what was baked."""
     policy = trust_policy() if policy is None else policy
     result = BakeResult()
     wanted = unique_keys(keys)
@@ -279,5 +280,11 @@ def _unpack_for(store: Store, key: str, toolchain: Toolchain) -> bool:
     source = None if package is None else record.files.get(package)
     if package is None or source is None:
         return False
+    # A copy already in DIR (planted, or left by an older bake) is never kept on its own
+    # record's word - nothing signs it: withdrawn, then made again from the verified package.
+    name = copy_name(key, source)
+    store.unpublish(name)
+    if store.published(name) is not None:
+        raise OSError(f"{store.url}/{name}: the copy already there cannot be replaced")
     unpacked_dir(store, key, prefix, package, source)
     return True

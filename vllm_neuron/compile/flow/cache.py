@@ -158,9 +158,9 @@ class TwoTierCache:
         compile_workers: int | None = None,
         defer_compiles: bool = True,
         read_only: Sequence[str | Store] = (),
-        read_only_own: str | None = None,
+        writes_bypassed: bool = False,
     ) -> None:
-        if disabled and precompiled_only:
+        if disabled and precompiled_only and not (writes_bypassed and read_only):
             raise ValueError(
                 "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 is incompatible with "
                 "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE=1: with no cache nothing can be "
@@ -191,8 +191,11 @@ class TwoTierCache:
         # Consulted after the local tier, before the remote; never written (tiers/baked.py).
         self.read_only = ReadOnlyTiers(
             [open_read_only_tier(t) if isinstance(t, str) else t for t in read_only],
-            trust=self.trust, admit=self._admitted, record=record,
-            own=None if read_only_own is None else open_read_only_tier(read_only_own))
+            trust=self.trust, admit=self._admitted, record=record)
+        # `disabled` because nothing can be written (the assembly's bypass), not because the
+        # user said so: the read-only tiers still serve every hit they hold (a hit writes
+        # nothing); what misses is compiled uncached, or refused in pre-compiled-only mode.
+        self.writes_bypassed = writes_bypassed
         self.remote_url = remote or None
         self.remote_write: RemoteWrite = remote_write
         self._remote = RemoteTier(self.remote_url, remote_options or {}, record,
@@ -347,6 +350,12 @@ class TwoTierCache:
             self._record(CacheHit(key=key, at=time.time(), tier="memory"))
             return msgspec.structs.replace(cached, source="memory", seconds=0.0)
         if self.disabled:
+            if self.writes_bypassed and self.read_only.tiers:
+                baked = self._baked_hit(key)
+                if baked is not None:
+                    return baked
+                if self.precompiled_only:
+                    raise self._precompiled_only_miss(key)
             out_dir, record, seconds = self._builder.uncached(key, ask.compile_fn,
                                                               ask.components, ask.piece)
             return CacheResult(key, out_dir, record, "uncached", seconds, "")
@@ -358,11 +367,8 @@ class TwoTierCache:
                                       compile_seconds=hit.record.compile_seconds))
             self._loaded[key] = hit
             return hit
-        baked = self.read_only.lookup(key) if self.read_only.tiers else None
+        baked = self._baked_hit(key) if self.read_only.tiers else None
         if baked is not None:
-            self._record(CacheHit(key=key, at=time.time(), tier="baked", seconds=baked.seconds,
-                                  compile_seconds=baked.record.compile_seconds))
-            self._loaded[key] = baked
             return baked
         outcome = self._locked_miss(ask)
         if isinstance(outcome, Wait):
@@ -503,6 +509,15 @@ class TwoTierCache:
         out_dir, record, seconds = self._builder.serve_from_scratch(
             ask.key, ask.compile_fn, ask.components, ask.piece, reason)
         return CacheResult(ask.key, out_dir, record, "uncached", seconds, "")
+
+    def _baked_hit(self, key: str) -> CacheResult | None:
+        """A read-only tier's hit for `key` (counted, remembered), or None."""
+        baked = self.read_only.lookup(key)
+        if baked is not None:
+            self._record(CacheHit(key=key, at=time.time(), tier="baked", seconds=baked.seconds,
+                                  compile_seconds=baked.record.compile_seconds))
+            self._loaded[key] = baked
+        return baked
 
     def _compiled(self, outcome: CacheResult | Wait) -> CacheResult:
         if isinstance(outcome, Wait):  # pragma: no cover - a waiting compile never defers

@@ -46,16 +46,20 @@ class ReadOnlyTiers:
     """The read-only tiers of one cache, in the order they are consulted."""
 
     def __init__(self, stores: Sequence[Store], *, trust: TrustPolicy, admit: Admit,
-                 record: Callable[[Record], None], own: Store | None = None) -> None:  # fmt: skip
-        # `own`, consulted first: this user's local tier, that this process cannot write -
-        # judged as this node's (its seals count). The others (baked into an image, filled
-        # elsewhere) by signature alone: their node key is never read (trust/origin.py).
+                 record: Callable[[Record], None]) -> None:  # fmt: skip
+        # Every one judged alike, this user's own root turned read-only included: by
+        # signature alone (its node key never read), its files checksummed once per process
+        # (tiers/local.py). A read-only root may be an image layer prepared elsewhere,
+        # node key and all.
         self.tiers = [
             LocalTier(store, trust=trust, lease_duration=0.0, timeout=0.0, admit=admit,
-                      forget=lambda key: None, read_only=True, record=record,
-                      foreign=store is not own)
-            for store in ([] if own is None else [own]) + list(stores)
+                      forget=lambda key: None, read_only=True, record=record)
+            for store in stores
         ]  # fmt: skip
+        # Whether an entry's baked unpacked copy may be loaded: only with trust off. Nothing
+        # signs a copy (its unpacked.json is the copy's own claim), so under warn or require
+        # the graph loads from its verified package instead (tiers/unpacked.py).
+        self.copies_usable = trust.mode == "off"
 
     @property
     def urls(self) -> list[str]:

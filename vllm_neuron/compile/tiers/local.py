@@ -7,9 +7,13 @@ must happen under the key's lock (a withdrawal that could race a republication) 
 caller's to arrange, which `lookup`'s `quarantine` flag says.
 
 A read-only tier (``read_only``: a baked tier, or a local tier this process cannot write)
-is looked up the same way, judged by the same trust policy, and never written: its events
-go to the `record` it is given (the writable tier's log), and a defective or untrusted
-entry there is skipped - one warning per key and process - never withdrawn or "repaired".
+is looked up the same way, never written, and judged as a tier prepared elsewhere: by
+signature alone (its node key, if one is there, is never read: whoever prepared the image or
+mount had it), and every file checked against the record's digests once per process before
+the entry is first served (`_checksummed`: a signature covers the record, not the bytes a
+size check lets through). Its events go to the `record` it is given (the writable tier's
+log), and a defective or untrusted entry there is skipped - one warning per key and process
+- never withdrawn or "repaired".
 """
 
 from __future__ import annotations
@@ -26,7 +30,14 @@ from vllm_neuron.backends.records import RecordError
 from ..entry.check import verify_entry
 from ..entry.events import EVENTS_STREAM, VerificationFailed
 from ..entry.outcomes import CacheResult
-from ..entry.record import ENTRY_RECORD, EntryProblem, EntryRecord, decode_record, read_record
+from ..entry.record import (
+    ENTRY_RECORD,
+    EntryProblem,
+    EntryRecord,
+    check_checksums,
+    decode_record,
+    read_record,
+)
 from ..entry.text import printable
 from ..trust.policy import TrustPolicy
 from ..trust.signing import Verdict
@@ -56,7 +67,7 @@ class LocalTier:
     def __init__(
         self, store: Store, *, trust: TrustPolicy, lease_duration: float, timeout: float,
         admit: Admit, forget: Callable[[str], object], read_only: bool = False,
-        record: Callable[[Record], None] | None = None, foreign: bool = False,
+        record: Callable[[Record], None] | None = None,
     ) -> None:
         self.store = store
         self.url = store.url  # where the local tier is, for messages and tools
@@ -68,10 +79,13 @@ class LocalTier:
         # The last record bytes read for each key and their decoding: a hit still reads the
         # record and stats every file, but bytes seen before are not decoded again.
         self._decoded: dict[str, tuple[bytes, EntryRecord]] = {}
+        # A read-only tier is never this node's own, even under this user's cache root: it
+        # was prepared where this process could not see (an image layer, a mount), so it is
+        # judged by signature alone and its node key never read (a key shipped with it would
+        # be every pod's: trust/origin.py).
         self.read_only = read_only
-        # Not this node's own tier (a baked image's): judged by signature alone, its node key
-        # never read (a key shipped in an image would be every pod's: trust/origin.py).
-        self.foreign = foreign
+        # Read-only tiers: the record bytes whose files were checksummed, per key.
+        self._checksummed: dict[str, bytes] = {}
         self._skipped: set[str] = set()  # keys of a read-only tier said skipped (once each)
         self._elsewhere = record  # where a read-only tier's events go
         self._events: EventLog | None = None if read_only else store.log(
@@ -142,8 +156,14 @@ class LocalTier:
             store.check_sizes(prefix, record.files)
             trust = self.trust
             verdict = None if trust.mode == "off" else (
-                trust.judge_signed(data, store, prefix) if self.foreign
+                trust.judge_signed(data, store, prefix) if self.read_only
                 else trust.judge_local(record, data, store, prefix))
+            if self.read_only and self._checksummed.get(key) != data and not (
+                    verdict is not None and not verdict.trusted and trust.requires):
+                # Once per process, before its first use: every byte as the (signed) record
+                # says - a replaced file of the same size passes the size check.
+                check_checksums(store, prefix, record)
+                self._checksummed[key] = data
         except Exception as exc:  # noqa: BLE001 - any defect is a miss (plus a quarantine)
             if self.read_only:
                 self.skip(key, str(exc))

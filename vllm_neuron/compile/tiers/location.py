@@ -15,9 +15,11 @@ directory every local user can write, and an explicit root may too.
 
 from __future__ import annotations
 
+import atexit
 import getpass
 import os
 import re
+import shutil
 import tempfile
 from collections.abc import Mapping
 
@@ -31,6 +33,7 @@ from vllm_neuron.envs import (
 )
 from vllm_neuron.envs.compile_cache import VLLM_CACHE_ROOT
 
+from ..toolchains.private_dirs import why_not_a_temp_root
 from .health import (
     LocalTierUnusable,
     check_private_directory,
@@ -186,19 +189,42 @@ def writable_stand_in(
 ) -> tuple[str | None, str | None]:
     """Where a process whose local tier is read-only writes instead: its compiles, their
     unpacked copies, its events and statistics (docs/compile-cache.md, "Read-only and baked
-    tiers"): ``$TMPDIR/vllm_neuron_wdir_$USER/neuron/compile_cache`` (TMPDIR: a pod's
-    writable scratch; shared by the ranks of the node, this user's own, created 0700).
-    (the directory, None), or (None, why it cannot be used)."""
-    user = load_identity_settings(environ).user
-    root = os.path.join(tempfile.gettempdir(), f"vllm_neuron_wdir_{_login_name(user)}")
-    local_dir = os.path.join(root, "neuron", "compile_cache")
+    tiers"). ``$TMPDIR/vllm_neuron_wdir_$USER/neuron/compile_cache`` when no other user can
+    replace that directory (TMPDIR private, or sticky as ``/tmp`` is; shared by the ranks of
+    the node, this user's own, created 0700); else - TMPDIR writable by others and not
+    sticky (a Kubernetes ``emptyDir``), or that name taken by another user - a new private
+    directory of this process (``mkdtemp``: 0700, a name nobody can guess or make first),
+    removed when the process exits. (the directory, None), or (None, why there is none)."""
     try:
-        check_private_directory(root)
-    except LocalTierUnusable as exc:
-        return None, str(exc)
+        temp = tempfile.gettempdir()
+    except OSError as exc:  # FileNotFoundError: no usable temporary directory at all
+        return None, f"no writable temporary directory ({exc})"
+    user = _login_name(load_identity_settings(environ).user)
+    refused = None
+    if why_not_a_temp_root(temp) is None:
+        root = os.path.join(temp, f"vllm_neuron_wdir_{user}")
+        try:
+            check_private_directory(root)
+        except LocalTierUnusable as exc:
+            refused = str(exc)  # another user made it first: one of our own instead
+        else:
+            local_dir = os.path.join(root, "neuron", "compile_cache")
+            make_private_dirs(local_dir)
+            problem = not_own_tier(local_dir) or local_tier_problem(local_dir)
+            return (None, f"{local_dir}: {problem}") if problem else (local_dir, None)
+    try:
+        root = tempfile.mkdtemp(prefix=f"vllm_neuron_wdir_{user}_", dir=temp)  # 0700
+    except OSError as exc:
+        return None, f"{temp}: cannot make a private directory in it ({exc.strerror or exc})"
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    local_dir = os.path.join(root, "neuron", "compile_cache")
     make_private_dirs(local_dir)
-    problem = not_own_tier(local_dir) or local_tier_problem(local_dir)
-    return (None, f"{local_dir}: {problem}") if problem else (local_dir, None)
+    # Made 0700 by this process under a name no one could guess; its parent may be anyone's
+    # to write (that is why it is ours alone), so only the write probe is left to judge.
+    problem = local_tier_problem(local_dir)
+    if problem:
+        return None, f"{local_dir}: {problem}" + (f" ({refused})" if refused else "")
+    return local_dir, None
 
 
 def holds_entries(local_dir: str) -> bool:

@@ -49,6 +49,10 @@ is the entry's fault: a `ToolchainError`, which the runtime heals (withdraw, com
 verified as above, and nothing is written there - a copy that is absent or unsound is
 neither made nor withdrawn; the graph then loads from its package through a private job
 directory of ``$TMPDIR``, removed once loaded (`_load_package`; an unsound one is said once).
+Only with the trust policy ``off``: a copy's ``unpacked.json`` is the copy's own claim,
+signed by no one, so under ``warn`` or ``require`` a baked copy is never loaded - the graph
+loads from its package, whose bytes the tier's lookup checked against the signed record
+(docs/trust.md, "Read-only and baked tiers").
 """
 
 from __future__ import annotations
@@ -258,13 +262,15 @@ _WARNED: set[str] = set()
 
 def load_entry(toolchain: Toolchain, store: Store, result: CacheResult,
                artifact: CompiledArtifact, *, grew: Callable[[], None] | None = None,
-               read_only: Store | None = None) -> Callable[..., Any]:  # fmt: skip
+               read_only: Store | None = None,
+               baked_copies: bool = True) -> Callable[..., Any]:  # fmt: skip
     """Load `result`'s artifact: from the verified copy of its package in `store` (the local
     tier) when the toolchain loads one, else, or when that cannot be, as `toolchain.load`
     does. A package that fails its entry's record is a `ToolchainError` (the entry's
     fault); what fails only in the copy costs a warning, never the load. `grew()` is called
     once a copy is made (the size bound counts copies). `read_only`: the read-only tier
-    the entry is in (see the module doc); nothing is written there."""
+    the entry is in (see the module doc); nothing is written there. `baked_copies`: whether
+    that tier's unpacked copies may be loaded (only with trust off: nothing signs them)."""
     path, package = result.path, toolchain.package_of(artifact)
     if path is None:
         raise RuntimeError(f"{store.url} is not on local disk: {result.key} cannot be loaded")
@@ -274,6 +280,8 @@ def load_entry(toolchain: Toolchain, store: Store, result: CacheResult,
     if source is None or not result.prefix or store.url in _NO_ROOM:
         return _load_package(toolchain, path, package, artifact)  # a scratch compile, no room
     if read_only is not None:
+        if not baked_copies:  # the package its lookup checksummed against the signed record
+            return _load_package(toolchain, path, package, artifact)
         return _load_baked(toolchain, read_only, result, package, source, artifact)
     try:
         directory = unpacked_dir(store, result.key, result.prefix, package, source, made=grew)

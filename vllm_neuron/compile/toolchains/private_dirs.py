@@ -42,7 +42,8 @@ import threading
 from vllm_neuron.envs import default_cache_root
 
 __all__ = ["INDUCTOR_CACHE_DIR", "PRIVATE_DIR", "make_private_dir", "private_fallback",
-           "private_temp_root", "secure_inductor_dirs", "why_not_private"]  # fmt: skip
+           "private_temp_root", "secure_inductor_dirs", "why_not_a_temp_root",
+           "why_not_private"]  # fmt: skip
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -145,7 +146,7 @@ def private_temp_root() -> str:
     (as ``/tmp`` is: each job directory is then made ``0700`` in it), else this user's own
     (`private_fallback`, said once); an OSError when there is neither."""
     root = tempfile.gettempdir()
-    why = _why_not_a_temp_root(root)
+    why = why_not_a_temp_root(root)
     if why is None:
         return root
     fallback = private_fallback("tmp")
@@ -153,7 +154,7 @@ def private_temp_root() -> str:
     return fallback
 
 
-def _why_not_a_temp_root(root: str) -> str | None:
+def why_not_a_temp_root(root: str) -> str | None:
     """None when a directory made ``0700`` in `root` cannot be replaced by another user:
     `root` is private, or root's or this user's and sticky (every directory above it
     private or sticky)."""
