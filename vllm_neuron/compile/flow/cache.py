@@ -492,10 +492,11 @@ class TwoTierCache:
             # lease comes free and another node compiles it.
             self._upkeep.settled(key)
             clear_failure_note(remote, key)
-        except PermissionError as exc:
-            self._remote.write_denied(exc)
         except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-            self._remote.failed(exc)
+            # Leased, so the remote takes writes: a refusal here (that key's folder made
+            # unreadable), a record that does not read, a publication stuck are that key's
+            # defects while the remote still answers a probe; only then its outage.
+            self._remote.key_failed(key, exc)
 
     def _from_scratch(self, ask: _Ask, reason: str) -> CacheResult:
         """The tier cannot be used for this key at all (`reason`): compiled in scratch and
