@@ -71,7 +71,12 @@ from ..entry.events import (
     LockWaited,
     Untrusted,
 )
-from ..entry.failure_notes import clear_failure_note, note_message, recent_failure
+from ..entry.failure_notes import (
+    clear_failure_note,
+    forget_stopped,
+    note_message,
+    recent_failure,
+)
 from ..entry.load_failure_notes import note_load_failure
 from ..entry.outcomes import (
     CacheResult,
@@ -566,6 +571,7 @@ class TwoTierCache:
         if record is None or local is None:
             return None
         seconds = time.perf_counter() - start
+        forget_stopped(self.local, key)
         self._record(Fetched(key=key, at=time.time(), seconds=seconds, size=record.total_size,
                              remote=str(self.remote_url),
                              compile_seconds=record.compile_seconds))
