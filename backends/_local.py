@@ -168,13 +168,16 @@ class LocalStore(Store):
             if max_names is None:
                 return sorted(n for n in os.listdir(self._path(prefix)) if not is_temp(n))
             names: builtins.list[str] = []
+            scanned = 0
             with os.scandir(self._path(prefix)) as entries:  # read no further than the bound
                 for entry in entries:
-                    if is_temp(entry.name):
-                        continue
-                    if len(names) == max_names:
+                    # Every name read counts, temp-looking ones too: a writer of the tier
+                    # can name millions of files like a temp file.
+                    if scanned == max_names:
                         raise too_many_names(self.url, prefix, max_names)
-                    names.append(entry.name)
+                    scanned += 1
+                    if not is_temp(entry.name):
+                        names.append(entry.name)
             return sorted(names)
         except (FileNotFoundError, NotADirectoryError):
             return []

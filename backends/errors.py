@@ -60,6 +60,13 @@ class LeaseUnusable(StoreError):
     outage."""
 
 
+class PublicationStuck(StoreError):
+    """A broken commit record of one key that a commit could not replace within its one
+    deadline (`publication.REPAIR_ATTEMPTS` times `TOMBSTONE_PATIENCE`): its withdrawal is
+    held by a tombstone someone keeps rewriting (or a killed withdrawer's). A defect of that
+    key, never the store's outage: the caller serves its own copy and goes on."""
+
+
 class LeaseLost(StoreError):
     """A lease holder discovered that its lease expired and another holder took over.
 

@@ -35,7 +35,10 @@ withdrawals of one version never both succeed:
   A withdrawer killed while holding a tombstone leaves it under ``.v/``, where
   `Store.survey` lists it (`cache gc` removes it after 6 hours); a commit that must
   replace that version's broken record removes it once it has seen it unchanged for
-  `TOMBSTONE_PATIENCE` (a killed withdrawer's, or one planted by a writer of the store).
+  `TOMBSTONE_PATIENCE` (a killed withdrawer's, or one planted by a writer of the store),
+  and at the latest at the commit's one deadline (`REPAIR_ATTEMPTS` patiences after its
+  first sighting of a tombstone, never reset: a writer rewriting the tombstone cannot
+  hold a commit for ever); a commit still refused then is `PublicationStuck`.
 * rename: the withdrawer renames ``final`` into ``.trash/<uuid>/`` (one rename wins), then
   compares the version of what it moved; if it is not `v` (another publication took the
   judged one's place), it renames it back, or, if yet another was published meanwhile,
@@ -52,7 +55,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Literal
 
-from .errors import ListingTooLarge, StoreError
+from .errors import ListingTooLarge, PublicationStuck
 from .keys import join, validate_key
 from .layout import COMMIT_RECORD, STAGING_DIR, TRASH_DIR, VERSIONS_DIR
 from .operations import where
@@ -212,15 +215,33 @@ def _withdraw_commit(store: ByteStore, final: str, version: str) -> bool:
             store.delete_tree(join(final, VERSIONS_DIR, version))
         return True
     finally:
-        store.delete_tree(tombstone)
+        _drop_tombstone(store, tombstone)
 
 
-def _outwait_tombstone(store: ByteStore, tombstone: str) -> None:
+TOMBSTONE_MAX_NAMES = 16
+"""Names a tombstone folder is cleared of at most: a withdrawer writes one (``owner``);
+anything else there was planted, and is left to `cache gc` rather than listed whole."""
+
+
+def _drop_tombstone(store: ByteStore, tombstone: str) -> None:
+    """Remove `tombstone`'s ``owner`` (what holds the withdrawal) and at most
+    `TOMBSTONE_MAX_NAMES` other files planted beside it, never listing it whole."""
+    store.delete(join(tombstone, "owner"))
+    try:
+        names = store.list_dir(tombstone, max_names=TOMBSTONE_MAX_NAMES)
+    except ListingTooLarge:
+        return  # planted by the million: debris for `cache gc`
+    for name in names:
+        store.delete(join(tombstone, name))
+
+
+def _outwait_tombstone(store: ByteStore, tombstone: str, deadline: float) -> None:
     """Wait until the withdrawal holding `tombstone` is done: its owner file gone, or the
-    same bytes seen for `TOMBSTONE_PATIENCE` seconds on this process's monotonic clock -
-    then the tombstone is a dead or planted one, and is removed (a live withdrawer that
-    slow would at worst withdraw the version that replaces it: a compile, never a wrong
-    entry)."""
+    same bytes seen for `TOMBSTONE_PATIENCE` seconds on this process's monotonic clock, or
+    the commit's `deadline` (monotonic) passed, however often the bytes changed (a writer
+    of the store can rewrite them for ever) - then the tombstone is a dead or planted one,
+    and is removed (a live withdrawer that slow would at worst withdraw the version that
+    replaces it: a compile, never a wrong entry)."""
     owner, delay = join(tombstone, "owner"), 0.02
     seen: tuple[bytes, float] | None = None
     while True:
@@ -233,10 +254,10 @@ def _outwait_tombstone(store: ByteStore, tombstone: str) -> None:
         now = time.monotonic()
         if seen is None or seen[0] != data:
             seen = (data, now)
-        elif now - seen[1] >= TOMBSTONE_PATIENCE:
-            store.delete_tree(tombstone)
+        if now - seen[1] >= TOMBSTONE_PATIENCE or now >= deadline:
+            _drop_tombstone(store, tombstone)
             return
-        time.sleep(delay)
+        time.sleep(min(delay, max(deadline - now, 0.0)))
         delay = min(delay * 2, 0.5)
 
 
@@ -246,7 +267,7 @@ def commit_staged(store: ByteStore, final: str, prefix: str) -> bool:
 
     On a commit-record store a broken commit record of ``final`` is replaced: withdrawn
     (conditionally on its version, so one repairer withdraws it and a valid record that
-    took its place is never touched), then this commit is created again. `StoreError`
+    took its place is never touched), then this commit is created again. `PublicationStuck`
     when it stays broken (a withdrawal killed while holding the record's tombstone).
     """
     if store.capabilities.atomic_rename:
@@ -259,6 +280,7 @@ def commit_staged(store: ByteStore, final: str, prefix: str) -> bool:
     record = encode(CommitRecord(version=version, committed_at=time.time(), empty=empty))
     key = join(final, COMMIT_RECORD)
     current = ABSENT
+    deadline: float | None = None  # one per commit, set at the first tombstone, never reset
     for _ in range(REPAIR_ATTEMPTS):
         if store.create(key, record):
             return True
@@ -269,11 +291,15 @@ def commit_staged(store: ByteStore, final: str, prefix: str) -> bool:
         broken = current.version if current.state == "broken" else None
         if broken is not None and not _withdraw_commit(store, final, broken):
             # Another repairer (or a withdrawer) holds it: let it finish, within bounds.
-            _outwait_tombstone(store, join(final, VERSIONS_DIR, WITHDRAWAL + broken))
+            if deadline is None:
+                deadline = time.monotonic() + REPAIR_ATTEMPTS * TOMBSTONE_PATIENCE
+            _outwait_tombstone(store, join(final, VERSIONS_DIR, WITHDRAWAL + broken),
+                               deadline)  # fmt: skip
     store.delete_tree(prefix)
-    raise StoreError(
+    raise PublicationStuck(
         f"{where(store, final)} has a broken commit record that cannot be replaced "
         f"({current.problem}); its withdrawal is held by "
         f"{where(store, join(final, VERSIONS_DIR, WITHDRAWAL + str(current.version)))}, "
-        "left by a killed process (`vllm-neuron cache prune` removes it after 6 hours)"
+        "left by a killed process or rewritten by a writer of the store (`vllm-neuron "
+        "cache prune` removes it after 6 hours)"
     )

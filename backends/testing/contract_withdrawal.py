@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from .. import publication
+from ..errors import PublicationStuck, StoreError
 from ..keys import join
 from ..layout import COMMIT_RECORD, VERSIONS_DIR
 from ..store import Store
@@ -278,3 +279,51 @@ class CommitRecordContractTests:
             assert staging.commit()
         assert published_files(store, "e") == {"a": b"A"}
         assert not store.list(tombstone)
+
+    def test_a_tombstone_rewritten_for_ever_stops_a_commit_one_deadline_at_most(
+        self, store: Store, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        """A writer of the store who rewrites a planted tombstone's ``owner`` faster than
+        `TOMBSTONE_PATIENCE` (so it never looks unchanged) holds a commit up to its one
+        deadline, `REPAIR_ATTEMPTS` patiences, never reset: then the commit either got
+        through or raises `PublicationStuck`, a defect of that key - never loops for ever
+        (it holds the key's lock and lease meanwhile). A tombstone stuffed with names is
+        never listed whole."""
+        monkeypatch.setattr(publication, "TOMBSTONE_PATIENCE", 0.1)
+        store.write(join("e", COMMIT_RECORD), b"garbage")
+        version = store.publication("e").version
+        assert version is not None
+        tombstone = join("e", VERSIONS_DIR, "withdraw-" + version)
+        for i in range(publication.TOMBSTONE_MAX_NAMES + 5):
+            store.write(join(tombstone, f"junk{i}"), b"x")
+        stop, rewrites = threading.Event(), [0]
+
+        def rewrite() -> None:
+            while not stop.is_set():
+                rewrites[0] += 1
+                store.write(join(tombstone, "owner"), f"mallory {rewrites[0]}".encode())
+
+        store.write(join(tombstone, "owner"), b"mallory 0")
+        real_list = store.list
+
+        def never_the_tombstone_whole(prefix: str = "") -> list[str]:
+            assert not prefix.startswith(tombstone), f"listed {prefix} whole"
+            return real_list(prefix)
+
+        monkeypatch.setattr(store, "list", never_the_tombstone_whole)
+        adversary = threading.Thread(target=rewrite, daemon=True)
+        adversary.start()
+        bound = publication.REPAIR_ATTEMPTS * publication.TOMBSTONE_PATIENCE
+        started = time.monotonic()
+        try:
+            with store.stage("e") as staging:
+                staging.write("a", b"A")
+                try:
+                    staging.commit()
+                except StoreError as exc:
+                    assert isinstance(exc, PublicationStuck), exc
+        finally:
+            stop.set()
+            adversary.join(HANG)
+        assert time.monotonic() - started < bound + 5.0
+        assert rewrites[0] > 1

@@ -6,6 +6,7 @@ test_lease_forgery.py."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -33,6 +34,41 @@ def test_a_listing_stops_past_its_bound(store: Any) -> None:
         store.list_dir("d", max_names=4)
     assert store.list_dir("missing", max_names=0) == []
     assert store.list_dir("d") == ["f0", "f1", "f2", "f3", "sub"]  # unbounded as before
+
+
+def test_temp_looking_names_count_against_the_bound(tmp_path: Any,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a folder store a writer can name every file like an in-flight temp file (never
+    listed as a key): each one read still counts, so the scan stops one past the bound
+    instead of reading all 500 and answering "empty"."""
+    store = open_store(str(tmp_path / "store"))
+    folder = tmp_path / "store" / "d"
+    folder.mkdir()
+    for i in range(500):
+        (folder / f"x{i}.0123456789abcdef-1.partial").write_bytes(b"")
+    scanned = [0]
+    real_scandir = os.scandir
+
+    class Counting:
+        def __init__(self, path: str) -> None:
+            self.inner = real_scandir(path)
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: Any) -> None:
+            self.inner.close()
+
+        def __iter__(self) -> Any:
+            for entry in self.inner:
+                scanned[0] += 1
+                yield entry
+
+    monkeypatch.setattr(os, "scandir", Counting)
+    with pytest.raises(ListingTooLarge, match="more than the 100 names"):
+        store.list_dir("d", max_names=100)
+    assert scanned[0] <= 101
+    assert store.list_dir("d", max_names=1000) == []  # within the bound: none is a key
 
 
 def test_a_version_folder_is_never_listed_whole(store: Any, monkeypatch: pytest.MonkeyPatch

@@ -29,7 +29,15 @@ from vllm_neuron.compile.entry.failure_notes import (
     write_failure_note,
 )
 from vllm_neuron.compile.entry.load_failure_notes import note_load_failure
-from vllm_neuron.compile.entry.notes import FAILURES, LOAD_FAILURES, QUARANTINE
+from vllm_neuron.compile.entry.notes import (
+    FAILURES,
+    LOAD_FAILURES,
+    QUARANTINE,
+    STOPPED,
+    STOPPED_NOTES,
+    StoppedNote,
+)
+from vllm_neuron.compile.flow.cache import TwoTierCache
 from vllm_neuron.compile.tiers.quarantine import quarantine_entry
 from vllm_neuron.compile.trust.signing import (
     TrustedKeys,
@@ -171,3 +179,46 @@ def test_secrets_never_reach_a_note_on_a_shared_tier(store, monkeypatch) -> None
     written += [store.read(f) for f in store.list(LOAD_FAILURES.directory)]
     assert len(written) == 3 and all(w is not None and b"401" in w for w in written)
     assert not any(SECRET.encode() in (w or b"") for w in written)
+
+
+def _stopped_at(local: Any, k: str) -> float | None:
+    held = STOPPED_NOTES.read(local, STOPPED.path(k))
+    return None if held is None else held.at
+
+
+@pytest.mark.parametrize("planted", ["stale", "future"])
+def test_a_stale_or_future_stopped_note_neither_stops_nor_disables_the_bound(
+    tmp_path, clock, planted
+) -> None:
+    """This node's ``.stopped/<key>.json`` older than two retry periods (a stop long over,
+    or planted to disable the bound) or dated past the skew margin (planted to stop the key
+    for ever) reads as absent and is written anew: a fresh note stops the compile one retry
+    period, counted from now."""
+    remote, local = open_store(str(tmp_path / "remote")), open_store(str(tmp_path / "local"))
+    k = key()
+    now = real_time.time()
+    at = now - 3 * RETRY if planted == "stale" else now + 100 * CLOCK_SKEW
+    local.write(STOPPED.path(k), encode(StoppedNote(at=at, pid=1)))
+    remote.write(FAILURES.path(k), note(now))
+
+    assert recent_failure(remote, k, since=0.0, retry_after=RETRY, stopped_in=local) is not None
+    rewritten = _stopped_at(local, k)
+    assert rewritten is not None and abs(rewritten - now) < CLOCK_SKEW
+    clock.mono += RETRY + 1  # one retry period later: compiled here
+    assert recent_failure(remote, k, since=0.0, retry_after=RETRY, stopped_in=local) is None
+
+
+def test_a_compile_or_a_fetch_forgets_when_notes_stopped_the_key(tmp_path, compile_fn) -> None:
+    """Once the key compiled (or was fetched) on this node, its ``.stopped/<key>.json`` is
+    gone: a later failure note counts its retry period anew, never from a stop long over."""
+    remote = str(tmp_path / "remote")
+    k = key()
+    for node in ("builder", "fetcher"):
+        local = open_store(str(tmp_path / node))
+        local.write(STOPPED.path(k), encode(StoppedNote(at=real_time.time() - 10, pid=1)))
+    builder = TwoTierCache(str(tmp_path / "builder"), remote=remote)
+    assert builder.get_or_compile(k, compile_fn(k)).source == "compiled"
+    fetcher = TwoTierCache(str(tmp_path / "fetcher"), remote=remote)
+    assert fetcher.get_or_compile(k, compile_fn(k, fail="must not compile")).source == "remote"
+    for node in ("builder", "fetcher"):
+        assert _stopped_at(open_store(str(tmp_path / node)), k) is None, node

@@ -14,12 +14,14 @@ from __future__ import annotations
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 from cache_workers import SAFETY, finish_workers, worker_command, worker_env
 
-from vllm_neuron.backends import StoreAccessDenied, open_store
+from vllm_neuron.backends import PublicationStuck, StoreAccessDenied, open_store
+from vllm_neuron.backends.errors import ListingTooLarge
 from vllm_neuron.backends.records import LeaseRecord, encode
 from vllm_neuron.compile.entry.events import read_stats
 from vllm_neuron.compile.flow.cache import TwoTierCache
@@ -102,15 +104,19 @@ def test_a_lease_renewed_for_ever_by_a_writer_who_never_publishes_delays_one_coo
 # ------------------------------------------------------------------ one key's object refused
 
 
-def _refusing(cache: TwoTierCache, key: str) -> None:
+def _refusing(cache: TwoTierCache, key: str,
+              error: Callable[[str, str], Exception] | None = None) -> None:  # fmt: skip
     """Make the cache's remote refuse every read of `key`'s objects, as S3 answers a
-    per-object ``AccessDenied`` (the storage layer's `StoreAccessDenied`)."""
+    per-object ``AccessDenied`` (the storage layer's `StoreAccessDenied`), or with
+    `error(url, path)`."""
     remote = cache.remote
     assert remote is not None
     read, publication = remote.read, remote.publication
 
     def refuse(path: str) -> None:
         if path.startswith(key):
+            if error is not None:
+                raise error(remote.url, path)
             raise StoreAccessDenied(f"S3 store {remote.url} refused GetObject (AccessDenied: "
                                     f"{path})")  # fmt: skip
 
@@ -150,3 +156,38 @@ def test_one_keys_refused_object_is_that_keys_defect_while_the_remote_answers(
         assert [w for w in cache_warnings() if "refused" in w and KEY in w], cache_warnings()
     else:
         assert (other, outages) == ("compiled", 1)
+
+
+THIRD = "b057b057b057b057b057b057b057b0ee"
+
+KEY_DEFECTS: dict[str, Callable[[str, str], Exception]] = {
+    # a folder remote's `<key>` made mode 000 by another user (EACCES)
+    "refused": lambda url, path: PermissionError(13, "Permission denied", f"{url}/{path}"),
+    # a broken commit record whose tombstone a writer keeps rewriting
+    "stuck": lambda url, path: PublicationStuck(f"{url}/{path} has a broken commit record "
+                                                "that cannot be replaced"),  # fmt: skip
+    # a version folder stuffed with names
+    "over-full": lambda url, path: ListingTooLarge(f"{url}/{path}", "holds more than the "
+                                                   "1 names its reader lists"),  # fmt: skip
+}
+
+
+@pytest.mark.parametrize("defect", sorted(KEY_DEFECTS))
+def test_one_keys_defect_met_by_its_promotion_leaves_the_remote_to_every_other_key(
+    tmp_path, compile_fn, cache_warnings, defect
+):
+    """The node wins `KEY`'s lease, compiles it, and its promotion meets that key's defect
+    (refused, stuck, over-full): one warning for that key; the remote is neither set aside
+    nor taken for read-only, so the next key the node compiles is promoted for the fleet
+    (issue 39: one key's defect is never the whole remote's)."""
+    remote = str(tmp_path / "remote")
+    node = TwoTierCache(str(tmp_path / "node"), remote=remote, remote_options={"lock": "lease"})
+    _refusing(node, KEY, KEY_DEFECTS[defect])
+
+    assert node.get_or_compile(KEY, compile_fn(KEY)).source == "compiled"
+    assert node.get_or_compile(THIRD, compile_fn(THIRD)).source == "compiled"
+
+    assert open_store(remote).published(THIRD) is not None
+    assert read_stats(str(tmp_path / "node")).remote_outages == 0
+    assert [w for w in cache_warnings() if KEY in w], cache_warnings()
+    assert not [w for w in cache_warnings() if "VLLM_NEURON_REMOTE_WRITE=off" in w]

@@ -149,3 +149,29 @@ def test_gc_keeps_a_note_whose_entry_is_there_and_collects_one_without(tmp_path,
     outcome = plan.execute()
     assert not outcome.failed and not outcome.stayed
     assert owed_keys(store) == [KEY]
+
+
+def test_an_unusable_lease_folder_drops_that_keys_note_never_the_remote(
+    tmp_path, compile_fn, cache_warnings
+):
+    """A writer of the remote plants a file where one owed key's lease folder goes: the
+    next start's promotion of that key waits one lease period, then drops its note with
+    one warning (the fleet compiles it where it misses it); the remote is no outage, and
+    the other owed key is promoted (docs/trust.md, issue 39)."""
+    node, remote = str(tmp_path / "node"), str(tmp_path / "remote")
+    down = TwoTierCache(node, remote=remote, remote_options=READER)
+    for key in (KEY, OTHER):
+        assert down.get_or_compile(key, compile_fn(key)).source == "compiled"
+    assert owed_keys(open_store(node)) == sorted([KEY, OTHER])
+
+    os.mkdir(remote)
+    open_store(remote).write(f".locks/{KEY}", b"not a folder")
+    restarted = TwoTierCache(node, remote=remote, remote_options={**READER, "lock": "lease"},
+                             remote_lease_seconds=0.5)  # fmt: skip
+    assert restarted.wait_for_upkeep(timeout=60)
+
+    shared = open_store(remote)
+    assert shared.published(OTHER) is not None and shared.published(KEY) is None
+    assert owed_keys(open_store(node)) == []
+    assert read_stats(node).remote_outages == 1  # the first start's, only
+    assert [w for w in cache_warnings() if "cannot be used" in w and KEY in w]

@@ -22,7 +22,10 @@ trust.md): it can make a node compile, never stop it for good.
   caller's ``stopped_in``, this node's own local tier - in ``.stopped/<key>.json``
   (`notes.STOPPED`, this node's clock), so that a server that crashes and starts again is
   not stopped anew by each process; whichever has run longer decides. `cache gc` collects
-  that note after two retry periods (`notes.Expiry.TWO_COOL_DOWNS`).
+  that note after two retry periods (`notes.Expiry.TWO_COOL_DOWNS`); one older than that,
+  or dated past `CLOCK_SKEW` ahead, is read as absent (written anew), so a stale or planted
+  one neither stops a key nor disables the bound; the key's compile or fetch removes it
+  (`forget_stopped`).
 - The caller may ask for a signature (`recent_failure`'s ``verify``: under ``require``, a
   builder's note on the remote): a note without one that verifies is ignored (one warning).
 - What a note says reaches a message only through `printable`: capped at
@@ -181,7 +184,8 @@ def recent_failure(
         first = _FIRST_STOPPED.setdefault((store.url, key), now)
         stopped = now - first
         if stopped_in is not None:
-            stopped = max(stopped, time.time() - _first_stopped_on_node(stopped_in, key))
+            stopped = max(stopped, time.time() - _first_stopped_on_node(stopped_in, key,
+                                                                          retry_after))
         if stopped >= retry_after:
             _warn_once(store, key, "retried", "compile cache: failure notes in %s have "
                        "stopped the compile of %s for %.0f s (VLLM_NEURON_COMPILE_RETRY_AFTER); "
@@ -190,12 +194,14 @@ def recent_failure(
     return note
 
 
-def _first_stopped_on_node(local: Store, key: str) -> float:
+def _first_stopped_on_node(local: Store, key: str, retry_after: float) -> float:
     """When (epoch seconds) notes first stopped this node's compile of `key`, as `local`'s
-    ``.stopped/<key>.json`` says; now, when it says nothing usable (absent, unreadable, or
-    dated ahead of this clock: a clock set back), the note then written (created if absent,
-    so that of two processes the first one's time holds). A tier that refuses it costs the
-    bound across restarts, never the look: this process's own count still holds (one
+    ``.stopped/<key>.json`` says; now, when it says nothing usable (absent, unreadable,
+    dated more than `CLOCK_SKEW` ahead of this clock - a clock set back, or a note planted
+    to stop the key - or older than two retry periods: a stale one, of a stop long over,
+    or planted to disable the bound), the note then written (created if absent, so that of
+    two processes the first one's time holds). A tier that refuses it costs the bound
+    across restarts, never the look: this process's own count still holds (one
     warning)."""
     path = STOPPED.path(key)
     now = time.time()
@@ -205,7 +211,8 @@ def _first_stopped_on_node(local: Store, key: str) -> float:
         except (RecordError, ValueError, RecursionError):
             held = None
             local.delete(path)  # torn or not ours: written anew below
-        if held is not None and math.isfinite(held.at) and held.at <= now + CLOCK_SKEW:
+        if held is not None and math.isfinite(held.at) \
+                and now - 2 * retry_after <= held.at <= now + CLOCK_SKEW:  # fmt: skip
             return min(held.at, now)
         fresh = encode(StoppedNote(at=now, pid=os.getpid()))
         if held is not None:
@@ -219,6 +226,16 @@ def _first_stopped_on_node(local: Store, key: str) -> float:
                    "notes first stopped the compile of %s in %s (%s); counted in this process "
                    "only", key, local.url, printable(str(exc), 200))  # fmt: skip
     return now
+
+
+def forget_stopped(local: Store, key: str) -> None:
+    """`key` compiled or was fetched on this node: no failure note stops it any more, so
+    when notes first stopped it is forgotten (this process's count, and `local`'s
+    ``.stopped/<key>.json``); a later note counts its retry period anew. Best-effort."""
+    for stopped in [k for k in _FIRST_STOPPED if k[1] == key]:
+        _FIRST_STOPPED.pop(stopped, None)
+    with contextlib.suppress(Exception):
+        local.delete(STOPPED.path(key))
 
 
 def clear_failure_note(store: Store, key: str) -> None:

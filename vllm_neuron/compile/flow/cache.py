@@ -71,7 +71,12 @@ from ..entry.events import (
     LockWaited,
     Untrusted,
 )
-from ..entry.failure_notes import clear_failure_note, note_message, recent_failure
+from ..entry.failure_notes import (
+    clear_failure_note,
+    forget_stopped,
+    note_message,
+    recent_failure,
+)
 from ..entry.load_failure_notes import note_load_failure
 from ..entry.outcomes import (
     CacheResult,
@@ -498,10 +503,11 @@ class TwoTierCache:
             # lease comes free and another node compiles it.
             self._upkeep.settled(key)
             clear_failure_note(remote, key)
-        except PermissionError as exc:
-            self._remote.write_denied(exc)
         except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-            self._remote.failed(exc)
+            # Leased, so the remote takes writes: a refusal here (that key's folder made
+            # unreadable), a record that does not read, a publication stuck are that key's
+            # defects while the remote still answers a probe; only then its outage.
+            self._remote.key_failed(key, exc)
 
     def _from_scratch(self, ask: _Ask, reason: str) -> CacheResult:
         """The tier cannot be used for this key at all (`reason`): compiled in scratch and
@@ -580,6 +586,7 @@ class TwoTierCache:
         if record is None or local is None:
             return None
         seconds = time.perf_counter() - start
+        forget_stopped(self.local, key)
         self._record(Fetched(key=key, at=time.time(), seconds=seconds, size=record.total_size,
                              remote=str(self.remote_url),
                              compile_seconds=record.compile_seconds))

@@ -29,7 +29,12 @@ from vllm_neuron.backends import Record, Staging, Store, fault_point, open_store
 from vllm_neuron.envs import redact_text
 
 from ..entry.events import CacheMiss, Compiled, CompileFailed
-from ..entry.failure_notes import clear_failure_note, describe, write_failure_note
+from ..entry.failure_notes import (
+    clear_failure_note,
+    describe,
+    forget_stopped,
+    write_failure_note,
+)
 from ..entry.outcomes import CompileWorkerLost
 from ..entry.record import ENTRY_RECORD, EntryRecord, build_record, encode_record
 from ..trust.origin import seal
@@ -267,6 +272,7 @@ class EntryBuilder:
             target=self.target, on_failure=lambda exc: self._failed(key, exc, piece),
             sign=self._sign)
         clear_failure_note(self.local, key)
+        forget_stopped(self.local, key)
         self._compiled(key, record, seconds, piece)
         return record, seconds
 

@@ -148,7 +148,7 @@ def _remote_problem(remote: Store, hash_key: str, there: Publication,
     except RecordError as exc:
         return f"{exc.source} is unreadable: {exc.problem}"
     if found.key != hash_key:
-        return f"{remote.url}/{hash_key}: record names key {found.key}"
+        return f"{remote.url}/{hash_key}: record names key {printable(found.key, 100)}"
     if policy.checking and policy.signer is not None:
         verdict = policy.judge(record_bytes, signature)
         if not verdict.trusted:

@@ -27,7 +27,9 @@ import msgspec
 
 from vllm_neuron.backends import (
     IntegrityError,
+    LeaseUnusable,
     Progress,
+    PublicationStuck,
     Record,
     Store,
     copy_verified,
@@ -49,6 +51,15 @@ from ..trust.signing import SIGNATURE_FILE, Verdict
 from .quarantine import PublicationProblem
 
 logger = logging.getLogger("vllm_neuron.compile")
+
+KEY_DEFECTS: tuple[type[BaseException], ...] = (
+    PermissionError, NotADirectoryError, IsADirectoryError, RecordError, LeaseUnusable,
+    PublicationStuck)
+"""What a writer of the remote can leave at one key, and so that key's defect while the
+remote answers a probe (`RemoteTier.key_failed`): a refusal or a path that is no
+directory (S3's per-object ``AccessDenied``, EACCES, ENOTDIR, EISDIR), a record or folder
+that does not read within its bounds (`RecordError`, `ListingTooLarge`), a lease folder
+that cannot be used, a broken commit record its tombstone holds (`PublicationStuck`)."""
 
 REMOTE_RETRY_AFTER = 60.0
 """Seconds the remote is set aside after the failure that starts an outage."""
@@ -175,14 +186,12 @@ class RemoteTier:
         )
 
     def key_failed(self, key: str, exc: BaseException) -> None:
-        """A remote operation on `key` failed. A refusal or a path that is no directory
-        (S3's per-object ``AccessDenied``, EACCES, ENOTDIR, EISDIR: what a writer of the
+        """A remote operation on `key` failed. A `KEY_DEFECTS` error (what a writer of the
         remote can leave at one key) is a defect of that key when a fresh probe of the
         remote still answers: one warning per key, the key is compiled here, and the
         remote stays in use for every other key. Anything else, or a probe that fails
         too, is the remote's (`failed`)."""
-        if isinstance(exc, (PermissionError, NotADirectoryError, IsADirectoryError)) \
-                and self._answers():  # fmt: skip
+        if isinstance(exc, KEY_DEFECTS) and self._answers():
             if key not in self._key_defects:
                 self._key_defects.add(key)
                 logger.warning("compile cache: remote tier %s refused %s (%s), though it "

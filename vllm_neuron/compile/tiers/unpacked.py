@@ -86,6 +86,7 @@ from ..entry.notes import (
     copy_key,
 )
 from ..entry.outcomes import CacheResult
+from ..entry.text import printable
 from ..toolchains.base import CompiledArtifact, Toolchain, ToolchainError
 from ..toolchains.op_libraries import MissingOpLibrary
 from ..workers.job_dirs import PreparedJob, owned_job_dir
@@ -177,8 +178,9 @@ def _sound(store: Store, name: str, key: str, package: str, source: FileDigest) 
     except RecordError as exc:
         raise _Unsound(f"{exc.source} does not read: {exc.problem}") from None
     if (record.key, record.package, record.source) != (key, package, source):
-        raise _Unsound(f"{where}: its record names another package ({record.key}/"
-                       f"{record.package}, {record.source.size} bytes)")  # fmt: skip
+        raise _Unsound(f"{where}: its record names another package "
+                       f"({printable(record.key, 100)}/{printable(record.package, 200)}, "
+                       f"{record.source.size} bytes)")  # fmt: skip
     expected = {join(prefix, rel) for rel in record.files}
     present = set(store.list(prefix)) - {join(prefix, UNPACKED_RECORD)}
     if present != expected:

@@ -33,10 +33,11 @@ import socket
 import time
 from collections.abc import Callable
 
-from vllm_neuron.backends import LockTimeout, Store
+from vllm_neuron.backends import LeaseUnusable, LockTimeout, Store
 from vllm_neuron.backends.records import RecordError, encode
 
 from ..entry.notes import OWED, OWED_DIR, OWED_NOTES, OwedPromotion
+from ..entry.text import printable
 from ..tiers.promote import CannotSign, LocalEntryProblem, promote_entry
 from ..tiers.remote import RemoteTier
 from ..trust.policy import TrustPolicy
@@ -146,7 +147,8 @@ def _promote_owed(
     quarantine: Callable[[str, str], None], policy: TrustPolicy | None = None,
 ) -> bool:
     """Promote one owed key under its local lock; False when the pass must stop (the
-    remote failed or refuses writes)."""
+    remote failed or refuses writes: its lease could not be taken). What fails at that
+    key alone (its lease folder, its publication) never stops the pass."""
     lease = remote.lock(key, lease_duration=lease_seconds)
     try:
         # Held: by the killed process that owed this (free once its lease expires) or by
@@ -155,6 +157,16 @@ def _promote_owed(
     except LockTimeout:
         logger.debug("compile cache: %s is being compiled on %s; its promotion waits", key,
                      remote.url)  # fmt: skip
+        return True
+    except (LeaseUnusable, RecordError) as exc:
+        # That key's lease folder cannot be used (a file, over-full, a link out of the
+        # remote; held one period first): a defect of that key, never the remote's. The
+        # note goes - every later start would meet the same folder - and the fleet
+        # compiles the key where it misses it.
+        logger.warning("compile cache: the remote lease of %s on %s cannot be used (%s); "
+                       "its owed promotion is dropped", key, remote.url,
+                       printable(str(exc), 300))  # fmt: skip
+        promotion_settled(local, key)
         return True
     except Exception as exc:  # noqa: BLE001 - the remote is best-effort
         return _remote_refused(tier, exc)
@@ -171,7 +183,11 @@ def _promote_owed(
         promotion_settled(local, key)
         return True
     except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-        return _remote_refused(tier, exc)
+        # Leased, so the remote took a write: what fails now is that key's (its folder
+        # refused, a publication stuck) unless a fresh probe fails too (`key_failed`); the
+        # note stays, and the pass goes on while the remote is in use.
+        tier.key_failed(key, exc)
+        return True
     finally:
         with contextlib.suppress(Exception):
             lease.release()
