@@ -87,7 +87,7 @@ def test_prometheus_text_equals_the_json_stats(busy_cache: str,
     found = samples(capsys.readouterr().out)
     p = "vllm_neuron_cache_"
     hits = {labels[0][1]: v for (n, labels), v in found.items() if n == p + "hits_total"}
-    assert hits == {"memory": 1, "local": 1, "remote": 2}
+    assert hits == {"memory": 1, "local": 1, "remote": 2, "baked": 0}  # every tier a series
     assert hits == {t: stats["hits_by_tier"].get(t, 0) for t in hits}
     for name, field in [("misses", "misses"), ("compiles", "compiles"),
                         ("compile_failures", "compile_failures"), ("promotions", "promotions"),
