@@ -55,7 +55,10 @@ def test_seed_tp2_example_field_by_field(tmp_path, cache_root, monkeypatch):
                   environment={"python": "3.13.7", "torch": "2.11.0", "vllm": "0.24.0"})
 
     written = json.loads((tmp_path / "manifests" / "dev0_7" / "manifest.json").read_bytes())
-    assert list(written) == ["manifest_version", "config", "graphs", "environment"]
+    # The seed's fields in the seed's order; then ours: where the compile cache was (no
+    # snapshot root: capture was off), so a replay or check needs no other option.
+    assert list(written) == ["manifest_version", "config", "graphs", "environment", "locations"]
+    assert written["locations"] == {"compile_cache": os.path.abspath(cache_root)}
     assert written["manifest_version"] == "1"
     assert written["config"] == {
         "model": "TinyLlama/TinyLlama-1.1B-Chat-v1.0",

@@ -77,7 +77,8 @@ def test_a_ledger_line_names_its_piece_and_an_old_line_names_none():
 def test_the_manifest_groups_a_pieces_rank_specific_variants(tmp_path, tp_cache):
     engine, manifest = emit_tp(tmp_path, tp_cache)
     written = json.loads((tmp_path / "m" / "nodev" / "manifest.json").read_bytes())
-    assert list(written) == ["manifest_version", "config", "graphs", "environment", "pieces"]
+    assert list(written) == ["manifest_version", "config", "graphs", "environment", "pieces",
+                            "locations"]
     by_hash = {g["graph_hash"]: g for g in written["graphs"]}
     assert by_hash[EMBED_RANK[1]]["pieces"] == [
         {"piece": {"model": "backbone", "start": 1, "end": 2048, "subgraph": 0}, "ranks": [1]}]

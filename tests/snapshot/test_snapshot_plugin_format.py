@@ -222,7 +222,10 @@ def test_replay_says_what_the_plugin_bundle_lacks(
 
     code, out = run_cli(capsys, "snapshot", "replay", str(plugin_root / PREFIX))
     assert code == 1 and "Traceback" not in out
-    assert f"FAIL: cannot replay {plugin_root}/{PREFIX}" in out
+    assert f"NOT RUN: cannot replay {plugin_root}/{PREFIX}" in out
+    # Nothing ran: never reported as "0 of 1 match".
+    assert "FAIL: none of the 1 bundles was replayed, so nothing was compared" in out
+    assert "0 of 1" not in out
     code, out = run_cli(capsys, "snapshot", "replay", str(plugin_root / PREFIX), "--json")
     (report,) = json.loads(out)
     assert code == 1 and report["passed"] is False and "no exported graph" in report["problem"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -101,7 +102,10 @@ def test_ls_show_replay_eager(
     assert "tensor0.npy" in out and "output1.npy" in out
     code, out = run_cli(capsys, "snapshot", "show", bundle, "--json")
     (shown,) = json.loads(out)
-    assert shown["call_index"] == 2 and shown["graph"] == f"{HASH}/graph.pt2"
+    # The graph exported with this call's values: one program per input signature.
+    assert shown["call_index"] == 2 and re.fullmatch(rf"{HASH}/graph-[0-9a-f]{{16}}\.pt2",
+                                                     shown["graph"]), shown["graph"]
+    assert shown["graph_error"] is None
 
     # no compile cache here: auto falls back to the exported graph
     code, out = run_cli(capsys, "snapshot", "replay", bundle, "--cache-dir", str(tmp_path / "cc"))
@@ -127,7 +131,9 @@ def test_tensor_parallel_capture_replays_every_rank(
 ) -> None:
     root = tmp_path / "tp"
     capture_tp(str(root), capturer_for, ranks=2)
-    assert sorted(p.name for p in (root / HASH).iterdir()) == ["graph.pt2", "rank0", "rank1"]
+    # Both ranks' calls have one signature (same shapes): one exported graph.
+    names = sorted(p.name for p in (root / HASH).iterdir())
+    assert names[1:] == ["rank0", "rank1"] and re.fullmatch(r"graph-[0-9a-f]{16}\.pt2", names[0])
     code, out = run_cli(capsys, "snapshot", "replay", str(root / HASH), "--runner", "eager")
     assert code == 0 and "PASS: 2 of 2" in out
     assert "(rank 0, call 2" in out and "(rank 1, call 2" in out

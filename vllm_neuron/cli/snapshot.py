@@ -32,6 +32,7 @@ import msgspec
 
 from vllm_neuron.backends import is_url, join
 from vllm_neuron.manifest.inspect import load_manifest, select_graphs, snapshot_paths
+from vllm_neuron.manifest.schema import Locations
 from vllm_neuron.manifest.snapshot_links import path_order
 from vllm_neuron.snapshot.bundles import (
     find_bundles,
@@ -42,7 +43,7 @@ from vllm_neuron.snapshot.bundles import (
 )
 from vllm_neuron.snapshot.config import load_snapshot_config
 from vllm_neuron.snapshot.meta import META_FILE
-from vllm_neuron.snapshot.replay import ReplayReport, replay, replay_prefixes
+from vllm_neuron.snapshot.replay import CacheChoice, ReplayReport, replay, replay_prefixes
 
 from .format import human_age, human_size, print_json, table
 
@@ -150,7 +151,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             print("graph         none: written by the Neuron plugin, which stores inputs only "
                   "(no outputs or graph to replay with)")  # fmt: skip
         else:
-            print(f"graph         {m.graph or '(not saved: replay needs the compile cache)'}")
+            print(f"graph         {m.graph or _unsaved(m.graph_error)}")
         print(f"requests      {', '.join(m.req_ids) or '-'}")
         print(f"positions     {', '.join(str(p) for p in m.positions) or '-'}")
         for match in m.matches:
@@ -167,6 +168,12 @@ def cmd_show(args: argparse.Namespace) -> int:
             ]  # fmt: skip
             print(table([title, "FILE", "DTYPE", "SHAPE", "SIZE/VALUE"], rows))
     return 0
+
+
+def _unsaved(reason: str | None) -> str:
+    """The ``graph`` line of a bundle whose graph was not saved: why, when the capture said."""
+    why = f": {reason}" if reason else ""
+    return f"(not saved{why}; replay needs the compile cache)"
 
 
 def _fmt(x: float) -> str:
@@ -196,6 +203,7 @@ def replay_manifest(args: argparse.Namespace) -> list[ReplayReport]:
     call's ranks as one group). A bundle named but not there is a failed report of its own;
     when none is there, the root is the problem (exit 2, naming it)."""
     where, manifest = load_manifest(args.manifest)
+    recorded = manifest.locations if manifest.locations is not msgspec.UNSET else Locations()
     graphs = select_graphs(manifest, where, args.graph)
     paths = snapshot_paths(graphs)
     if not paths:
@@ -204,13 +212,21 @@ def replay_manifest(args: argparse.Namespace) -> list[ReplayReport]:
             f"{what} names no snapshot bundle (empty input_snapshot_paths): the engine ran "
             "without VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_ENABLE=1, captured nothing for it, or "
             "predates graphs listing their bundles")  # fmt: skip
+    # The snapshot root and compile cache: the options, else where the manifest says the
+    # engine had them, else this process's configured ones.
+    root, root_from = (args.root, "--root") if args.root else (
+        (recorded.snapshot_root, f"the snapshot root {where} records")
+        if recorded.snapshot_root else (None, "the configured snapshot root"))  # fmt: skip
+    cache: CacheChoice | None = (
+        CacheChoice(args.cache_dir) if args.cache_dir else
+        CacheChoice(recorded.compile_cache, "manifest") if recorded.compile_cache else None)
     roots: dict[str, tuple[Any, list[str]]] = {}
     local = None
     for path in paths:
         if is_url(path):
             store, prefix = locate(path)
         else:
-            local = local or _root(args.root)
+            local = local or _root(root)
             store, prefix = local, path.strip("/")
         roots.setdefault(store.url, (store, []))[1].append(prefix)
     found = {(url, p) for url, (store, prefixes) in roots.items() for p in prefixes
@@ -219,14 +235,14 @@ def replay_manifest(args: argparse.Namespace) -> list[ReplayReport]:
         url, (_, prefixes) = next(iter(roots.items()))
         raise ValueError(
             f"none of the {len(paths)} bundles {where} names is there (the first: "
-            f"{url.rstrip('/')}/{prefixes[0]}): pass the snapshot root they were captured "
-            "under as --root")  # fmt: skip
+            f"{url.rstrip('/')}/{prefixes[0]}, under {root_from}): pass the snapshot root "
+            "they were captured under (or a copy of it) as --root")  # fmt: skip
     by_path: dict[tuple[str, str], ReplayReport] = {}
     for url, (store, prefixes) in roots.items():
         here = [p for p in prefixes if (url, p) in found]
         if here:
             for prefix, report in replay_prefixes(
-                store, here, runner=args.runner, cache_dir=args.cache_dir, atol=args.atol,
+                store, here, runner=args.runner, cache_dir=cache, atol=args.atol,
                 rtol=args.rtol,
             ).items():  # fmt: skip
                 by_path[url, prefix] = report
@@ -234,28 +250,36 @@ def replay_manifest(args: argparse.Namespace) -> list[ReplayReport]:
             rank, call, _ = path_order(prefix)
             by_path[url, prefix] = ReplayReport(
                 f"{url.rstrip('/')}/{prefix}", args.runner, global_rank=max(rank, 0),
-                call_index=max(call, 0),
-                problem=f"{where} names this bundle, but it is not there (no {META_FILE}): "
-                        "removed since, or captured under another snapshot root (--root)")
+                call_index=max(call, 0), missing=True,
+                problem=f"missing: {where} names this bundle, but it is not there (no "
+                        f"{META_FILE}): removed since, or captured under another snapshot "
+                        "root (--root)")  # fmt: skip
     return [by_path[url, p] for url, (_, prefixes) in roots.items() for p in prefixes]
 
 
 def print_replay(reports: list[ReplayReport], as_json: bool) -> int:
-    """The replay report (per bundle, then per rank), or its JSON; 1 when any failed."""
+    """The replay report (per bundle, then per rank), or its JSON; 1 when any failed.
+
+    A bundle that could not be run, or is missing, is counted as such, never as a mismatch:
+    a summary says "none of the N bundles was replayed" rather than "0 of N match"."""
     failed = [r for r in reports if not r.passed]
     if as_json:
-        print_json([{**r.__dict__, "passed": r.passed} for r in reports])
+        print_json([{**r.__dict__, "passed": r.passed, "ran": r.ran} for r in reports])
         return 1 if failed else 0
+    notes: set[str] = set()
     for n, report in enumerate(reports):
         if n:
             print()
         print(f"{report.bundle}  (rank {report.global_rank}, call {report.call_index}, tp rank "
               f"{report.tp_rank}, runner: {report.runner})")  # fmt: skip
+        if report.runner_note and report.runner_note not in notes:
+            notes.add(report.runner_note)
+            print(f"runner {report.runner}: {report.runner_note}")
         if report.peers:
             print(f"replayed with {', '.join(report.peers)}  "
                   f"(collective: {', '.join(report.collectives)})")  # fmt: skip
         if report.problem:
-            print(f"FAIL: {report.problem}")
+            print(f"{'MISSING' if report.missing else 'NOT RUN'}: {report.problem}")
             continue
         rows = [
             (o.index, o.dtype, "x".join(str(d) for d in o.shape) or "scalar",
@@ -269,11 +293,40 @@ def print_replay(reports: list[ReplayReport], as_json: bool) -> int:
                      "ATOL", "RTOL", "RESULT"], rows))  # fmt: skip
     print()
     for rank in sorted({r.global_rank for r in reports}):
-        mine = [r for r in reports if r.global_rank == rank]
-        worst = max((o.max_abs_err for r in mine for o in r.outputs), default=0.0)
-        print(f"rank {rank}: {sum(r.passed for r in mine)} of {len(mine)} bundles match "
-              f"(largest absolute error {_fmt(worst)})")  # fmt: skip
-    verdict = "FAIL" if failed else "PASS"
-    print(f"{verdict}: {len(reports) - len(failed)} of {len(reports)} bundles match "
-          "their captured outputs")  # fmt: skip
+        print(f"rank {rank}: {_tally([r for r in reports if r.global_rank == rank])}")
+    ran = [r for r in reports if r.ran]
+    if ran:
+        names = sorted({r.runner for r in ran})
+        print("runners: " + ", ".join(f"{n} for {sum(r.runner == n for r in ran)}" for n in names))
+    if not failed:
+        print(f"PASS: {len(reports)} of {len(reports)} bundles match their captured outputs")
+    elif not ran:
+        print(f"FAIL: none of the {len(reports)} bundles was replayed, so nothing was "
+              f"compared ({_not_run(reports)})")  # fmt: skip
+    else:
+        matched = sum(r.passed for r in reports)
+        print(f"FAIL: {matched} of {len(reports)} bundles match their captured outputs "
+              f"({_not_run(reports, differ=True)})")  # fmt: skip
     return 1 if failed else 0
+
+
+def _not_run(reports: list[ReplayReport], differ: bool = False) -> str:
+    """How the bundles that did not match split: differ / could not be replayed / missing."""
+    counts = [
+        (sum(r.ran and not r.passed for r in reports), "differ from their captured outputs"),
+        (sum(not r.ran and not r.missing for r in reports), "could not be replayed"),
+        (sum(r.missing for r in reports), "missing"),
+    ]
+    return ", ".join(f"{n} {what}" for i, (n, what) in enumerate(counts)
+                     if n and (differ or i > 0))  # fmt: skip
+
+
+def _tally(mine: list[ReplayReport]) -> str:
+    """One rank's line: how many matched and the largest error, or that none was run."""
+    ran = [r for r in mine if r.ran]
+    if not ran:
+        return f"none of {len(mine)} bundles was replayed ({_not_run(mine)})"
+    worst = max((o.max_abs_err for r in ran for o in r.outputs), default=0.0)
+    rest = _not_run(mine)
+    return (f"{sum(r.passed for r in mine)} of {len(mine)} bundles match (largest absolute "
+            f"error {_fmt(worst)})" + (f"; {rest}" if rest else ""))

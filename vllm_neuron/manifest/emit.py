@@ -23,14 +23,16 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import logging
+import os
 import platform
 from collections.abc import Mapping, Sequence
 from datetime import datetime, timezone
 from typing import Any
 
 import msgspec
+from msgspec import UnsetType
 
-from vllm_neuron.backends import PRIVATE_FILE, Store, fault_point, join, open_store
+from vllm_neuron.backends import PRIVATE_FILE, Store, fault_point, is_url, join, open_store
 from vllm_neuron.backends.records import Document, RecordCodec
 from vllm_neuron.compile.entry.record import ENTRY_RECORD, ENTRY_SCHEMA_VERSION, ENTRY_TAG
 from vllm_neuron.compile.tiers.location import get_neuron_compile_cache_dir
@@ -47,7 +49,14 @@ from vllm_neuron.identity import get_server_prefix
 from .fold import FoldedGraph, fold_ledger
 from .ledger import LEDGER_DIR
 from .pieces import summarize_pieces
-from .schema import MANIFEST_FILE, GraphEntry, Manifest, ManifestConfig, encode_manifest
+from .schema import (
+    MANIFEST_FILE,
+    GraphEntry,
+    Locations,
+    Manifest,
+    ManifestConfig,
+    encode_manifest,
+)
 from .snapshot_links import link_at_emit, mark_emitted
 
 logger = logging.getLogger("vllm_neuron.manifest")
@@ -174,8 +183,12 @@ def emit_manifest(
     cleanup: bool = True,
     run: str | None = None,
     link_snapshots: bool = False,
+    snapshot_root: str | None = None,
 ) -> Manifest:
     """Build, write and return this engine's manifest (raises on failure).
+
+    ``cache_root`` (the local compile cache) and ``snapshot_root`` (where bundles are
+    written, when capture is on) are recorded as the manifest's ``locations``.
 
     ``run`` is the engine run whose ledger is folded (default: this process's run);
     ``cleanup`` removes the whole ledger of the prefix afterwards, other runs' included.
@@ -243,6 +256,7 @@ def emit_manifest(
             environment if environment is not None else environment_snapshot()
         ),
         pieces=summarize_pieces(enriched) or msgspec.UNSET,
+        locations=_locations(cache_root, snapshot_root),
     )
     manifest, links = link_at_emit(store, prefix, run, manifest, cleanup=cleanup)
     fault_point("emit.before-write")
@@ -254,6 +268,19 @@ def emit_manifest(
     if cleanup:
         store.delete_tree(join(LEDGER_DIR, prefix))
     return manifest
+
+
+def _locations(cache_root: str | None, snapshot_root: str | None) -> Locations | UnsetType:
+    """The manifest's ``locations``: each local path made absolute (a manifest is read from
+    elsewhere), a URL kept with any credentials redacted; UNSET when neither is known."""
+
+    def where(path: str | None) -> str | None:
+        if not path:
+            return None
+        return redact_text(path) if is_url(path) else os.path.abspath(path)
+
+    found = Locations(snapshot_root=where(snapshot_root), compile_cache=where(cache_root))
+    return found if found != Locations() else msgspec.UNSET
 
 
 _emit_warned = False
@@ -290,6 +317,7 @@ def emit_for_this_engine(
         cache_root=get_neuron_compile_cache_dir(),
         tp_ranks=tp_ranks,
         link_snapshots=_capture_on(),
+        snapshot_root=_snapshot_root(),
     )
 
 
@@ -300,3 +328,12 @@ def _capture_on() -> bool:
         return snapshot_settings().enabled
     except Exception:  # noqa: BLE001 - a malformed setting stopped start-up already
         return False
+
+
+def _snapshot_root() -> str | None:
+    """This engine's snapshot root when capture is on (the manifest's ``locations``)."""
+    try:
+        settings = snapshot_settings()
+    except Exception:  # noqa: BLE001 - a malformed setting stopped start-up already
+        return None
+    return settings.root if settings.enabled else None

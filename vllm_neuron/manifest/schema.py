@@ -115,6 +115,16 @@ class GraphEntry(msgspec.Struct, frozen=True, kw_only=True):
         return [] if self.pieces is UNSET else self.pieces
 
 
+class Locations(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Where the run's artifacts were, as the engine saw them: its snapshot root (a path or
+    URL; absent when capture was off) and its local compile cache (a path). Why: a replay or
+    a check given only the manifest finds the bundles and the entries without being told
+    again (each still overridden by ``--root`` / ``--cache-dir``)."""
+
+    snapshot_root: str | None = None
+    compile_cache: str | None = None
+
+
 class Manifest(Document, frozen=True, kw_only=True):
     record_tag = MANIFEST_TAG
     version_field = "manifest_version"
@@ -125,6 +135,8 @@ class Manifest(Document, frozen=True, kw_only=True):
     environment: dict[str, str] = msgspec.field(default_factory=dict)
     # Per piece, its variants and compiles; absent when no graph names a piece.
     pieces: list[PieceSummary] | UnsetType = UNSET
+    # Where the snapshots and the compile cache were; absent in manifests written before.
+    locations: Locations | UnsetType = UNSET
 
 
 ManifestError = RecordError

@@ -15,13 +15,21 @@ of selected calls and carries the whole fail-loud protocol:
    read-only, refused) stops capture for the process with one warning and the forward is
    served; any other failure raises (:class:`SnapshotCaptureError`).
 
-The graph is exported once per compilation hash (``<hash>/graph.pt2``) so a bundle can be
-replayed eagerly where the compiled artifact cannot run.
+The graph is exported so a bundle can be replayed eagerly where the compiled artifact cannot
+run (a NEFF off the device): once per compilation hash and *input signature*
+(``<hash>/graph-<signature>.pt2``), with the call's own values. vLLM's pieces take the batch
+size as an input (a ``SymInt`` while tracing, an ``int`` at run time), which
+``torch.export`` refuses as a symbolic example; exported with the captured call's concrete
+values instead, every non-tensor input (ints, None, shapes) and every tensor shape is
+specialised to the bundle's, so the program runs exactly the captured call. A graph that
+cannot be exported is not silent: the reason is kept in the bundle's ``meta.json``
+(``graph_error``) and named by ``snapshot show`` and ``snapshot replay``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import logging
 import os
@@ -29,8 +37,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from vllm_neuron.backends import Store, fault_point, join, local_path_of
 from vllm_neuron.backends.writable import unwritable_cause, why_unwritable
+from vllm_neuron.compile.entry.text import printable
 
 from .capture_spec import CaptureSpec, SnapshotCaptureError
 from .collectives import collective_ops
@@ -43,7 +54,15 @@ from .kernel_handles import (
     handle_input_indices,
     resolve_handles,
 )
-from .meta import GRAPH_FILE, META_FILE, CallMeta, InputSpec, MatchRecord, write_call_meta
+from .meta import (
+    GRAPH_ERROR_LIMIT,
+    META_FILE,
+    CallMeta,
+    InputSpec,
+    MatchRecord,
+    graph_file,
+    write_call_meta,
+)
 from .tensor_writers import HostTensorWriter, SnapshotWriter
 
 if TYPE_CHECKING:
@@ -79,11 +98,29 @@ def _describe(
             specs.append(_tensor_spec(i, value, stem, fmt))
         elif value is None or isinstance(value, bool | int | float):
             specs.append(InputSpec(index=i, kind="scalar", value=value))
+        elif (container := _container(value)) is not None:
+            specs.append(InputSpec(index=i, kind="sequence", value=list(value),
+                                   container=container))  # fmt: skip
         else:
             raise SnapshotCaptureError(
-                f"{stem}{i} is a {type(value).__name__}; snapshots hold tensors and numbers"
+                f"{stem}{i} is a {type(value).__name__}; snapshots hold tensors, numbers, "
+                "None and flat tuples/lists of numbers (shapes)"
             )
     return specs
+
+
+def _container(value: Any) -> str | None:
+    """Which sequence a flat tuple, list or ``torch.Size`` of numbers is (None: another value;
+    nested or non-number items are not stored)."""
+    import torch  # heavy and optional: only once a selected call is written
+
+    if isinstance(value, torch.Size):
+        return "size"
+    if not isinstance(value, tuple | list):
+        return None
+    if not all(v is None or isinstance(v, bool | int | float) for v in value):
+        return None
+    return "tuple" if isinstance(value, tuple) else "list"
 
 
 def _tensor_spec(
@@ -121,8 +158,8 @@ class BundleWriter:
         self.spec = spec
         self.writer = writer
         self.graph = graph
-        self._graph_key: str | None = None
-        self._graph_tried = False
+        # input signature -> (the exported graph's key, or why it could not be saved)
+        self._graphs: dict[str, tuple[str | None, str | None]] = {}
         self._handle_indices: dict[int, str] | None = None
         self._collective_ops: list[str] | None = None
 
@@ -156,7 +193,7 @@ class BundleWriter:
         try:
             store = spec.store()
             self._clear_previous(store, prefix)
-            graph_key = self._ensure_graph(store)
+            graph_key, graph_error = self._ensure_graph(store, args, inputs)
             self.writer.write(
                 store, prefix,
                 [(s.file, handles[s.index].weight if s.index in handles else args[s.index])
@@ -207,6 +244,7 @@ class BundleWriter:
                 toolchain=None if self.graph is None else self.graph.artifact.toolchain,
                 target=None if self.graph is None else self.graph.artifact.target,
                 graph=graph_key,
+                graph_error=graph_error,
                 created=time.time(),
                 pid=os.getpid(),
                 forward_call=forward_call,
@@ -284,34 +322,51 @@ class BundleWriter:
             logger.error("vllm_neuron: could not remove the failed snapshot %s/%s: %s",
                          store.url.rstrip("/"), prefix, exc)  # fmt: skip
 
-    def _ensure_graph(self, store: Store) -> str | None:
-        """Save the graph once per hash (``<hash>/graph.pt2``, a ``torch.export`` program)
-        so a bundle can be replayed eagerly where the compiled artifact cannot run (a NEFF
-        off the device). Best-effort: the inputs are what the capture promises."""
-        if self._graph_tried:
-            return self._graph_key
-        self._graph_tried = True
-        key = join(self.spec.compilation_hash, GRAPH_FILE)
-        if store.exists(key):
-            self._graph_key = key
-            return key
-        if self.graph is None:
-            return None
-        try:
-            import torch  # heavy and optional: only once per hash, for a selected call
+    def _ensure_graph(self, store: Store, args: Sequence[Any],
+                      inputs: Sequence[InputSpec]) -> tuple[str | None, str | None]:  # fmt: skip
+        """Save the graph once per input signature (``<hash>/graph-<signature>.pt2``, a
+        ``torch.export`` program of this call's concrete values; see the module docstring).
 
-            ep = torch.export.export(self.graph.gm, tuple(self.graph.example_inputs))
+        (its key, None), or (None, why it could not be saved): best-effort, the inputs are
+        what the capture promises; the reason goes into ``meta.json``."""
+        signature = _signature(inputs)
+        known = self._graphs.get(signature)
+        if known is not None:
+            return known
+        key = join(self.spec.compilation_hash, graph_file(signature))
+        if store.exists(key):  # the same graph and signature: another process, an earlier run
+            self._graphs[signature] = (key, None)
+            return key, None
+        if self.graph is None:
+            result: tuple[str | None, str | None] = (
+                None, "the capturer was given no traced graph to export")
+            self._graphs[signature] = result
+            return result
+        try:
+            import torch  # heavy and optional: only once per signature, for a selected call
+
+            ep = torch.export.export(self.graph.gm, tuple(args))
             buf = io.BytesIO()
             torch.export.save(ep, buf)
             store.create(key, buf.getvalue())
-            self._graph_key = key
+            result = (key, None)
         except Exception as exc:  # noqa: BLE001 - best-effort, see the docstring
             if unwritable_cause(exc, under=local_path_of(self.spec.root)) is not None:
                 raise  # the root itself cannot take files: capture_call says so, once
-            logger.warning(
-                "vllm_neuron: could not save the graph of %s for eager replay (%s); "
-                "replay will need its compile-cache entry",
-                self.spec.compilation_hash,
-                exc,
-            )
-        return self._graph_key
+            reason = printable(f"{type(exc).__name__}: {exc}", GRAPH_ERROR_LIMIT)
+            if not any(error for _, error in self._graphs.values()):
+                logger.warning(
+                    "vllm_neuron: could not save the graph of %s for eager replay (%s); "
+                    "its bundles say why in meta.json (graph_error), and replay will need "
+                    "its compile-cache entry", self.spec.compilation_hash, reason)  # fmt: skip
+            result = (None, reason)
+        self._graphs[signature] = result
+        return result
+
+
+def _signature(inputs: Sequence[InputSpec]) -> str:
+    """What the exported program is specialised to: every input's kind, dtype and shape, and
+    every non-tensor input's value (16 hex digits of its digest)."""
+    described = [(s.kind, s.dtype, s.shape, None if s.file else repr(s.value)) for s in inputs]
+    digest = hashlib.blake2b(msgspec.json.encode(described), digest_size=8)
+    return digest.hexdigest()

@@ -203,6 +203,8 @@ class Bundle:
     def _load(self, spec: InputSpec) -> Any:
         if spec.kind == "kernel-handle":
             return self._rebuild_handle(spec)
+        if spec.kind == "sequence":
+            return _sequence(spec, self.location)
         if spec.kind != "tensor":
             return spec.value
         return self._load_tensor(spec)
@@ -236,6 +238,21 @@ class Bundle:
 
     def load_outputs(self) -> list[Any]:
         return [self._load(s) for s in self.meta.outputs]
+
+
+def _sequence(spec: InputSpec, where: str) -> Any:
+    """A ``"sequence"`` input as the captured call passed it: tuple, list or torch.Size."""
+    items = spec.value if isinstance(spec.value, list) else []
+    if spec.container == "tuple":
+        return tuple(items)
+    if spec.container == "list":
+        return list(items)
+    if spec.container == "size":
+        import torch  # heavy optional dependency: only for a bundle that holds a Size
+
+        return torch.Size([int(v) for v in items if v is not None])
+    raise ReplayError(f"{where}: input {spec.index} is a sequence of unknown container "
+                      f"{spec.container!r} in meta.json")
 
 
 def _restore_strides(tensor: Any, stride: Sequence[int] | None) -> Any:

@@ -61,12 +61,14 @@ __all__ = [
     "PluginCallMeta",
     "SnapshotMetaError",
     "decode_call_meta",
+    "graph_file",
     "read_call_meta",
     "write_call_meta",
 ]
 
 META_FILE = "meta.json"
-GRAPH_FILE = "graph.pt2"  # the exported graph, once per hash: <hash>/graph.pt2
+GRAPH_FILE = "graph.pt2"  # the exported graph of bundles written before graph_file()
+GRAPH_ERROR_LIMIT = 2000  # characters of an export's error kept in meta.json
 META_TAG = "snapshot-call"
 PLUGIN_VERSION = 0  # the Neuron plugin's meta.json, read as version 0 of META_TAG
 PLUGIN_SCHEMAS = (1,)  # the plugin's own "schema" values this reader knows
@@ -81,10 +83,12 @@ class SnapshotMetaError(RuntimeError):
 class InputSpec(msgspec.Struct, frozen=True, kw_only=True):
     """One positional input (or output) of the captured call.
 
-    ``kind`` is ``"tensor"`` (stored in ``file``), ``"scalar"`` (a Python number passed
-    positionally, e.g. a dynamic size; its ``value`` is kept here) or ``"kernel-handle"``
-    (a pointer to a kernel object of the capturing process: ``file`` holds the weight it
-    was made from, ``handle`` how to rebuild it; see ``kernel_handles``).
+    ``kind`` is ``"tensor"`` (stored in ``file``), ``"scalar"`` (a Python number or None
+    passed positionally, e.g. vLLM's batch size; its ``value`` is kept here),
+    ``"sequence"`` (a flat tuple, list or ``torch.Size`` of numbers, e.g. a shape: its items
+    in ``value``, which of the three in ``container``) or ``"kernel-handle"`` (a pointer to
+    a kernel object of the capturing process: ``file`` holds the weight it was made from,
+    ``handle`` how to rebuild it; see ``kernel_handles``).
     """
 
     index: int
@@ -95,7 +99,8 @@ class InputSpec(msgspec.Struct, frozen=True, kw_only=True):
     stride: list[int] | None = None
     nbytes: int = 0
     device: str | None = None
-    value: int | float | bool | None = None
+    value: int | float | bool | list[int | float | bool | None] | None = None
+    container: str | None = None  # a "sequence": "tuple", "list" or "size"
     handle: KernelHandle | None = None
 
 
@@ -137,6 +142,9 @@ class CallMeta(Record, frozen=True, kw_only=True, tag=META_TAG):
     toolchain: str | None = None
     target: str | None = None
     graph: str | None = None  # key of the exported graph relative to the snapshot root
+    # Why no graph was saved for this call (``graph`` is then null): the export's error, so
+    # a replay that needs the reference graph names it instead of guessing.
+    graph_error: str | None = None
     created: float = 0.0
     pid: int = 0
     # Tensor parallelism (absent in bundles written before it was recorded, and in the
@@ -157,6 +165,15 @@ class CallMeta(Record, frozen=True, kw_only=True, tag=META_TAG):
     def from_plugin(self) -> bool:
         """Whether the Neuron plugin wrote this bundle (inputs only; see the module doc)."""
         return self.writer == PLUGIN_WRITER
+
+
+def graph_file(signature: str) -> str:
+    """The exported graph for calls of one input signature: ``graph-<signature>.pt2``.
+
+    Per signature, not per hash: the graph is exported with the call's non-tensor inputs
+    (vLLM's batch size, a ``SymInt`` while tracing) and tensor shapes specialised to their
+    captured values, so each distinct signature of a hash has its own program."""
+    return f"graph-{signature}.pt2"
 
 
 # The Neuron plugin's form -------------------------------------------------------------------

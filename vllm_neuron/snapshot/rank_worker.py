@@ -32,7 +32,8 @@ from vllm_neuron.compile.toolchains.op_libraries import import_vllm_kernels
 
 from .bundles import ReplayError, load_bundle, open_snapshot_root
 from .compare import compare_outputs
-from .replay import PreparedReplay, ReplayReport, prepare_bundle
+from .replay import PreparedReplay, ReplayReport, RunnerKey, prepare_bundle
+from .runners import CacheChoice, ResolvedRunner
 
 
 def join_group(tp_size: int, rank: int, init: str, ident: str) -> Any:
@@ -70,7 +71,8 @@ def main(argv: list[str]) -> int:
 
     job = json.loads(Path(argv[0]).read_text())
     rank = int(argv[1])
-    runner, cache_dir = str(job["runner"]), job["cache_dir"]
+    runner = str(job["runner"])
+    cache_dir = CacheChoice(*job["cache_dir"]) if job["cache_dir"] else None
     try:
         group = join_group(int(job["tp_size"]), rank, job["init"], job["ident"])
     except ReplayError as exc:  # said once, plainly: the parent reports it for every bundle
@@ -78,7 +80,7 @@ def main(argv: list[str]) -> int:
         return 2
     store = open_snapshot_root(job["root"])
     prepared: list[PreparedReplay | ReplayReport] = []
-    runners: dict[tuple[str, str], Any] = {}
+    runners: dict[RunnerKey, ResolvedRunner] = {}
     for members in job["groups"]:
         prefix = members[rank]
         location = f"{store.url.rstrip('/')}/{prefix}"

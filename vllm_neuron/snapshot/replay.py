@@ -30,11 +30,14 @@ from .collectives import needs_group
 from .compare import OutputComparison, compare_outputs
 from .meta import GRAPH_FILE, META_FILE
 from .replay_report import ReplayReport, report_of
-from .runners import resolve_runner
+from .runners import CacheChoice, ResolvedRunner, resolve_runner
 from .tp_replay import plan_groups, replay_groups
 
-__all__ = ["PreparedReplay", "ReplayReport", "prepare_bundle", "replay", "replay_bundle",
-           "replay_prefixes", "report_of"]
+__all__ = ["CacheChoice", "PreparedReplay", "ReplayReport", "prepare_bundle", "replay",
+           "replay_bundle", "replay_prefixes", "report_of"]
+
+
+RunnerKey = tuple[str, str, str | None]  # (hash, runner asked for, the bundle's graph)
 
 
 def _no_reference(bundle: Bundle) -> str:
@@ -71,10 +74,10 @@ def replay_bundle(
     bundle: Bundle,
     *,
     runner: str = "auto",
-    cache_dir: str | None = None,
+    cache_dir: CacheChoice | str | None = None,
     atol: float | None = None,
     rtol: float | None = None,
-    runners: dict[tuple[str, str], tuple[str, Callable[..., Any]]] | None = None,
+    runners: dict[RunnerKey, ResolvedRunner] | None = None,
 ) -> ReplayReport:
     """Run ``bundle``'s inputs through its graph and compare with its captured outputs.
 
@@ -117,32 +120,34 @@ class PreparedReplay:
     fn: Callable[..., Any]
     inputs: list[Any]
     expected: list[Any]
+    runner_note: str | None = None
 
     def report(self, outputs: Sequence[OutputComparison] = (),
                problem: str | None = None) -> ReplayReport:  # fmt: skip
-        return report_of(self.bundle, self.runner, outputs, problem)
+        return report_of(self.bundle, self.runner, outputs, problem, self.runner_note)
 
 
 def prepare_bundle(
     bundle: Bundle,
     *,
     runner: str = "auto",
-    cache_dir: str | None = None,
-    runners: dict[tuple[str, str], tuple[str, Callable[..., Any]]] | None = None,
+    cache_dir: CacheChoice | str | None = None,
+    runners: dict[RunnerKey, ResolvedRunner] | None = None,
 ) -> PreparedReplay | ReplayReport:
     """Load what replaying ``bundle`` needs, or the report of why it cannot be replayed
     (no captured outputs). A runner that cannot be resolved raises ``ReplayError``."""
     meta = bundle.meta
     if not meta.outputs:
         return report_of(bundle, runner, problem=_no_reference(bundle))
-    cache_key = (meta.compilation_hash, runner)
-    if runners is not None and cache_key in runners:
-        name, fn = runners[cache_key]
-    else:
-        name, fn = resolve_runner(bundle, runner, cache_dir)
+    # Per graph too: the eager runner's program is specialised to its bundles' signature.
+    cache_key = (meta.compilation_hash, runner, meta.graph)
+    resolved = runners.get(cache_key) if runners is not None else None
+    if resolved is None:
+        resolved = resolve_runner(bundle, runner, cache_dir)
         if runners is not None:
-            runners[cache_key] = (name, fn)
-    return PreparedReplay(bundle, name, fn, bundle.load_inputs(), bundle.load_outputs())
+            runners[cache_key] = resolved
+    return PreparedReplay(bundle, resolved.name, resolved.fn, bundle.load_inputs(),
+                          bundle.load_outputs(), resolved.note)  # fmt: skip
 
 
 def replay(
@@ -150,7 +155,7 @@ def replay(
     prefix: str,
     *,
     runner: str = "auto",
-    cache_dir: str | None = None,
+    cache_dir: CacheChoice | str | None = None,
     atol: float | None = None,
     rtol: float | None = None,
 ) -> dict[str, ReplayReport]:
@@ -169,7 +174,7 @@ def replay_prefixes(
     prefixes: Sequence[str],
     *,
     runner: str = "auto",
-    cache_dir: str | None = None,
+    cache_dir: CacheChoice | str | None = None,
     atol: float | None = None,
     rtol: float | None = None,
 ) -> dict[str, ReplayReport]:
@@ -182,7 +187,7 @@ def replay_prefixes(
     reports: dict[str, ReplayReport] = dict(plan.refused)
     reports.update(replay_groups(store, plan.groups, runner=runner, cache_dir=cache_dir,
                                  atol=atol, rtol=rtol))  # fmt: skip
-    runners: dict[tuple[str, str], tuple[str, Callable[..., Any]]] = {}
+    runners: dict[RunnerKey, ResolvedRunner] = {}
     for bundle in plan.alone:
         reports[bundle.prefix] = replay_bundle(bundle, runner=runner, cache_dir=cache_dir,
                                                atol=atol, rtol=rtol, runners=runners)  # fmt: skip

@@ -9,20 +9,26 @@ hash may or may not be runnable where the replay happens.
   ``torch.export``), run by PyTorch eagerly - the reference semantics, and the only option
   for a NEFF captured on Trainium and replayed on a laptop.
 
-``auto`` takes the cache entry when it exists and the host can load it, else the graph.
-A graph traced inside vLLM calls vLLM's CPU kernels; their library is loaded on demand.
+``auto`` takes the cache entry when it exists and the host can load it, else the graph, and
+says why the cache entry could not run (the report's ``runner_note``). A graph traced inside
+vLLM calls vLLM's CPU kernels; their library is loaded on demand.
+
+A compile cache named by a manifest (rather than by ``--cache-dir``) is loaded only when it
+is this user's own (owned by them, writable by no one else): loading an entry runs its
+native code, and a manifest is a file that travels.
 """
 
 from __future__ import annotations
 
 import io
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from vllm_neuron.backends import join, local_root_missing, open_store
 from vllm_neuron.compile.entry.outcomes import CacheResult
 from vllm_neuron.compile.entry.record import read_record
-from vllm_neuron.compile.tiers.health import LocalTierUnusable
+from vllm_neuron.compile.tiers.health import LocalTierUnusable, not_own_tier
 from vllm_neuron.compile.tiers.location import trusted_local_tier_dir
 from vllm_neuron.compile.tiers.unpacked import load_entry
 from vllm_neuron.compile.toolchains.base import ARTIFACTS
@@ -32,19 +38,51 @@ from vllm_neuron.compile.toolchains.select import select_toolchain
 from .bundles import Bundle, ReplayError
 from .meta import GRAPH_FILE
 
-__all__ = ["RUNNERS", "resolve_runner"]
+__all__ = ["RUNNERS", "CacheChoice", "ResolvedRunner", "resolve_runner"]
 
 RUNNERS = ("auto", "cache", "eager")
 
 
-def _cache_runner(compilation_hash: str, cache_dir: str | None) -> Callable[..., Any]:
-    if cache_dir is None:
+@dataclass(frozen=True)
+class CacheChoice:
+    """Which compile cache the cache runner loads from, and who named it: ``--cache-dir``
+    (``"option"``), a manifest (``"manifest"``: only this user's own is loaded), or None
+    for this process's own local tier."""
+
+    path: str | None = None
+    named_by: str = "option"
+
+
+@dataclass(frozen=True)
+class ResolvedRunner:
+    """The runner that will run a bundle: its name, the callable, and with ``auto`` why the
+    cache entry was not used when the graph runs instead (None otherwise)."""
+
+    name: str
+    fn: Callable[..., Any]
+    note: str | None = None
+
+
+def _cache_dir(choice: CacheChoice | str | None) -> str:
+    if not isinstance(choice, CacheChoice):
+        choice = CacheChoice(choice)
+    if choice.path is None:
         try:  # what this process will load from: never a fallback another user made
-            cache_dir = trusted_local_tier_dir()
+            return trusted_local_tier_dir()
         except LocalTierUnusable as exc:
             raise ReplayError(str(exc)) from None
-    if local_root_missing(cache_dir):
-        raise ReplayError(f"no compile cache at {cache_dir}")
+    if local_root_missing(choice.path):
+        raise ReplayError(f"no compile cache at {choice.path}")
+    if choice.named_by == "manifest" and (problem := not_own_tier(choice.path)) is not None:
+        raise ReplayError(
+            f"the compile cache the manifest names ({choice.path}) is not this user's own "
+            f"({problem}), so nothing is loaded from it; pass --cache-dir to load from a "
+            "cache you trust")  # fmt: skip
+    return choice.path
+
+
+def _cache_runner(compilation_hash: str, choice: CacheChoice | str | None) -> Callable[..., Any]:
+    cache_dir = _cache_dir(choice)
     store = open_store(cache_dir, create=False)
     content = store.published(compilation_hash)
     if content is None:
@@ -68,11 +106,15 @@ def _cache_runner(compilation_hash: str, cache_dir: str | None) -> Callable[...,
 
 def _eager_runner(bundle: Bundle) -> Callable[..., Any]:
     key = bundle.meta.graph or join(bundle.meta.compilation_hash, GRAPH_FILE)
+    if bundle.meta.graph is None and bundle.meta.graph_error is not None:
+        raise ReplayError(
+            f"the capture could not save the graph of {bundle.location} for the eager "
+            f"runner: {bundle.meta.graph_error}; replay it with the compile-cache runner")
     data = bundle.store.read(key)
     if data is None:
         raise ReplayError(
             f"no exported graph {key} next to {bundle.location} (the capture could not save "
-            "it); replay with the compile-cache runner instead"
+            "it, or it was removed since); replay with the compile-cache runner instead"
         )
     try:
         program = _load_exported(data, f"the exported graph {key}")
@@ -100,19 +142,20 @@ def _load_exported(data: bytes, what: str) -> Any:
 
 
 def resolve_runner(
-    bundle: Bundle, runner: str = "auto", cache_dir: str | None = None
-) -> tuple[str, Callable[..., Any]]:
-    """(runner name, callable) for ``bundle``; see the module docstring for the choice."""
+    bundle: Bundle, runner: str = "auto", cache_dir: CacheChoice | str | None = None
+) -> ResolvedRunner:
+    """The runner for ``bundle``; see the module docstring for the choice."""
     if runner not in RUNNERS:
         raise ValueError(f"unknown runner {runner!r}; use one of {', '.join(RUNNERS)}")
     if runner == "cache":
-        return "cache", _cache_runner(bundle.meta.compilation_hash, cache_dir)
+        return ResolvedRunner("cache", _cache_runner(bundle.meta.compilation_hash, cache_dir))
     if runner == "eager":
-        return "eager", _eager_runner(bundle)
+        return ResolvedRunner("eager", _eager_runner(bundle))
     try:
-        return "cache", _cache_runner(bundle.meta.compilation_hash, cache_dir)
+        return ResolvedRunner("cache", _cache_runner(bundle.meta.compilation_hash, cache_dir))
     except Exception as cache_exc:  # noqa: BLE001 - fall back to the exported graph
         try:
-            return "eager", _eager_runner(bundle)
+            fn = _eager_runner(bundle)
         except ReplayError as eager_exc:
             raise ReplayError(f"{cache_exc}; and {eager_exc}") from eager_exc
+        return ResolvedRunner("eager", fn, note=f"the cache runner cannot run here: {cache_exc}")

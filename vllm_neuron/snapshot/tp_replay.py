@@ -40,6 +40,7 @@ from .collectives import needs_group
 from .compare import OutputComparison
 from .meta import CallMeta, read_call_meta
 from .replay_report import ReplayReport, report_of
+from .runners import CacheChoice
 
 __all__ = ["ReplayGroup", "ReplayPlan", "needs_group", "plan_groups", "replay_groups"]
 
@@ -201,14 +202,18 @@ def replay_groups(
     groups: Sequence[ReplayGroup],
     *,
     runner: str = "auto",
-    cache_dir: str | None = None,
+    cache_dir: CacheChoice | str | None = None,
     atol: float | None = None,
     rtol: float | None = None,
 ) -> dict[str, ReplayReport]:
     """Replay every group, one process per rank running all groups of its size in order;
     the report of every member bundle, by prefix."""
-    options: dict[str, object] = {"runner": runner, "cache_dir": cache_dir, "atol": atol,
-                                  "rtol": rtol}  # fmt: skip
+    choice = cache_dir if isinstance(cache_dir, CacheChoice) or cache_dir is None else (
+        CacheChoice(cache_dir))
+    options: dict[str, object] = {
+        "runner": runner, "atol": atol, "rtol": rtol,
+        "cache_dir": None if choice is None else [choice.path, choice.named_by],
+    }  # fmt: skip
     reports: dict[str, ReplayReport] = {}
     for size in sorted({g.tp_size for g in groups}):
         reports.update(_run_size(store, [g for g in groups if g.tp_size == size], size,
