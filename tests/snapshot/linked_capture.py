@@ -60,7 +60,8 @@ class Linked:
         return f"{self.manifest_dir.rstrip('/')}/{PREFIX}"
 
 
-def capture_linked(manifest_dir: str, snapshot_root: str, ranks: int = 2) -> Linked:
+def capture_linked(manifest_dir: str, snapshot_root: str, ranks: int = 2,
+                   cache_root: str | None = None) -> Linked:
     """See the module docstring; the caller sets VLLM_NEURON_RUN_ID (one engine run)."""
     from snapshot_helpers import ctx, make_config
 
@@ -71,7 +72,8 @@ def capture_linked(manifest_dir: str, snapshot_root: str, ranks: int = 2) -> Lin
         for key in (SHARD_HASH, NORM_HASH):
             assert writer.record(key, rank=rank, global_rank=rank, input_shapes=["2, 8"],
                                  compiler_flags="")
-    emit_manifest(manifest_dir, config, cache_root=None, environment={}, link_snapshots=True)
+    emit_manifest(manifest_dir, config, cache_root=cache_root, environment={},
+                  link_snapshots=True, snapshot_root=snapshot_root)
     cfg = make_config(snapshot_root, CAPTURE_TOKEN="12", FORMAT="npy")
     on_bundle = link_bundles(manifest_dir, cfg)
     assert on_bundle is not None

@@ -98,8 +98,10 @@ def test_a_bundle_gone_fails_alone_and_a_wrong_root_is_named(
                        linked.snapshot_root, "--runner", "eager")
     assert code == 1
     assert f"{linked.snapshot_root}/{gone}" in out
-    assert "names this bundle, but it is not there" in out
-    assert "FAIL: 3 of 4 bundles match" in out
+    assert "MISSING: missing: " in out and "names this bundle, but it is not there" in out
+    # Listed as missing, not counted as a mismatch.
+    assert "FAIL: 3 of 4 bundles match their captured outputs (1 missing)" in out
+    assert "differ" not in out
     (tmp_path / "empty").mkdir()
     code, _, err = run(capsys, "snapshot", "replay", "--manifest", linked.engine, "--root",
                        str(tmp_path / "empty"))
@@ -145,3 +147,59 @@ def test_a_listener_that_fails_leaves_the_bundle_and_the_forward(
     said = [r.getMessage() for r in caplog.records
             if "listener of snapshot bundles" in r.getMessage()]
     assert len(said) == 1 and "went away" in said[0]
+
+
+def test_the_manifest_is_all_a_replay_needs(linked: Linked, capsys: pytest.CaptureFixture[str],
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """No --root, no --cache-dir, and a configured snapshot root elsewhere: the manifest
+    records where the engine wrote its bundles."""
+    _, manifest = load_manifest(linked.engine)
+    assert manifest.locations.snapshot_root == linked.snapshot_root  # type: ignore[union-attr]
+    monkeypatch.setenv("VLLM_NEURON_RUNTIME_INPUT_SNAPSHOT_DIR", "/nonexistent/elsewhere")
+    code, out, err = run(capsys, "snapshot", "replay", "--manifest", linked.engine,
+                         "--runner", "eager")
+    assert code == 0 and "PASS: 4 of 4" in out, out + err
+
+
+def test_replay_from_a_copy_on_another_host_with_root(
+    tmp_path: Path, linked: Linked, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The snapshots and the manifest copied to another tree, the original paths gone: the
+    recorded root no longer exists, --root points at the copy."""
+    host = tmp_path / "other-host"
+    shutil.copytree(linked.snapshot_root, host / "snaps")
+    shutil.copytree(linked.engine, host / "manifest")
+    shutil.rmtree(linked.snapshot_root)
+    shutil.rmtree(linked.manifest_dir)
+    code, _, err = run(capsys, "snapshot", "replay", "--manifest", str(host / "manifest"),
+                       "--runner", "eager")
+    assert code == 2 and "the snapshot root" in err and "records" in err and "--root" in err
+    code, out, err = run(capsys, "snapshot", "replay", "--manifest", str(host / "manifest"),
+                         "--root", str(host / "snaps"), "--json")
+    assert code == 0, out + err
+    reports = json.loads(out)
+    assert len(reports) == 4 and all(r["passed"] and r["ran"] for r in reports)
+    assert all(r["bundle"].startswith(str(host / "snaps")) for r in reports)
+    # No compile cache was recorded (none existed): auto says why it ran the graph.
+    assert {r["runner"] for r in reports} == {"eager"}
+    assert all(r["runner_note"] and "cache runner cannot run here" in r["runner_note"]
+               for r in reports)
+
+
+def test_a_recorded_cache_that_is_not_this_users_own_is_not_loaded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A manifest travels: the compile cache it names is loaded from only when this user
+    owns it and no one else can write it (loading an entry runs its native code)."""
+    monkeypatch.setenv("VLLM_NEURON_RUN_ID", "shared-cache-run")
+    shared = tmp_path / "shared-cache"
+    shared.mkdir()
+    shared.chmod(0o777)
+    linked = capture_linked(str(tmp_path / "manifests"), str(tmp_path / "snaps"),
+                            cache_root=str(shared))
+    code, out, err = run(capsys, "snapshot", "replay", "--manifest", linked.engine, "--json")
+    assert code == 0, out + err
+    notes = {r["runner_note"] for r in json.loads(out)}
+    (note,) = notes
+    assert f"the compile cache the manifest names ({shared}) is not this user's own" in note
+    assert "--cache-dir" in note

@@ -35,6 +35,7 @@ from vllm_neuron.manifest.inspect import load_manifest, select_graphs, snapshot_
 from vllm_neuron.manifest.schema import Locations
 from vllm_neuron.manifest.snapshot_links import path_order
 from vllm_neuron.snapshot.bundles import (
+    ReplayError,
     find_bundles,
     list_bundles,
     load_bundle,
@@ -226,7 +227,7 @@ def replay_manifest(args: argparse.Namespace) -> list[ReplayReport]:
         if is_url(path):
             store, prefix = locate(path)
         else:
-            local = local or _root(root)
+            local = local or _manifest_root(root, root_from, where)
             store, prefix = local, path.strip("/")
         roots.setdefault(store.url, (store, []))[1].append(prefix)
     found = {(url, p) for url, (store, prefixes) in roots.items() for p in prefixes
@@ -255,6 +256,17 @@ def replay_manifest(args: argparse.Namespace) -> list[ReplayReport]:
                         f"{META_FILE}): removed since, or captured under another snapshot "
                         "root (--root)")  # fmt: skip
     return [by_path[url, p] for url, (_, prefixes) in roots.items() for p in prefixes]
+
+
+def _manifest_root(root: str | None, root_from: str, where: str) -> Any:
+    """The snapshot root a manifest's relative bundle paths are under, or an error that says
+    which root was tried and why (the manifest's recorded one is gone on another host)."""
+    try:
+        return _root(root)
+    except ReplayError as exc:
+        raise ReplayError(
+            f"{exc} ({root_from}): the bundles {where} names are relative to it; pass the "
+            "snapshot root they were captured under (or a copy of it) as --root") from None
 
 
 def print_replay(reports: list[ReplayReport], as_json: bool) -> int:

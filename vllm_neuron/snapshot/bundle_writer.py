@@ -345,7 +345,13 @@ class BundleWriter:
         try:
             import torch  # heavy and optional: only once per signature, for a selected call
 
-            ep = torch.export.export(self.graph.gm, tuple(args))
+            from vllm_neuron.compile.toolchains.host import exportable_graph
+
+            ep = torch.export.export(exportable_graph(self.graph.gm), tuple(args))
+            # Not kept in the graph: the bundle holds the inputs already (vLLM's weights among
+            # them), and pickling them would also pickle what vLLM hangs on a parameter
+            # (loaders, local lambdas), which fails the save.
+            ep.example_inputs = None
             buf = io.BytesIO()
             torch.export.save(ep, buf)
             store.create(key, buf.getvalue())
@@ -353,7 +359,8 @@ class BundleWriter:
         except Exception as exc:  # noqa: BLE001 - best-effort, see the docstring
             if unwritable_cause(exc, under=local_path_of(self.spec.root)) is not None:
                 raise  # the root itself cannot take files: capture_call says so, once
-            reason = printable(f"{type(exc).__name__}: {exc}", GRAPH_ERROR_LIMIT)
+            first = str(exc).strip().split("\n\n")[0]  # torch's advice paragraphs follow
+            reason = printable(f"{type(exc).__name__}: {first}", GRAPH_ERROR_LIMIT)
             if not any(error for _, error in self._graphs.values()):
                 logger.warning(
                     "vllm_neuron: could not save the graph of %s for eager replay (%s); "

@@ -32,7 +32,7 @@ from vllm_neuron.compile.toolchains.op_libraries import import_vllm_kernels
 
 from .bundles import ReplayError, load_bundle, open_snapshot_root
 from .compare import compare_outputs
-from .replay import PreparedReplay, ReplayReport, RunnerKey, prepare_bundle
+from .replay import PreparedReplay, ReplayReport, RunnerKey, prepare_bundle, run_failed
 from .runners import CacheChoice, ResolvedRunner
 
 
@@ -104,8 +104,12 @@ def main(argv: list[str]) -> int:
                 f"not run: rank(s) {', '.join(map(str, absent))} could not load their bundle "
                 "of this call, and its collective needs every rank")))  # fmt: skip
             continue
-        with torch.no_grad():
-            result = item.fn(*item.inputs)
+        try:
+            with torch.no_grad():
+                result = item.fn(*item.inputs)
+        except Exception as exc:  # noqa: BLE001 - this bundle's report; the others still run
+            results.append(item.report(problem=run_failed(item.runner, exc)))
+            continue
         actual = list(pytree.tree_leaves(result))
         try:
             results.append(item.report(compare_outputs(actual, item.expected,

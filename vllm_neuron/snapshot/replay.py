@@ -34,7 +34,7 @@ from .runners import CacheChoice, ResolvedRunner, resolve_runner
 from .tp_replay import plan_groups, replay_groups
 
 __all__ = ["CacheChoice", "PreparedReplay", "ReplayReport", "prepare_bundle", "replay",
-           "replay_bundle", "replay_prefixes", "report_of"]
+           "replay_bundle", "replay_prefixes", "report_of", "run_failed"]
 
 
 RunnerKey = tuple[str, str, str | None]  # (hash, runner asked for, the bundle's graph)
@@ -95,16 +95,29 @@ def replay_bundle(
             f"the {meta.tp_size} ranks of its tensor-parallel group, so it replays only "
             "together with the other ranks' bundles of the same call: use `vllm-neuron "
             "snapshot replay` on the snapshot root (one process per rank)"))  # fmt: skip
-    prepared = prepare_bundle(bundle, runner=runner, cache_dir=cache_dir, runners=runners)
+    try:
+        prepared = prepare_bundle(bundle, runner=runner, cache_dir=cache_dir, runners=runners)
+    except ReplayError as exc:  # no runner can run it here: this bundle's report, not a stop
+        return report_of(bundle, runner, problem=str(exc))
     if isinstance(prepared, ReplayReport):
         return prepared
-    with torch.no_grad():
-        result = prepared.fn(*prepared.inputs)
+    try:
+        with torch.no_grad():
+            result = prepared.fn(*prepared.inputs)
+    except Exception as exc:  # noqa: BLE001 - this bundle's report; the others still run
+        return prepared.report(problem=run_failed(prepared.runner, exc))
     actual = list(pytree.tree_leaves(result))
     try:
         return prepared.report(compare_outputs(actual, prepared.expected, atol=atol, rtol=rtol))
     except ReplayError as exc:
         return prepared.report(problem=str(exc))
+
+
+def run_failed(runner: str, exc: Exception) -> str:
+    """A bundle whose run raised: said as such (not a mismatch), with the error, one line."""
+    first = str(exc).strip().splitlines()
+    return (f"running it with the {runner} runner failed: {type(exc).__name__}"
+            + (f": {first[0]}" if first else ""))
 
 
 @dataclass

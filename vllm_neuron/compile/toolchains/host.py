@@ -53,7 +53,7 @@ from vllm_neuron.compile.toolchains.host_collectives import (
 )
 from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
 
-__all__ = ["HostToolchain"]
+__all__ = ["HostToolchain", "exportable_graph"]
 
 ARTIFACT_NAME = "graph.pt2"
 
@@ -382,6 +382,15 @@ def _export_plan(gm: Any, inputs: tuple[Any, ...]) -> _ExportPlan:
     # needs to match `dynamic_shapes` (a recompiled dynamo graph's is `*args, **kwargs`).
     graph_module = _derive_integer_inputs(gm, derived)
     return _ExportPlan(graph_module, tuple(args), tuple(dynamic), tuple(sorted(derived)))
+
+
+def exportable_graph(gm: Any) -> Any:
+    """A copy of ``gm`` with the rewrites every export of a vLLM piece needs (see
+    `_derive_integer_inputs`: ``param.data`` read as the parameter, uninitialised buffers
+    zero-filled, collectives routed): the program this toolchain compiles, so the input
+    snapshot's reference graph (exported with a captured call's concrete values) computes
+    what the compiled artifact computes, and exports at all."""
+    return _derive_integer_inputs(gm, {})
 
 
 def _derive_integer_inputs(gm: Any, derived: Mapping[int, tuple[int, int]]) -> Any:
