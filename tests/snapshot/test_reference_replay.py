@@ -127,7 +127,7 @@ def test_every_call_of_a_dynamic_graph_has_a_reference_graph_and_replays_eagerly
     code, out = run_cli(capsys, "snapshot", "replay", str(root / HASH / "rank0" / "call1"),
                         "--runner", "eager")  # fmt: skip
     assert code == 1 and "NOT RUN: running it with the eager runner failed" in out, out
-    assert "Guard failed" in out and "Traceback" not in out
+    assert "Traceback" not in out, out
 
 
 def test_shape_tuples_and_none_are_stored_and_replayed(
