@@ -31,7 +31,7 @@ TARGET = 1.05
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m benchmarks march", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=sized(9, 2))
+    parser.add_argument("--rounds", type=int, default=sized(9, 1))
     parser.add_argument("--calls", type=int, default=sized(100, 5), help="calls per round")
     args = parser.parse_args([] if argv is None else argv)
     print(machine())
