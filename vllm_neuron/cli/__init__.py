@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -33,6 +34,7 @@ from . import manifest as manifest_cmd
 from . import profile as profile_cmd
 from . import report as report_cmd
 from . import snapshot as snapshot_cmd
+from .options import PipeTolerantStdout, share_group_options
 
 EXIT_OK = 0
 """Done: nothing wrong was found."""
@@ -51,6 +53,10 @@ exit status (every command):
   2  bad usage or something that cannot be used: a malformed setting or URL, a missing
      store, refused access, an unreachable endpoint, a missing optional package
      (the reason on stderr)
+
+options: -v and a group's options (cache --cache-dir) work before the sub-command or after
+it (the later one wins); -q/--quiet on the commands cron runs prints errors only. Output
+piped into a reader that stops early (| head) ends quietly.
 """
 
 
@@ -69,17 +75,35 @@ def build_parser() -> argparse.ArgumentParser:
     profile_cmd.register(sub)
     report_cmd.register(sub)
     snapshot_cmd.register(sub)
+    share_group_options(parser)  # -v, cache --cache-dir: on every leaf below them too
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    stdout = sys.stdout
+    sys.stdout = PipeTolerantStdout(stdout)  # | head: the rest is discarded, quietly
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        quiet = bool(getattr(args, "quiet", False))
+        if quiet:  # -q: errors (stderr) and the exit status only
+            sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - closed below
+        return _run(args, quiet)
+    finally:
+        try:
+            sys.stdout.flush()
+        finally:
+            if not isinstance(sys.stdout, PipeTolerantStdout) and sys.stdout is not stdout:
+                sys.stdout.close()
+            sys.stdout = stdout
+
+
+def _run(args: argparse.Namespace, quiet: bool) -> int:
     install_log_redaction()  # on our loggers: whichever handler prints a line of ours
     handler = logging.StreamHandler()  # used only if the root logger has no handler yet
     handler.addFilter(RedactingFilter())  # no secret in a log line (envs/secrets.py)
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
+        level=logging.ERROR if quiet else logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
         handlers=[handler],
     )

@@ -18,6 +18,7 @@ from vllm_neuron.compile.entry.events import read_stats
 
 from . import cache_entries, cache_gc, cache_trust, cache_warm
 from .format import human_size, print_json, table
+from .options import JSON_HELP
 from .tiers import cache_dir
 
 
@@ -26,6 +27,7 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--cache-dir",
         default=None,
+        metavar="DIR",
         help="local cache directory (default: $VLLM_CACHE_ROOT/neuron/compile_cache)",
     )
     cmds = parser.add_subparsers(dest="cache_command", required=True)
@@ -34,7 +36,7 @@ def register(sub: Any) -> None:
 
     stats = cmds.add_parser("stats", help="hits, misses, compiles and time saved")
     stats_format = stats.add_mutually_exclusive_group()
-    stats_format.add_argument("--json", action="store_true")
+    stats_format.add_argument("--json", action="store_true", help=JSON_HELP)
     stats_format.add_argument(
         "--prometheus", action="store_true",
         help="the series of vLLM's /metrics in the text format (a textfile collector's .prom)")

@@ -25,6 +25,7 @@ from vllm_neuron.envs import compile_cache_settings, fault_settings, host_mode_s
 from vllm_neuron.version import __version__
 
 from .format import print_json, table
+from .options import JSON_HELP
 
 
 def register(sub: Any) -> None:
@@ -33,13 +34,13 @@ def register(sub: Any) -> None:
     faults = cmds.add_parser(
         "faults", help="list the fault points VLLM_NEURON_FAULT can name (crash tests)"
     )
-    faults.add_argument("--json", action="store_true")
+    faults.add_argument("--json", action="store_true", help=JSON_HELP)
     faults.set_defaults(handler=cmd_faults)
     env = cmds.add_parser(
         "env", help="this machine as the compile cache sees it: CPU, vLLM kernels, toolchain, "
         "the versions and target in every cache key (for bug reports)",
     )
-    env.add_argument("--json", action="store_true")
+    env.add_argument("--json", action="store_true", help=JSON_HELP)
     env.set_defaults(handler=cmd_env)
 
 
