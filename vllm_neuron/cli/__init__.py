@@ -24,6 +24,7 @@ from vllm_neuron.envs import (
     fault_settings,
     install_log_redaction,
     redact_text,
+    validate_groups,
 )
 from vllm_neuron.version import __version__
 
@@ -42,6 +43,20 @@ EXIT_PROBLEM = 1
 """The command ran and found a problem: a corrupt entry, a failed check, a graph missing."""
 EXIT_USAGE = 2
 """Bad usage, or something that cannot be used (a malformed URL, an unreachable tier)."""
+
+SETTINGS_READ: dict[str, tuple[str, ...]] = {
+    "cache": ("compile_cache", "trust"),
+    "demo": ("compile_cache", "trust"),
+    "manifest": ("compile_cache", "manifest"),
+    "profile": ("profiling",),
+    "report": ("compile_cache", "trust"),
+    "snapshot": ("compile_cache", "snapshot"),
+}
+"""The settings groups (`vllm_neuron.envs.listing.GROUPS`) each command reads: validated
+before it runs, so ``VLLM_NEURON_CACHE_TRUST=requre cache stats`` is exit 2 naming the
+variable and the value, never a silent default. ``debug`` validates nothing: ``debug env``
+shows every setting's error, and ``debug faults`` reads only VLLM_NEURON_FAULT (checked
+for every command)."""
 
 EPILOG = """output: every command that reports takes --json: one JSON document on stdout, nothing
 else there (progress bars go to stderr, only on a terminal, and never with --json).
@@ -109,6 +124,7 @@ def _run(args: argparse.Namespace, quiet: bool) -> int:
     )
     try:
         fault_settings()  # VLLM_NEURON_FAULT (crash tests): a bad name is exit 2
+        validate_groups(SETTINGS_READ.get(args.command, ()))  # a typo: exit 2, named
         return int(args.handler(args))
     except (ValueError, RuntimeError, OSError, KeyError, StoreError) as exc:
         print(f"vllm-neuron: error: {redact_text(str(exc))}", file=sys.stderr)
