@@ -16,7 +16,7 @@ import torch
 
 from vllm_neuron.cli import main
 from vllm_neuron.compile.toolchains.host import HostToolchain
-from vllm_neuron.envs import ENVIRONMENT_VARIABLES, GROUPS, READ_VARIABLES
+from vllm_neuron.envs import ENVIRONMENT_VARIABLES, GROUPS, READ_VARIABLES, setting_rows
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
@@ -56,7 +56,8 @@ def test_every_setting_with_its_value_origin_and_error() -> None:
     """``VLLM_NEURON_CACHE_TRUST=requre`` used to pass ``debug env`` silently."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLLM_NEURON", "NEURON_"))}
     env.update(VLLM_NEURON_CACHE_TRUST="requre", VLLM_NEURON_CACHE_MAX_SIZE="500M",
-               NEURON_LIBTORCH_REMOTE_CACHE=f"s3://{CREDENTIALS}@bucket/x")
+               NEURON_LIBTORCH_REMOTE_CACHE=f"s3://{CREDENTIALS}@bucket/x",
+               VLLM_NEURON_COMPILE_WORKERS="none")  # two errors in one group: both shown
     done = subprocess.run([sys.executable, "-m", "vllm_neuron.cli", "debug", "env", "--json"],
                           capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert done.returncode == 1, done.stderr  # a malformed setting is a problem found
@@ -69,8 +70,10 @@ def test_every_setting_with_its_value_origin_and_error() -> None:
     size = rows["VLLM_NEURON_CACHE_MAX_SIZE"]
     assert (size["value"], size["source"], size["error"]) == ("500M", "environment", None)
     assert "credentials" in rows["NEURON_LIBTORCH_REMOTE_CACHE"]["error"]
-    workers = rows["VLLM_NEURON_COMPILE_WORKERS"]
-    assert (workers["value"], workers["source"], workers["error"]) == (None, "default", None)
+    assert "VLLM_NEURON_COMPILE_WORKERS='none' is not a positive whole number" in rows[
+        "VLLM_NEURON_COMPILE_WORKERS"]["error"]
+    timeout = rows["NEURON_LIBTORCH_COMPILATION_TIMEOUT"]
+    assert (timeout["value"], timeout["source"], timeout["error"]) == (None, "default", None)
     table = subprocess.run([sys.executable, "-m", "vllm_neuron.cli", "debug", "env"],
                            capture_output=True, text=True, timeout=300, env=env)  # fmt: skip
     assert table.returncode == 1 and CREDENTIALS.split(":")[1] not in table.stdout
@@ -99,3 +102,11 @@ def test_every_command_refuses_a_malformed_setting_it_reads(
                           else [])])  # fmt: skip
     err = capsys.readouterr().err
     assert code == 2 and f"{name}={value!r}" in err and said in err, err
+
+
+def test_the_rows_themselves_carry_no_secret() -> None:
+    """Redacted where the rows are made, not only where a command prints them."""
+    rows = {r.name: r for r in setting_rows(
+        {"NEURON_LIBTORCH_REMOTE_CACHE": f"s3://{CREDENTIALS}@bucket/x", "HOME": "/h"})}
+    value = rows["NEURON_LIBTORCH_REMOTE_CACHE"].value
+    assert value is not None and "bucket/x" in value and CREDENTIALS.split(":")[1] not in value
