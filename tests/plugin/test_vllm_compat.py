@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from vllm_neuron.envs import OWN_SETTINGS
+from vllm_neuron.envs import INTERNAL_MARKERS, OWN_SETTINGS
 from vllm_neuron.plugin.vllm_env import register_settings_with_vllm
 from vllm_neuron.plugin.vllm_version import (
     SUPPORTED_RANGE,
@@ -51,3 +51,9 @@ def test_registration_keeps_vllms_own_getter_and_degrades_without_a_table(
     with caplog.at_level(logging.WARNING, logger="vllm_neuron"):
         assert register_settings_with_vllm(SimpleNamespace()) == []
     assert "no vllm.envs.environment_variables table" in caplog.text
+
+
+def test_internal_markers_are_outside_vllms_namespace() -> None:
+    """vLLM checks every VLLM_* variable; what the plugin sets itself is no setting."""
+    assert INTERNAL_MARKERS and not any(m.startswith("VLLM_") for m in INTERNAL_MARKERS)
+    assert not set(INTERNAL_MARKERS) & set(OWN_SETTINGS)
