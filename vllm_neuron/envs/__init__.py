@@ -112,7 +112,9 @@ from .trust import TrustSettings, load_trust_settings, trust_settings
 __all__ = [
     "ENVIRONMENT_VARIABLES",
     "GROUPS",
+    "INTERNAL_MARKERS",
     "OTHER_READ",
+    "OWN_SETTINGS",
     "READ_VARIABLES",
     "REDACTED",
     "SNAPSHOT_FORMATS",
@@ -182,6 +184,22 @@ ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (
     + identity.VARIABLES
     + faults.VARIABLES
     + metrics.VARIABLES
+)
+
+# The settings this package owns: its VLLM_NEURON_* and NEURON_* variables, not vLLM's
+# (VLLM_CACHE_ROOT, VLLM_DP_RANK), nor a launcher's (RANK, NEURON_VISIBLE_DEVICES: a worker's
+# own, never the driver's). The plugin makes them known to vLLM's environment validation and
+# hands them to Ray workers (vllm_neuron/plugin/vllm_env.py).
+OWN_SETTINGS: tuple[str, ...] = tuple(
+    v.name for v in ENVIRONMENT_VARIABLES
+    if v.name.startswith(("VLLM_NEURON_", "NEURON_")) and v.feature != "identity"
+)
+# What the package sets itself for the processes it starts. Not settings, so named outside
+# vLLM's VLLM_* namespace (vLLM checks every VLLM_* variable against its own list); handed to
+# Ray workers with the settings.
+INTERNAL_MARKERS: tuple[str, ...] = (
+    host_mode.VLLM_NEURON_CPU_PROBE_STARTED,
+    metrics.VLLM_NEURON_METRICS_DIR,
 )
 
 # Every variable this package reads: the documented ones, vLLM's VLLM_USE_AOT_COMPILE

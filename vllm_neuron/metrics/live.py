@@ -9,9 +9,9 @@ Which directory, in vLLM 0.32:
 
 * With one API server (the default) vLLM does not use multiprocess mode: ``/metrics``
   serves prometheus_client's global ``REGISTRY`` of the API server process. There this
-  package's general plugin, in vLLM's first process (no ``VLLM_NEURON_METRICS_DIR``
+  package's general plugin, in vLLM's first process (no ``_VLLM_NEURON_METRICS_DIR``
   inherited), makes a private directory, hands it to the processes vLLM starts through
-  ``VLLM_NEURON_METRICS_DIR``, and registers a ``MultiProcessCollector`` over it in
+  ``_VLLM_NEURON_METRICS_DIR``, and registers a ``MultiProcessCollector`` over it in
   ``REGISTRY``. The directory is removed when that process exits.
 * With ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM sets it for ``--api-server-count`` > 1, or
   the user does), ``/metrics`` serves a collector over that directory: the files go there.
@@ -64,7 +64,7 @@ __all__ = [
 
 logger = logging.getLogger("vllm_neuron.metrics")
 
-METRICS_DIR_ENV = "VLLM_NEURON_METRICS_DIR"
+METRICS_DIR_ENV = "_VLLM_NEURON_METRICS_DIR"  # envs/metrics.py
 """Set by vLLM's first process for the processes it starts: where their counters go."""
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 FILE_PREFIX = "counter_vllm-neuron-"  # "counter" before the first "_": the collector's type
@@ -184,7 +184,7 @@ def install(
 ) -> LiveMetrics | None:
     """Observe every cache event of this process into the live series (once per process).
 
-    In the first process (no ``VLLM_NEURON_METRICS_DIR``) also makes the directory and
+    In the first process (no ``_VLLM_NEURON_METRICS_DIR``) also makes the directory and
     registers a collector over it in `registry` (default prometheus_client's ``REGISTRY``,
     what vLLM's single API server serves), and with `gauges` starts the sampler of the
     tier gauges there (:mod:`.gauges`). None when prometheus_client is missing.
