@@ -417,6 +417,10 @@ def test_request_snapshots_land_under_both_ranks(cold: ServerRun, node_a: Node) 
         assert all(m["req_ids"][0].startswith(f"chatcmpl-{SNAPPED_ID}-") for m in mine)
         # Every piece of this TP=2 model ends in an all-reduce: replay needs both ranks.
         assert all(m["collectives"] for m in mine), {m["compilation_hash"] for m in mine}
+        # Every captured call has its reference graph (the eager runner's), saved per rank.
+        for m in mine:
+            assert m["graph_error"] is None, m["graph_error"]
+            assert m["graph"] and (node_a.snapshots / m["graph"]).is_file(), m["graph"]
         # Each forward's graph calls in order, the same positions on both ranks: what pairs
         # a rank's bundle with the other rank's bundle of the same call.
         for step in {m["global_step"] for m in mine}:
@@ -541,6 +545,45 @@ def test_snapshot_replay_of_the_manifest_is_bit_exact(
         assert report["outputs"] and all(o["max_abs_err"] == 0.0 and o["mismatched"] == 0
                                          for o in report["outputs"]), report
     SUMMARY.append(f"replay --manifest: {len(reports)} bundles, bit-exact")
+
+
+def test_the_manifest_is_all_the_reference_replay_needs_here_and_on_a_copy(
+    cold: ServerRun, work: Path, node_a: Node, vllm_python: Path
+) -> None:
+    """The eager runner (the exported graphs, the off-device reference) on every bundle
+    the manifest names, given only the manifest: it records the snapshot root and the
+    compile cache. Then from a copy on "another host" (the original root moved away), with
+    --root pointing at the copy."""
+    engine = work / "manifests" / "nodev"
+    named = sorted(str(node_a.snapshots / p) for paths in bundles_by_graph(node_a).values()
+                   for p in paths)  # fmt: skip
+
+    def check(done: subprocess.CompletedProcess[str], root: Path) -> list[dict[str, Any]]:
+        assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+        reports = json.loads(done.stdout)
+        assert sorted(r["bundle"] for r in reports) == [
+            n.replace(str(node_a.snapshots), str(root)) for n in named]
+        for report in reports:
+            assert report["passed"] and report["runner"] == "eager", report
+            assert len(report["peers"]) == 1, report  # with the other rank's call
+        return reports
+
+    done = cli("snapshot", "replay", "--manifest", str(engine), "--runner", "eager", "--json",
+               python=vllm_python)  # fmt: skip
+    reports = check(done, node_a.snapshots)
+    worst = max(o["max_abs_err"] for r in reports for o in r["outputs"])
+    SUMMARY.append(f"eager replay --manifest: {len(reports)} bundles, largest error {worst:.2e}")
+    host = work / "other-host"
+    shutil.copytree(node_a.snapshots, host / "snapshots")
+    shutil.copytree(engine, host / "manifest")
+    moved = node_a.snapshots.with_name("snapshots-moved-away")
+    node_a.snapshots.rename(moved)
+    try:
+        done = cli("snapshot", "replay", "--manifest", str(host / "manifest"), "--root",
+                   str(host / "snapshots"), "--runner", "eager", "--json", python=vllm_python)
+        check(done, host / "snapshots")
+    finally:
+        moved.rename(node_a.snapshots)
 
 
 def test_the_report_links_each_graph_to_its_bundles_and_replays(

@@ -205,3 +205,29 @@ def test_a_graph_that_cannot_be_saved_is_named_with_its_reason(
                         str(tmp_path / "no-cache"))  # fmt: skip
     assert code == 1 and "no compile cache" in out and "opaque_scale" in out, out
     assert "1 could not be replayed" in out
+
+
+def test_the_reference_tolerance_allows_rounding_at_the_tensors_scale_not_more() -> None:
+    """The eager runner's allowance (docs/snapshots.md): REFERENCE_ULPS units in the last
+    place of the output's largest value, on top of the dtype's defaults."""
+    from vllm_neuron.snapshot.compare import REFERENCE_ULPS, compare_outputs
+
+    expected = torch.tensor([4.0, 1e-3, -2.0], dtype=torch.bfloat16)
+    eps = torch.finfo(torch.bfloat16).eps
+    # Near a cancellation: one unit at the tensor's scale (4.0) on an element near zero.
+    rounded = expected.clone()
+    rounded[1] += 4.0 * eps
+    (same,) = compare_outputs([rounded], [expected])
+    (ref,) = compare_outputs([rounded], [expected], reference=True)
+    assert not same.passed and ref.passed
+    assert ref.atol == pytest.approx(1e-5 + REFERENCE_ULPS * eps * 4.0)
+    # Beyond the allowance: a real divergence still fails the reference comparison.
+    wrong = expected.clone()
+    wrong[1] += 2 * REFERENCE_ULPS * eps * 4.0
+    (bad,) = compare_outputs([wrong], [expected], reference=True)
+    assert not bad.passed and bad.mismatched == 1
+    # Integers stay exact; explicit tolerances replace the allowance.
+    (ints,) = compare_outputs([torch.tensor([1, 3])], [torch.tensor([1, 2])], reference=True)
+    assert not ints.passed and ints.atol == 0.0
+    (given,) = compare_outputs([rounded], [expected], atol=0.0, rtol=0.0, reference=True)
+    assert not given.passed and given.atol == 0.0

@@ -12,7 +12,7 @@ by absolute path); a run read from a URL shows the validation its manifest recor
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,7 +22,8 @@ from vllm_neuron.profiling.layout import MANIFEST_FILE, RUN_SPEC_FILE
 from vllm_neuron.profiling.run_record import ProfileManifest, read_manifest
 from vllm_neuron.profiling.validate import validate_run
 from vllm_neuron.snapshot.bundles import BundleInfo, SnapshotListing, list_bundles, load_bundle
-from vllm_neuron.snapshot.replay import ReplayReport, replay, replay_bundle
+from vllm_neuron.snapshot.replay import ReplayReport, RunnerKey, replay, replay_bundle
+from vllm_neuron.snapshot.runners import ResolvedRunner
 
 __all__ = [
     "ARTIFACT_FIELDS",
@@ -80,7 +81,7 @@ def _replay_all(listing: SnapshotListing, store: Any, cache_dir: str | None) -> 
 
 
 def _replay_each(infos: Sequence[BundleInfo], store: Any, cache_dir: str | None) -> dict[str, Any]:
-    runners: dict[tuple[str, str], tuple[str, Callable[..., Any]]] = {}
+    runners: dict[RunnerKey, ResolvedRunner] = {}
     out: dict[str, ReplayReport] = {}
     for info in infos:
         try:

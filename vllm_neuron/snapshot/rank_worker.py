@@ -112,8 +112,9 @@ def main(argv: list[str]) -> int:
             continue
         actual = list(pytree.tree_leaves(result))
         try:
-            results.append(item.report(compare_outputs(actual, item.expected,
-                                                       atol=job["atol"], rtol=job["rtol"])))
+            results.append(item.report(compare_outputs(
+                actual, item.expected, atol=job["atol"], rtol=job["rtol"],
+                reference=item.runner == "eager")))
         except ReplayError as exc:
             results.append(item.report(problem=str(exc)))
     out = Path(argv[0]).parent / f"result{rank}.json"

@@ -34,7 +34,7 @@ from .runners import CacheChoice, ResolvedRunner, resolve_runner
 from .tp_replay import plan_groups, replay_groups
 
 __all__ = ["CacheChoice", "PreparedReplay", "ReplayReport", "prepare_bundle", "replay",
-           "replay_bundle", "replay_prefixes", "report_of", "run_failed"]
+           "RunnerKey", "replay_bundle", "replay_prefixes", "report_of", "run_failed"]
 
 
 RunnerKey = tuple[str, str, str | None]  # (hash, runner asked for, the bundle's graph)
@@ -108,7 +108,8 @@ def replay_bundle(
         return prepared.report(problem=run_failed(prepared.runner, exc))
     actual = list(pytree.tree_leaves(result))
     try:
-        return prepared.report(compare_outputs(actual, prepared.expected, atol=atol, rtol=rtol))
+        return prepared.report(compare_outputs(actual, prepared.expected, atol=atol, rtol=rtol,
+                                               reference=prepared.runner == "eager"))
     except ReplayError as exc:
         return prepared.report(problem=str(exc))
 

@@ -20,8 +20,12 @@ native code, and a manifest is a file that travels.
 
 from __future__ import annotations
 
+import contextlib
 import io
-from collections.abc import Callable
+import logging
+import re
+import zipfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +36,7 @@ from vllm_neuron.compile.tiers.health import LocalTierUnusable, not_own_tier
 from vllm_neuron.compile.tiers.location import trusted_local_tier_dir
 from vllm_neuron.compile.tiers.unpacked import load_entry
 from vllm_neuron.compile.toolchains.base import ARTIFACTS
-from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
+from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema, load_namespaces
 from vllm_neuron.compile.toolchains.select import select_toolchain
 
 from .bundles import Bundle, ReplayError
@@ -133,12 +137,51 @@ def _load_exported(data: bytes, what: str) -> Any:
     (a graph traced inside vLLM calls vLLM's CPU kernels)."""
     import torch  # heavy optional dependency: only when an exported graph is run
 
+    load_namespaces(_archive_namespaces(data), what)
     try:
-        return torch.export.load(io.BytesIO(data))
+        with _quiet_torch_export():
+            return torch.export.load(io.BytesIO(data))
     except Exception as exc:
         if not load_for_missing_schema(exc, what):
             raise
     return torch.export.load(io.BytesIO(data))
+
+
+PROGRAM_JSON_MAX = 256 << 20  # bytes of an archive's program description read for its ops
+
+
+def _archive_namespaces(data: bytes) -> set[str]:
+    """The ``torch.ops`` namespaces the exported program in ``data`` calls, read from its
+    description (``models/*.json`` in the archive), so their kernel libraries are loaded
+    before torch reads it: torch's reader does not say which op it could not resolve. An
+    archive this cannot read yields none (torch's own error then stands)."""
+    found: set[str] = set()
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            for info in archive.infolist():
+                if "/models/" in f"/{info.filename}" and info.filename.endswith(".json") and (
+                        info.file_size <= PROGRAM_JSON_MAX):
+                    text = archive.read(info)[:PROGRAM_JSON_MAX]
+                    found.update(m.decode() for m in _OP_NAMESPACE.findall(text))
+    except (zipfile.BadZipFile, OSError, ValueError):
+        return set()
+    return found
+
+
+_OP_NAMESPACE = re.compile(rb"torch\.ops\.([A-Za-z_][A-Za-z0-9_]*)\.")
+
+
+@contextlib.contextmanager
+def _quiet_torch_export() -> Iterator[None]:
+    """torch.export.load logs a traceback before it raises (a kernel library not loaded
+    yet); the failure is ours to report, once, with the fix, so its warning is held back."""
+    torch_export = logging.getLogger("torch.export")
+    level = torch_export.level
+    torch_export.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        torch_export.setLevel(level)
 
 
 def resolve_runner(
