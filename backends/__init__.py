@@ -35,6 +35,7 @@ from .faults import fault_point
 from .keys import join, validate_hex, validate_key
 from .locations import (
     check_location,
+    check_remote_location,
     is_url,
     local_path_of,
     local_root_missing,
@@ -95,6 +96,7 @@ __all__ = [
     "encode_line",
     "fault_point",
     "check_location",
+    "check_remote_location",
     "is_url",
     "join",
     "local_path_of",

@@ -5,7 +5,10 @@ so the code above the storage layer never sniffs for ``"://"`` and never disagre
 `open_store` about which strings name local directories. `check_location` says whether
 `open_store` would accept a location without opening anything: a registered scheme's name
 followed by ``:`` but not ``//`` (``s3:/bucket/x``, ``S3:bucket``, ``file:/x``) is a mangled
-URL, never a relative directory named ``s3:``, and is refused with the URL probably meant.
+URL, never a relative directory named ``s3:``, and is refused with the URL probably meant;
+so is one followed by ``//`` without the colon (``s3//bucket/x``, ``file//x``).
+`check_remote_location` is what every remote tier goes through (``--to``, ``--from``,
+``--remote``, NEURON_LIBTORCH_REMOTE_CACHE): those checks, and no relative path.
 """
 
 from __future__ import annotations
@@ -13,12 +16,20 @@ from __future__ import annotations
 import os
 
 from .errors import InvalidLocation, UnknownScheme
-from .schemes import _SCHEME_COLON_RE, _SCHEME_RE, LOCAL_SCHEME, scheme_labels, scheme_named
+from .schemes import (
+    _SCHEME_COLON_RE,
+    _SCHEME_RE,
+    _SCHEME_SLASHES_RE,
+    LOCAL_SCHEME,
+    scheme_labels,
+    scheme_named,
+)
 
 __all__ = [
     "LOCAL_SCHEME",
     "absolute_path",
     "check_location",
+    "check_remote_location",
     "is_url",
     "local_path_of",
     "local_root_missing",
@@ -47,16 +58,17 @@ def _check_location(location: str | os.PathLike[str], what: str) -> str:
 
 
 def _refuse_mangled(location: str) -> None:
-    """`InvalidLocation` for a registered scheme's name and a colon without ``//`` after it.
+    """`InvalidLocation` for a registered scheme's name and a colon without ``//`` after it,
+    or ``//`` without the colon before it (``s3//bucket/x``, ``file//x``).
 
-    Such a string is a legal relative path (a directory named ``s3:``), but nobody means
-    that: opened as a path, ``s3:/bucket/cache`` would create ``./s3:/bucket/cache`` and
-    every node would "share" a cache that is local to each. A path that really starts so
-    can be written ``./s3:/...``. Unregistered names (``C:``, ``bogus:x``) stay paths.
+    Such a string is a legal relative path (a directory named ``s3:`` or ``s3``), but nobody
+    means that: opened as a path, ``s3:/bucket/cache`` would create ``./s3:/bucket/cache``
+    and every node would "share" a cache that is local to each. A path that really starts
+    so can be written ``./s3:/...``. Unregistered names (``C:``, ``bogus:x``) stay paths.
     """
     if _SCHEME_RE.match(location):
         return
-    m = _SCHEME_COLON_RE.match(location)
+    m = _SCHEME_COLON_RE.match(location) or _SCHEME_SLASHES_RE.match(location)
     if m is None:
         return
     name = m.group(1).lower()
@@ -68,7 +80,7 @@ def _refuse_mangled(location: str) -> None:
     else:
         meant = f"{name}://{rest}" if rest else f"{name}://..."
     raise InvalidLocation(
-        f"{location!r} is not a valid {name} URL (a URL has '//' after '{name}:'); "
+        f"{location!r} is not a valid {name} URL (a URL has '://' after '{name}'); "
         f"did you mean {meant}?"
     )
 
@@ -100,6 +112,29 @@ def check_location(location: str | os.PathLike[str]) -> str:
         )
     if scheme.check is not None:
         scheme.check(location, rest)
+    return location
+
+
+def check_remote_location(location: str, what: str) -> str:
+    """``location`` if it can name a remote tier; else `InvalidLocation` naming ``what``
+    (the option or setting and its value as given, e.g. ``--to 's3//bucket'``).
+
+    Everything `check_location` refuses (a mangled URL, with the URL probably meant), and a
+    relative path: a remote tier is shared, and a relative path names a different folder
+    for each process and node that resolves it (``s3//bucket/x`` or ``s3/bucket/x``
+    would silently become ``./s3/bucket/x`` on each). ``~/x`` is absolute once expanded.
+    """
+    try:
+        check_location(location)
+    except ValueError as exc:
+        raise InvalidLocation(f"{what}: {exc}") from None
+    scheme, path = split_location(location)  # a plain path, or a file:// URL's path
+    home_relative = path == "~" or path.startswith("~/")
+    if scheme == LOCAL_SCHEME and not home_relative and not os.path.isabs(path):
+        raise InvalidLocation(
+            f"{what}: {location!r} is a relative path; a remote tier must be an absolute "
+            "path or a URL (s3://bucket/prefix, /mnt/fsx/cache, file:///shared/cache)"
+        )
     return location
 
 

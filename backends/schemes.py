@@ -20,6 +20,8 @@ _SCHEME_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)://")
 # A scheme name and a colon at the start: a URL when "//" follows, else (for a registered
 # scheme) a mangled one.
 _SCHEME_COLON_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+# A scheme name and "//" without the colon ("s3//bucket/x"): mangled, for a registered scheme.
+_SCHEME_SLASHES_RE = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*)//")
 # The scheme that plain paths (no "scheme://") are opened with.
 LOCAL_SCHEME = "file"
 # Accepted by every scheme: `open_store` consumes it and hands it to the opener.

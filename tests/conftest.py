@@ -192,7 +192,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 @pytest.fixture(scope="session")
 def vllm_python() -> Path:
     """The python of the vLLM environment, built (or reused) by .ci/vllm_env.py, with this
-    checkout installed editable in it."""
+    checkout built as a wheel and installed (not editable) in a site-packages folder of that
+    environment named by the digest of the sources: a changed source is a new wheel."""
     started = time.monotonic()
     out = subprocess.run(
         [sys.executable, str(ROOT / ".ci" / "vllm_env.py")],
@@ -203,17 +204,30 @@ def vllm_python() -> Path:
         timeout=3600,
         check=True,
     )
-    python = Path(out.stdout.strip().splitlines()[-1])
+    lines = out.stdout.strip().splitlines()
+    python = Path(lines[-1])
     assert python.exists(), out.stdout
-    # The environment is shared by checkouts (its editable install may be another one's):
-    # every process this session starts imports vllm_neuron from this checkout first.
+    site = Path(next(x for x in lines if x.startswith("site-packages ")).split(" ", 1)[1])
+    # The environment is shared by checkouts (its site-packages may hold another one's
+    # install): every process this session starts imports vllm_neuron from this checkout's
+    # wheel first; the checkout follows for what is not in the wheel (the tests' helpers).
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
-    found = subprocess.run([str(python), "-c", "import vllm_neuron; print(vllm_neuron.__file__)"],
-                           stdout=subprocess.PIPE, text=True, check=True, timeout=600).stdout
-    assert Path(found.strip()).resolve().is_relative_to(ROOT), (found, ROOT)
+        [str(site), str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+    found = subprocess.run([str(python), "-c", WHERE_FROM], stdout=subprocess.PIPE, text=True,
+                           cwd=python.parent,  # as a server (not the checkout: `-c` puts
+                           check=True, timeout=600).stdout.split()  # the cwd on sys.path)
+    # The package, its storage layer (the `backends` link of the checkout) and the entry
+    # points vLLM finds the plugin by all come from the wheel, not from the checkout.
+    assert len(found) == 3 and all(Path(f).is_relative_to(site) for f in found), (found, site)
     print(f"vLLM environment {python.parent.parent} ready in {time.monotonic() - started:.0f} s")
     return python
+
+
+WHERE_FROM = """
+import importlib.metadata as md, vllm_neuron, vllm_neuron.backends
+plugins = [ep for ep in md.entry_points(group="vllm.general_plugins") if ep.name == "vllm_neuron"]
+print(vllm_neuron.__file__, vllm_neuron.backends.__file__, plugins[0].dist.locate_file(""))
+"""
 
 
 @pytest.fixture(scope="session")

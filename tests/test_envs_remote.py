@@ -29,6 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
     ("s3://", "needs a bucket"),
     ("s3:///bucket/x", "did you mean s3://bucket/x?"),
     ("bogus://x", "no store backend for scheme 'bogus'"),
+    ("s3//bucket/cache", "did you mean s3://bucket/cache?"),
+    ("file//srv/cache", "did you mean file:///srv/cache?"),
+    ("cache/shared", "is a relative path; a remote tier must be an absolute path or a URL"),
+    ("./s3:/bucket", "is a relative path"),
 ])  # fmt: skip
 def test_a_malformed_remote_is_refused_naming_the_variable(value: str, reason: str) -> None:
     with pytest.raises(ConfigError) as info:
@@ -38,7 +42,7 @@ def test_a_malformed_remote_is_refused_naming_the_variable(value: str, reason: s
 
 
 @pytest.mark.parametrize("value", ["s3://bucket/prefix", "memory://x", "/mnt/fsx/cache",
-                                   "./s3:/bucket", "file:///srv/cache"])  # fmt: skip
+                                   "/srv/s3:/bucket", "file:///srv/cache", "~/shared"])  # fmt: skip
 def test_well_formed_remotes_are_kept_as_given(value: str) -> None:
     assert load_compile_cache_settings({**HOME_ENV, REMOTE: value}).remote_cache == value
 

@@ -30,6 +30,7 @@ from vllm_neuron.backends import (
     StoreUnavailable,
     UnknownScheme,
     check_location,
+    check_remote_location,
     local_path_of,
     local_root_missing,
     normalize_location,
@@ -49,6 +50,9 @@ MANGLED = [
     ("s3:", "s3://..."),
     ("file:/srv/cache", "file:///srv/cache"),
     ("memory:name", "memory://name"),
+    ("s3//bucket/x", "s3://bucket/x"),  # the colon missing: was ./s3/bucket/x
+    ("S3//bucket", "s3://bucket"),
+    ("file//srv/x", "file:///srv/x"),
 ]
 
 
@@ -219,3 +223,24 @@ def test_a_scheme_registers_its_probe_by_name(scheme_name: str) -> None:
     assert asked == [f"{scheme_name}://a"]
     with pytest.raises(ValueError, match="module:function"):
         register_scheme(f"{scheme_name}x", opener, probe="not a reference")
+
+
+@pytest.mark.parametrize("location", ["rel/dir", "s3/bucket/x", "./cache", "file://rel/x", "."])
+def test_a_remote_must_be_absolute_or_a_url(location: str) -> None:
+    with pytest.raises(InvalidLocation) as info:
+        check_remote_location(location, f"--to {location}")
+    assert str(info.value).startswith(f"--to {location}: {location!r} is a relative path")
+
+
+@pytest.mark.parametrize("location,meant", MANGLED)
+def test_a_mangled_remote_names_the_option_and_the_url_meant(location: str, meant: str) -> None:
+    with pytest.raises(InvalidLocation) as info:
+        check_remote_location(location, f"--from {location}")
+    assert str(info.value).startswith(f"--from {location}: ")
+    assert f"did you mean {meant}?" in str(info.value)
+
+
+@pytest.mark.parametrize("location", ["/mnt/fsx/cache", "~/cache", "file:///srv/x",
+                                      "s3://bucket/p", "memory://m"])  # fmt: skip
+def test_absolute_paths_and_urls_are_remotes(location: str) -> None:
+    assert check_remote_location(location, "--to") == location

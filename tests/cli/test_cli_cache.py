@@ -74,6 +74,23 @@ def test_stats_folds_the_events(capsys, cache_dir):
     assert code == 0 and "compiles" in out and "time saved" in out
 
 
+def test_stats_show_location_entries_size_against_the_bound_and_hit_rate(
+    capsys, cache_dir, monkeypatch
+):
+    monkeypatch.setenv("VLLM_NEURON_CACHE_MAX_SIZE", "1M")
+    code, out, _ = run(capsys, "cache", "stats", "--cache-dir", cache_dir, "--json")
+    stats = json.loads(out)
+    assert code == 0 and stats["location"] == open_store(cache_dir).url
+    assert (stats["entries"], stats["size_bytes"]) == (2, 2 * 4 * 4096)  # two 16 KiB entries
+    assert stats["max_size_bytes"] == 1 << 20 and stats["hit_rate"] == 1 / 3  # 1 hit, 2 misses
+    code, out, _ = run(capsys, "cache", "stats", "--cache-dir", cache_dir)
+    assert code == 0 and cache_dir in out
+    assert "32.0 KiB of 1.0 MiB (3% of the bound)" in out and "33.3% of 3 lookups" in out
+    monkeypatch.delenv("VLLM_NEURON_CACHE_MAX_SIZE")
+    code, out, _ = run(capsys, "cache", "stats", "--cache-dir", cache_dir)
+    assert "32.0 KiB (no bound: VLLM_NEURON_CACHE_MAX_SIZE unset)" in out
+
+
 def test_stats_count_hits_by_tier_and_a_fetch_is_a_remote_hit(capsys, tmp_path, compile_fn):
     remote, node = str(tmp_path / "remote"), str(tmp_path / "node")
     TwoTierCache(str(tmp_path / "builder"), remote=remote).get_or_compile(
@@ -302,3 +319,24 @@ def test_prune_sweeps_uncommitted_versions_on_a_commit_record_tier(capsys, cache
     assert store.list(abandoned.prefix) == [] and store.list(other.prefix) == []
     assert store.published(KEY_A) is not None
     assert run(capsys, "cache", "verify", url)[0] == 0
+
+
+def test_the_report_takes_its_stats_from_the_function_not_the_commands_output(
+    capsys, cache_dir, tmp_path, monkeypatch
+):
+    """The report ran `cache stats --json` and parsed what it printed; now both call
+    `tier_stats`, so the command's printing is not on the report's path at all."""
+    from vllm_neuron.cli import cache as cache_cli
+    from vllm_neuron.compile.commands.stats import tier_stats
+
+    def not_called(args):
+        raise AssertionError("the report ran the cache stats command")
+
+    monkeypatch.setattr(cache_cli, "cmd_stats", not_called)
+    page = tmp_path / "r.html"
+    code, _, err = run(capsys, "report", "--cache-dir", cache_dir, "-o", str(page))
+    assert code == 0, err
+    html = page.read_text()
+    expected = tier_stats(cache_dir)
+    for name in ("entries", "size_bytes", "hit_rate", "compiles", "misses"):
+        assert f'data-stat="{name}" data-value="{json.dumps(expected[name])}"' in html, name

@@ -68,6 +68,28 @@ def test_a_malformed_url_exits_2_with_the_reason(capsys, cache_dir, elsewhere, u
     assert os.listdir(elsewhere) == []  # no ./s3: folder
 
 
+@pytest.mark.parametrize("option,url,reason", [
+    ("--to", "s3//bucket/x", "did you mean s3://bucket/x?"),
+    ("--to", "file//srv/cache", "did you mean file:///srv/cache?"),
+    ("--to", "shared/cache", "'shared/cache' is a relative path"),
+    ("--from", "s3//bucket/x", "did you mean s3://bucket/x?"),
+    ("--from", "rel", "'rel' is a relative path"),
+    ("--remote", "s3:bucket", "did you mean s3://bucket?"),
+])  # fmt: skip
+def test_a_remote_option_refuses_a_mistyped_scheme_or_a_relative_path(
+    capsys, cache_dir, elsewhere, tmp_path, option, url, reason
+):
+    """``--to s3//bucket/x`` made ./s3/bucket/x and said "promoted"."""
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text('{"manifest_version": "1", "graphs": []}')
+    argv = {"--to": ["promote", "--all", "--to", url],
+            "--from": ["bake", str(manifest), "--into", str(tmp_path / "baked"), "--from", url],
+            "--remote": ["warm", str(manifest), "--remote", url]}[option]  # fmt: skip
+    code, out, err = run(capsys, "cache", "--cache-dir", cache_dir, *argv)
+    assert code == 2 and f"{option} {url}: " in err and reason in err, err
+    assert "promoted" not in out and os.listdir(elsewhere) == []
+
+
 def test_a_malformed_remote_from_the_environment_is_named(capsys, cache_dir, monkeypatch):
     monkeypatch.setenv("NEURON_LIBTORCH_REMOTE_CACHE", "s3:/bucket/cache")
     code, out, err = run(capsys, "cache", "--cache-dir", cache_dir, "promote", "--all")

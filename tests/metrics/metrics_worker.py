@@ -1,7 +1,7 @@
 """What a vLLM engine process does for the live-metrics tests, in a process of its own.
 
 ``python metrics_worker.py CACHE_DIR KEY [KEY ...]``: install the live counters (the
-directory comes from the inherited ``VLLM_NEURON_METRICS_DIR``, as in a process vLLM
+directory comes from the inherited ``_VLLM_NEURON_METRICS_DIR``, as in a process vLLM
 started), then ``get_or_compile`` each key in order through a real cache, and print the
 path of this process's counter file.
 """

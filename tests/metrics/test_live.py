@@ -3,7 +3,7 @@ tests/plugin/test_vllm_serve.py for the real server).
 
 The test process plays vLLM's first process (the API server): it installs, which makes the
 directory and registers the collector in a registry of its own. Engine processes are real
-subprocesses that inherit ``VLLM_NEURON_METRICS_DIR``, install, and use a real cache. What
+subprocesses that inherit ``_VLLM_NEURON_METRICS_DIR``, install, and use a real cache. What
 the registry then shows is exactly what ``cache stats --prometheus`` folds from the events
 those processes wrote.
 """

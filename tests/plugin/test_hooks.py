@@ -34,7 +34,7 @@ def clean_settings(monkeypatch: pytest.MonkeyPatch) -> Any:
         monkeypatch.delenv(name, raising=False)
     # register() in host mode would start Inductor's CPU probe for this process's default
     # cache root (head_start.py): this process has looked already.
-    monkeypatch.setenv("VLLM_NEURON_CPU_PROBE_STARTED", str(os.getpid()))
+    monkeypatch.setenv("_VLLM_NEURON_CPU_PROBE_STARTED", str(os.getpid()))
     # register() would give the package logger a stderr handler (not propagating): keep
     # this session's logging as pytest set it up.
     monkeypatch.setattr(plugin_mod, "_show_logs", lambda: None)

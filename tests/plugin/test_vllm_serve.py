@@ -5,8 +5,9 @@ carry, because a start costs 1-3 minutes on 2 loaded cores:
 
 1. ``stock``: vLLM's own CPU platform (no host mode), the reference outputs.
 2. ``cold``: host mode on an empty cache (node A) with the manifest and capture by request
-   id on: every piece vLLM compiles is compiled through this package's cache; its bundles
-   are the oneDNN kernel path's capture (6).
+   id on, under vLLM's strict environment validation (``--fail-on-environ-validation``):
+   every piece vLLM compiles is compiled through this package's cache; its bundles are the
+   oneDNN kernel path's capture (6).
 3. ``restart``: node A again with vLLM's own compile cache removed: zero compiles, every
    piece from the local tier.
 4. ``node_b``: an empty VLLM_CACHE_ROOT and a shared remote folder that node A promoted to:
@@ -24,8 +25,11 @@ carry, because a start costs 1-3 minutes on 2 loaded cores:
    NEURON_LIBTORCH_BAKED_CACHE, beside an empty VLLM_CACHE_ROOT, pre-compiled-only: every
    piece served from the read-only tier in place, nothing compiled, nothing written there.
 
-``cold`` and ``restart`` also scrape vLLM's ``/metrics`` before they stop: the cache's
-series show the cold start's compiles and the warm start's hits (vllm_neuron.metrics).
+No start warns about an unknown vLLM environment variable (ours are registered with vLLM,
+vllm_neuron/plugin/vllm_env.py), and each loads the plugin from the checkout's wheel
+(tests/conftest.py ``vllm_python``). ``cold`` and ``restart`` also scrape vLLM's
+``/metrics`` before they stop: the cache's series show the cold start's compiles and the
+warm start's hits (vllm_neuron.metrics).
 
 Outputs (tokens and logprobs at temperature 0, float32) of every host-mode run equal the
 stock platform's exactly. A malformed snapshot setting stops a server at start-up (fast).
@@ -125,7 +129,14 @@ def delta(after: CacheStats, before: CacheStats) -> dict[str, int]:
     }
 
 
+UNKNOWN_VARIABLE = "Unknown vLLM environment variable detected"
+STRICT = ("--fail-on-environ-validation",)  # vLLM's strict environment validation
+
+
 def record(run: ServerRun, stats: dict[str, int] | None = None) -> None:
+    # Every start: vLLM knows every variable of ours (vllm_neuron/plugin/vllm_env.py); the
+    # server's environment holds settings of ours and the markers the plugin sets.
+    assert UNKNOWN_VARIABLE not in run.log(), run.name
     calls = adaptor_calls(run.log())
     SUMMARY.append(
         f"{run.name}: ready in {run.ready_seconds:.0f} s, adaptor calls {len(calls)}"
@@ -169,7 +180,8 @@ def cold(vllm_python: Path, tiny_model: str, work: Path, node_a: Node) -> Server
     # compile workers (a share of one slot compiles in place: test_vllm_serve_tp.py's ranks).
     env = node_a.env("cold", VLLM_NEURON_MANIFEST_DIR=str(work / "manifests"),
                      VLLM_NEURON_COMPILE_WORKERS="2", **CAPTURE)
-    run = run_server("cold", vllm_python, tiny_model, work, env, extra_args=DTYPE,
+    # Under vLLM's strict environment validation: an unknown VLLM_* variable stops it.
+    run = run_server("cold", vllm_python, tiny_model, work, env, extra_args=(*DTYPE, *STRICT),
                      requests=REQUESTS, scrape=("/metrics",))
     run.extra["stats"] = delta(node_a.stats(), CacheStats())
     record(run, run.extra["stats"])
@@ -324,6 +336,7 @@ def node_c(vllm_python: Path, tiny_model: str, work: Path,
 
 def test_cold_start_compiles_every_piece_through_the_cache(cold: ServerRun) -> None:
     log = cold.log()
+    assert "'fail_on_environ_validation': True" in log  # strict, and it served
     assert "host mode on" in log
     assert "worker vllm_neuron.plugin.worker.NeuronHostWorker" in log
     calls = adaptor_calls(log)

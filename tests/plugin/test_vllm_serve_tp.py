@@ -109,6 +109,8 @@ def start(name: str, python: Path, model: str, work: Path, env: dict[str, str],
           node: Node | None = None, **kwargs: Any) -> ServerRun:  # fmt: skip
     run = run_server(name, python, model, work, env, extra_args=ARGS, requests=REQUESTS,
                      **kwargs)
+    # Both ranks' processes and the engine's: vLLM knows every variable of ours.
+    assert "Unknown vLLM environment variable detected" not in run.log(), name
     if node is not None:
         run.extra["ranks"] = cache_events_by_rank(node.compile_cache, run.log())
     SUMMARY.append(f"{name}: ready in {run.ready_seconds:.0f} s, total "

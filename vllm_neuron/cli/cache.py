@@ -12,12 +12,15 @@ command line is probed before anything is read, so a missing bucket is never "0 
 from __future__ import annotations
 
 import argparse
+from types import SimpleNamespace
 from typing import Any
 
-from vllm_neuron.compile.entry.events import read_stats
+from vllm_neuron.compile.commands.stats import tier_stats
+from vllm_neuron.envs.compile_cache import VLLM_NEURON_CACHE_MAX_SIZE
 
 from . import cache_entries, cache_gc, cache_trust, cache_warm
 from .format import human_size, print_json, table
+from .options import JSON_HELP
 from .tiers import cache_dir
 
 
@@ -26,15 +29,17 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--cache-dir",
         default=None,
+        metavar="DIR",
         help="local cache directory (default: $VLLM_CACHE_ROOT/neuron/compile_cache)",
     )
     cmds = parser.add_subparsers(dest="cache_command", required=True)
 
     cache_entries.register(cmds)  # ls, verify, promote, prune, explain
 
-    stats = cmds.add_parser("stats", help="hits, misses, compiles and time saved")
+    stats = cmds.add_parser("stats", help="location, entries, size against the bound, hit "
+                                          "rate, misses, compiles and time saved")
     stats_format = stats.add_mutually_exclusive_group()
-    stats_format.add_argument("--json", action="store_true")
+    stats_format.add_argument("--json", action="store_true", help=JSON_HELP)
     stats_format.add_argument(
         "--prometheus", action="store_true",
         help="the series of vLLM's /metrics in the text format (a textfile collector's .prom)")
@@ -45,6 +50,12 @@ def register(sub: Any) -> None:
     cache_trust.register(cmds)  # keygen, sign
 
 
+def _size_against_bound(size: int, bound: int | None) -> str:
+    if bound is None:
+        return f"{human_size(size)} (no bound: {VLLM_NEURON_CACHE_MAX_SIZE} unset)"
+    return f"{human_size(size)} of {human_size(bound)} ({size / bound:.0%} of the bound)"
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     if args.prometheus:  # the live series' names and labels (vllm_neuron.metrics)
         try:
@@ -53,12 +64,17 @@ def cmd_stats(args: argparse.Namespace) -> int:
             raise RuntimeError(f"--prometheus needs prometheus_client: {exc}") from None
         print(render_text(fold_events(cache_dir(args))), end="")
         return 0
-    stats = read_stats(cache_dir(args))
+    stats = SimpleNamespace(**tier_stats(cache_dir(args)))  # the report's numbers too
     if args.json:
-        print_json(stats)
+        print_json(vars(stats))
         return 0
     by_tier = ", ".join(f"{tier} {n}" for tier, n in sorted(stats.hits_by_tier.items()))
     rows = [
+        ("location", stats.location),
+        ("entries", stats.entries),
+        ("size", _size_against_bound(stats.size_bytes, stats.max_size_bytes)),
+        ("hit rate", "-" if stats.hit_rate is None else
+         f"{stats.hit_rate:.1%} of {stats.hits + stats.misses} lookups"),
         ("hits", f"{stats.hits} ({by_tier})" if by_tier else stats.hits),
         ("misses", stats.misses),
         ("compiles", f"{stats.compiles} ({stats.compile_seconds:.1f} s)"),

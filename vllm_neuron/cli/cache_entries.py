@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from vllm_neuron.backends import check_location, open_store, probe_store
+from vllm_neuron.backends import check_remote_location, open_store, probe_store
 from vllm_neuron.compile.commands.load_check import LoadCheck, check_loads, is_own_tier
 from vllm_neuron.compile.commands.prune import plan_prune
 from vllm_neuron.compile.entry.check import verify_entry
@@ -40,6 +40,7 @@ from vllm_neuron.envs import compile_cache_settings, remote_cache_url
 from .cache_trust import load_policy, trust_check, trusted_keys_option
 from .cache_warm import event_recorder, evicted_event, incompatible_here, manifest_keys
 from .format import human_age, human_size, print_json, table
+from .options import JSON_HELP, quiet_option
 from .progress import ByteProgress, callback
 from .tiers import cache_dir, tier
 
@@ -48,7 +49,7 @@ def register(cmds: Any) -> None:
     ls = cmds.add_parser("ls", help="list entries (a record that does not read, or a file "
                                     "of the wrong size, is named under PROBLEM)")
     ls.add_argument("url", nargs="?", help="a tier to list (default: the local cache)")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help=JSON_HELP)
     ls.set_defaults(handler=cmd_ls)
 
     verify = cmds.add_parser("verify", help="check every checksum; exit 1 on any corrupt entry")
@@ -58,8 +59,9 @@ def register(cmds: Any) -> None:
                         help="also load every sound entry with its toolchain, in this Python: "
                         "exit 1 naming each that does not load on this node (never withdrawn "
                         "for it)")  # fmt: skip
-    verify.add_argument("--json", action="store_true")
+    verify.add_argument("--json", action="store_true", help=JSON_HELP)
     trusted_keys_option(verify)
+    quiet_option(verify)
     verify.set_defaults(handler=cmd_verify)
 
     promote = cmds.add_parser("promote", help="copy entries to a remote tier (save_cache)")
@@ -68,7 +70,8 @@ def register(cmds: Any) -> None:
     which = promote.add_mutually_exclusive_group(required=True)
     which.add_argument("--key", action="append", help="an entry to promote (repeatable)")
     which.add_argument("--all", action="store_true", help="promote every local entry")
-    promote.add_argument("--json", action="store_true")
+    promote.add_argument("--json", action="store_true", help=JSON_HELP)
+    quiet_option(promote)
     promote.set_defaults(handler=cmd_promote)
 
     prune = cmds.add_parser("prune", help="delete old entries or shrink a tier")
@@ -80,16 +83,17 @@ def register(cmds: Any) -> None:
     prune.add_argument("--keep-manifest", action="append", default=[], metavar="MANIFEST",
                        help="never delete a graph this manifest lists (repeatable)")
     prune.add_argument("--dry-run", action="store_true", help="show the plan, delete nothing")
-    prune.add_argument("--json", action="store_true")
+    prune.add_argument("--json", action="store_true", help=JSON_HELP)
+    quiet_option(prune)
     prune.set_defaults(handler=cmd_prune)
 
     explain = cmds.add_parser(
         "explain", help="which key components differ between two keys, and the values "
                         "behind them where the entries record them")
-    explain.add_argument("key_a")
-    explain.add_argument("key_b")
+    explain.add_argument("key_a", help="an entry's key")
+    explain.add_argument("key_b", help="the key to compare it with")
     explain.add_argument("url", nargs="?", help="the tier holding both (default: local)")
-    explain.add_argument("--json", action="store_true")
+    explain.add_argument("--json", action="store_true", help=JSON_HELP)
     explain.set_defaults(handler=cmd_explain)
 
 
@@ -210,10 +214,7 @@ def _promotion_target(args: argparse.Namespace) -> str:
     if not to:
         raise ValueError("promote needs --to URL (or NEURON_LIBTORCH_REMOTE_CACHE)")
     origin = f"--to {to}" if args.to else f"NEURON_LIBTORCH_REMOTE_CACHE={to!r}"
-    try:
-        check_location(to)
-    except ValueError as exc:
-        raise ValueError(f"promote {origin}: {exc}") from None
+    check_remote_location(to, f"promote {origin}")  # s3//x: "did you mean s3://x?"
     probe_store(open_store(to))
     return to
 
@@ -226,7 +227,7 @@ def cmd_promote(args: argparse.Namespace) -> int:
     listed = {e.key: e for e in list_entries(tier(args))}
     keys = args.key or [k for k, e in listed.items() if e.problem is None]
     results: list[dict[str, Any]] = []
-    with ByteProgress(enabled=not args.json) as bars:
+    with ByteProgress(enabled=not (args.json or args.quiet)) as bars:
         for key in keys:
             size = listed[key].size if key in listed else 0
             bar = bars.task(f"promote {key[:12]}")

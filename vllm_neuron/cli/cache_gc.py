@@ -21,6 +21,7 @@ from vllm_neuron.envs import compile_cache_settings
 from vllm_neuron.manifest.inspect import load_manifest
 
 from .format import human_age, human_size, print_json, table
+from .options import quiet_option
 from .tiers import tier
 
 KEPT = {
@@ -55,6 +56,7 @@ def register(cmds: Any) -> None:
     gc.add_argument("--keep-manifest", action="append", default=[], metavar="MANIFEST",
                     help="also remove every entry no such manifest names, published longer "
                          "than --older-than ago (repeatable: one per live deployment)")  # fmt: skip
+    quiet_option(gc)
     gc.set_defaults(handler=cmd_gc)
 
 

@@ -28,6 +28,7 @@ from vllm_neuron.envs import ConfigError
 from vllm_neuron.envs.trust import split_key_paths
 
 from .format import print_json
+from .options import JSON_HELP, quiet_option
 from .tiers import tier
 
 __all__ = ["load_policy", "register", "trust_check", "trusted_keys_option"]
@@ -37,7 +38,7 @@ def register(cmds: Any) -> None:
     keygen = cmds.add_parser("keygen", help="a new Ed25519 key pair for signing entries")
     keygen.add_argument("directory", help="where to write NAME.key (0600) and NAME.pub")
     keygen.add_argument("--name", default="cache-signing", help="file name stem")
-    keygen.add_argument("--json", action="store_true")
+    keygen.add_argument("--json", action="store_true", help=JSON_HELP)
     keygen.set_defaults(handler=cmd_keygen)
 
     sign = cmds.add_parser("sign", help="sign the entries of a tier that verify")
@@ -45,7 +46,8 @@ def register(cmds: Any) -> None:
     sign.add_argument("--key", required=True, metavar="FILE", help="the private key file")
     sign.add_argument("--entry", action="append", metavar="KEY", help="only this entry "
                       "(repeatable)")  # fmt: skip
-    sign.add_argument("--json", action="store_true")
+    sign.add_argument("--json", action="store_true", help=JSON_HELP)
+    quiet_option(sign)
     sign.set_defaults(handler=cmd_sign)
 
 

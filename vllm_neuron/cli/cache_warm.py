@@ -32,6 +32,7 @@ from vllm_neuron.backends import (
     Store,
     StoreError,
     check_location,
+    check_remote_location,
     open_store,
     probe_store,
 )
@@ -39,6 +40,7 @@ from vllm_neuron.compile.entry.events import EVENTS_STREAM
 from vllm_neuron.envs import remote_cache_url
 
 from .format import human_size, print_json, table
+from .options import JSON_HELP, quiet_option
 from .progress import ByteProgress
 from .tiers import cache_dir, tier
 
@@ -50,51 +52,52 @@ def register(cmds: Any) -> None:
                       help="the tier to fetch from (default: $NEURON_LIBTORCH_REMOTE_CACHE)")
     warm.add_argument("--jobs", type=int, default=None,
                       help="entries fetched at once (default: 4)")
-    warm.add_argument("--json", action="store_true")
+    warm.add_argument("--json", action="store_true", help=JSON_HELP)
+    quiet_option(warm)
     warm.set_defaults(handler=cmd_warm)
 
     bake = cmds.add_parser("bake", help="fill a directory to ship as a read-only tier")
-    bake.add_argument("manifests", nargs="+", metavar="MANIFEST")
+    bake.add_argument("manifests", nargs="+", metavar="MANIFEST",
+                      help="manifest.json, an engine directory, or a URL: whose graphs to bake")
     bake.add_argument("--into", required=True, help="the directory to fill")
     bake.add_argument("--from", dest="sources", action="append", default=[],
                       help="a tier to copy from, in order (repeatable; default: the local "
                            "tier, then $NEURON_LIBTORCH_REMOTE_CACHE)")
     bake.add_argument("--jobs", type=int, default=None, help="entries fetched at once")
-    bake.add_argument("--json", action="store_true")
+    bake.add_argument("--json", action="store_true", help=JSON_HELP)
+    quiet_option(bake)
     bake.set_defaults(handler=cmd_bake)
 
     compat = cmds.add_parser(
         "compat", help="would this environment hit each entry; which key component differs")
     compat.add_argument("url", nargs="?", help="a tier to check (default: the local cache)")
-    compat.add_argument("--json", action="store_true")
+    compat.add_argument("--json", action="store_true", help=JSON_HELP)
     compat.set_defaults(handler=cmd_compat)
 
     pin = cmds.add_parser("pin", help="keep entries whatever the size bound; alone: list pins")
-    pin.add_argument("keys", nargs="*", metavar="KEY")
+    pin.add_argument("keys", nargs="*", metavar="KEY", help="an entry to pin (none: list pins)")
     pin.add_argument("--manifest", action="append", default=[],
                      help="pin every graph this manifest lists (repeatable)")
     pin.add_argument("--note", default="", help="why (shown by `cache pin`)")
-    pin.add_argument("--json", action="store_true")
+    pin.add_argument("--json", action="store_true", help=JSON_HELP)
     pin.set_defaults(handler=cmd_pin)
 
     unpin = cmds.add_parser("unpin", help="let pinned entries be evicted again")
-    unpin.add_argument("keys", nargs="*", metavar="KEY")
+    unpin.add_argument("keys", nargs="*", metavar="KEY", help="an entry to unpin")
     unpin.add_argument("--manifest", action="append", default=[],
                        help="unpin every graph this manifest lists (repeatable)")
     unpin.add_argument("--all", action="store_true", help="remove every pin")
-    unpin.add_argument("--json", action="store_true")
+    unpin.add_argument("--json", action="store_true", help=JSON_HELP)
     unpin.set_defaults(handler=cmd_unpin)
 
 
 # ----------------------------------------------------------------- helpers
 def open_remote(url: str, origin: str) -> Store:
     """A remote tier named on the command line (`origin` says where the URL came from):
-    checked (a malformed URL is a ValueError naming it), opened without creating anything,
+    checked as every remote is (`check_remote_location`: a mangled URL, with the URL meant,
+    or a relative path is a ValueError naming `origin`), opened without creating anything,
     probed (a missing bucket, refused access or no answer is a `StoreUnavailable`)."""
-    try:
-        check_location(url)
-    except ValueError as exc:
-        raise ValueError(f"{origin}: {exc}") from None
+    check_remote_location(url, origin)
     try:
         store = open_store(url, create=False)
         probe_store(store)
@@ -166,7 +169,7 @@ def cmd_warm(args: argparse.Namespace) -> int:
     remote = open_remote(url, origin)
     local = open_store(cache_dir(args))
     record = event_recorder(local)
-    with ByteProgress(enabled=not args.json) as bars:
+    with ByteProgress(enabled=not (args.json or args.quiet)) as bars:
         bar = bars.task(f"warm {len(keys)} graphs")
         result = warm_keys(local, remote, keys, jobs=jobs,
                            on_total=None if bar is None else bar.total,

@@ -14,22 +14,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, is_dataclass
 from typing import Any
 
+from vllm_neuron.compile.entry.text import human_age, human_size
 from vllm_neuron.envs import redact_config, redact_text
 
-
-def human_size(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
-
-
-def human_age(seconds: float) -> str:
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
+__all__ = ["human_age", "human_size", "print_json", "table"]
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:

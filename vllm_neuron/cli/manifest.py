@@ -25,6 +25,7 @@ from vllm_neuron.manifest.schema import GraphEntry, Manifest
 from vllm_neuron.manifest.snapshot_links import path_order
 
 from .format import human_size, print_json, table
+from .options import JSON_HELP
 
 
 def register(sub: Any) -> None:
@@ -34,24 +35,24 @@ def register(sub: Any) -> None:
     show = cmds.add_parser("show", help="graphs, shapes, sizes, ranks and snapshot bundles of "
                            "a manifest")
     show.add_argument("location", help="manifest.json, an engine directory, or a URL")
-    show.add_argument("--json", action="store_true")
+    show.add_argument("--json", action="store_true", help=JSON_HELP)
     show.set_defaults(handler=cmd_show)
 
     diff = cmds.add_parser("diff", help="graphs added/removed/changed, config fields changed")
-    diff.add_argument("a")
-    diff.add_argument("b")
-    diff.add_argument("--json", action="store_true")
+    diff.add_argument("a", help="the old manifest (file, engine directory or URL)")
+    diff.add_argument("b", help="the new manifest (file, engine directory or URL)")
+    diff.add_argument("--json", action="store_true", help=JSON_HELP)
     diff.set_defaults(handler=cmd_diff)
 
     check = cmds.add_parser(
         "check", help="exit 1 on a partial deployment or an artifact missing from the cache"
     )
-    check.add_argument("location")
+    check.add_argument("location", help="manifest.json, an engine directory, or a URL")
     check.add_argument("--cache-dir", default=None,
                        help="compile cache root (default: $VLLM_CACHE_ROOT/neuron/compile_cache)")
     check.add_argument("--remote", default=None,
                        help="also the remote tier: would the deployment start without compiling")
-    check.add_argument("--json", action="store_true")
+    check.add_argument("--json", action="store_true", help=JSON_HELP)
     check.set_defaults(handler=cmd_check)
 
 

@@ -21,6 +21,7 @@ from vllm_neuron.profiling.run_spec import DECODE_ONLY_CONNECTOR, DEFAULT_ACTIVI
 from vllm_neuron.profiling.validate import validate_run
 
 from .format import human_size, print_json, table
+from .options import JSON_HELP
 
 
 def register(sub: Any) -> None:
@@ -35,7 +36,8 @@ def register(sub: Any) -> None:
         description="Extra arguments after `--` are passed to the server unchanged "
         "(recorded in serve_config.extra_args).",
     )
-    cap.add_argument("--recipe", required=True, choices=["prefill", "decode"])
+    cap.add_argument("--recipe", required=True, choices=["prefill", "decode"],
+                     help="the phase to capture")
     cap.add_argument("--model", required=True, help="local model path (no hub downloads)")
     cap.add_argument("--project-root", default=None,
                      help="overrides NEURON_PROJECT_ROOT (default: current directory)")
@@ -43,14 +45,19 @@ def register(sub: Any) -> None:
     cap.add_argument("--profiler", choices=["auto", "neuron", "torch"], default="auto",
                      help="auto: neuron when Neuron devices are present, else torch")
     srv = cap.add_argument_group("server")
-    srv.add_argument("--host", default="127.0.0.1")
-    srv.add_argument("--port", type=int, default=8041)
-    srv.add_argument("--served-model-name", default=None)
-    srv.add_argument("--tensor-parallel-size", type=int, default=1)
-    srv.add_argument("--max-model-len", type=int, default=None)
-    srv.add_argument("--max-num-seqs", type=int, default=None)
-    srv.add_argument("--enforce-eager", action="store_true")
-    srv.add_argument("--distributed-executor-backend", default=None)
+    srv.add_argument("--host", default="127.0.0.1", help="the server's address")
+    srv.add_argument("--port", type=int, default=8041, help="the server's port")
+    srv.add_argument("--served-model-name", default=None,
+                     help="vLLM's --served-model-name (default: the model path)")
+    srv.add_argument("--tensor-parallel-size", type=int, default=1,
+                     help="vLLM's --tensor-parallel-size")
+    srv.add_argument("--max-model-len", type=int, default=None,
+                     help="vLLM's --max-model-len")
+    srv.add_argument("--max-num-seqs", type=int, default=None,
+                     help="vLLM's --max-num-seqs")
+    srv.add_argument("--enforce-eager", action="store_true", help="vLLM's --enforce-eager")
+    srv.add_argument("--distributed-executor-backend", default=None,
+                     help="vLLM's --distributed-executor-backend (mp, ray)")
     srv.add_argument("--server-command", default=None,
                      help="how to start vLLM (default: python -m vllm.entrypoints.openai."
                      "api_server, resolved on the PATH given VLLM_NEURON_VENV_PATH)")
@@ -63,7 +70,7 @@ def register(sub: Any) -> None:
                      help="declare a model-specific compile variable to snapshot into "
                      "run_spec.json (repeatable; the Neuron debug/headroom ones always are)")
     wl = cap.add_argument_group("workload")
-    wl.add_argument("--input-len", type=int, default=128)
+    wl.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     wl.add_argument("--output-len", type=int, default=None, help="decode only (default 256)")
     wl.add_argument("--concurrency", type=int, default=None,
                     help="decode target batch (default 4)")
@@ -86,28 +93,33 @@ def register(sub: Any) -> None:
                      "the phase (no model step, a short or mixed window) is set aside under "
                      "windows/ and the workload runs again (default 3)")
     lim = cap.add_argument_group("time limits (seconds)")
-    lim.add_argument("--ready-timeout", type=float, default=3600.0)
-    lim.add_argument("--request-timeout", type=float, default=600.0)
-    lim.add_argument("--stop-profile-timeout", type=float, default=180.0)
-    lim.add_argument("--teardown-grace", type=float, default=30.0)
+    lim.add_argument("--ready-timeout", type=float, default=3600.0,
+                     help="for the server to answer (default 3600)")
+    lim.add_argument("--request-timeout", type=float, default=600.0,
+                     help="for one request (default 600)")
+    lim.add_argument("--stop-profile-timeout", type=float, default=180.0,
+                     help="for the profiler to write its trace (default 180)")
+    lim.add_argument("--teardown-grace", type=float, default=30.0,
+                     help="for the server to exit before it is killed (default 30)")
     cap.add_argument("--json", action="store_true", help="print the manifest as JSON")
     cap.add_argument("serve_args", nargs=argparse.REMAINDER,
                      help="after --: extra server arguments")
     cap.set_defaults(handler=cmd_capture)
 
     val = cmds.add_parser("validate", help="check a run directory; exit 1 with the reasons")
-    val.add_argument("run_dir")
-    val.add_argument("--json", action="store_true")
+    val.add_argument("run_dir", help="a capture run directory")
+    val.add_argument("--json", action="store_true", help=JSON_HELP)
     val.set_defaults(handler=cmd_validate)
 
     show = cmds.add_parser("show", help="the manifest of a run directory")
-    show.add_argument("run_dir")
-    show.add_argument("--json", action="store_true")
+    show.add_argument("run_dir", help="a capture run directory")
+    show.add_argument("--json", action="store_true", help=JSON_HELP)
     show.set_defaults(handler=cmd_show)
 
     ls = cmds.add_parser("list", help="the capture runs under the project root")
-    ls.add_argument("--project-root", default=None)
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--project-root", default=None,
+                    help="overrides NEURON_PROJECT_ROOT (default: current directory)")
+    ls.add_argument("--json", action="store_true", help=JSON_HELP)
     ls.set_defaults(handler=cmd_list)
 
 

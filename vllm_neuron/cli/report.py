@@ -1,11 +1,9 @@
 """`vllm-neuron report DIR|URL ... -o report.html`: one self-contained page for a deployment.
 
 The library is `vllm_neuron.report` (docs/report.md); this module parses the arguments and
-hands the report the statistics of each local tier exactly as `vllm-neuron cache stats
---json` prints them: by parsing that very command line with the `cache` command's own parser
-and running its handler (`cli/cache.py` `cmd_stats`: `read_stats`, then the CLI's JSON
-shaping), so the page's numbers and the command's can never disagree, whatever options the
-command grows.
+hands the report the statistics of each local tier from the function `vllm-neuron cache
+stats --json` prints (`compile/commands/stats.py` `tier_stats`), so the page's numbers and
+the command's never disagree, and neither parses the other's output.
 
 Exit status: 0 the page was written; 2 bad usage - a root or option naming something
 malformed, missing or unreachable (the message names the argument and its value), or an
@@ -15,15 +13,12 @@ output that cannot be written.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
 import os
 import time
-from collections.abc import Mapping
 from typing import Any
 
 from vllm_neuron.backends import check_location, is_url, local_root_missing, open_store
+from vllm_neuron.compile.commands.stats import tier_stats
 from vllm_neuron.report.gather import gather
 from vllm_neuron.report.page import render_page
 from vllm_neuron.report.roots import (
@@ -34,8 +29,6 @@ from vllm_neuron.report.roots import (
     SNAPSHOTS,
     resolve_sources,
 )
-
-from . import cache as cache_cmd
 
 
 def register(sub: Any) -> None:
@@ -66,18 +59,6 @@ def register(sub: Any) -> None:
     parser.set_defaults(handler=cmd_report)
 
 
-def cache_stats_document(cache: str) -> Mapping[str, Any]:
-    """What `vllm-neuron cache --cache-dir CACHE stats --json` prints, parsed."""
-    parser = argparse.ArgumentParser(prog="vllm-neuron")
-    cache_cmd.register(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(["cache", "--cache-dir", cache, "stats", "--json"])
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out):
-        args.handler(args)
-    document: Mapping[str, Any] = json.loads(out.getvalue())
-    return document
-
-
 def _write(output: str, page: str) -> str:
     """Write the page atomically through the store of its directory; its location."""
     try:
@@ -104,7 +85,7 @@ def cmd_report(args: argparse.Namespace) -> int:
         raise ValueError("report: give at least one DIR|URL root (or --cache-dir, --remote, "
                          "--manifest-dir, --snapshot-dir, --profile-dir)")  # fmt: skip
     sources = resolve_sources(args.roots, explicit)
-    report = gather(sources, stats_of=cache_stats_document, generated=time.time(),
+    report = gather(sources, stats_of=tier_stats, generated=time.time(),
                     replay=args.replay)  # fmt: skip
     where = _write(args.output, render_page(report))
     compiles = sum(int(c.stats.get("compiles", 0)) for c in report.caches)

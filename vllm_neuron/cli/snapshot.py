@@ -47,6 +47,7 @@ from vllm_neuron.snapshot.meta import META_FILE
 from vllm_neuron.snapshot.replay import CacheChoice, ReplayReport, replay, replay_prefixes
 
 from .format import human_age, human_size, print_json, table
+from .options import JSON_HELP
 
 
 def register(sub: Any) -> None:
@@ -55,13 +56,13 @@ def register(sub: Any) -> None:
 
     ls = cmds.add_parser("ls", help="list bundles: hash, rank, call, selected_by, size")
     ls.add_argument("root", nargs="?", help="snapshot root (default: the configured one)")
-    ls.add_argument("--json", action="store_true")
+    ls.add_argument("--json", action="store_true", help=JSON_HELP)
     ls.set_defaults(handler=cmd_ls)
 
     show = cmds.add_parser("show", help="a bundle's identity, inputs and outputs")
     show.add_argument("bundle", help="path/URL of a call directory, or <hash>/rank<N>/call<K>")
     show.add_argument("--root", help="snapshot root for a relative BUNDLE")
-    show.add_argument("--json", action="store_true")
+    show.add_argument("--json", action="store_true", help=JSON_HELP)
     show.set_defaults(handler=cmd_show)
 
     replay = cmds.add_parser(
@@ -86,7 +87,7 @@ def register(sub: Any) -> None:
     )
     replay.add_argument("--atol", type=float, help="absolute tolerance (default: per dtype)")
     replay.add_argument("--rtol", type=float, help="relative tolerance (default: per dtype)")
-    replay.add_argument("--json", action="store_true")
+    replay.add_argument("--json", action="store_true", help=JSON_HELP)
     replay.set_defaults(handler=cmd_replay)
 
 

@@ -61,7 +61,7 @@ def likely_to_compile(settings: CompileCacheSettings, local_dir: str, toolchain:
 def start_cpu_probe_if_cold(settings: CompileCacheSettings) -> subprocess.Popen[bytes] | None:
     """In the first process of a host-mode start: run Inductor's CPU probe now, in a process
     of its own, when this node is likely to compile (see the module). Once per start: the
-    processes this one starts inherit VLLM_NEURON_CPU_PROBE_STARTED and start none. The
+    processes this one starts inherit _VLLM_NEURON_CPU_PROBE_STARTED and start none. The
     probe's process when it was started (reaped by a thread of this process)."""
     if _started_by_an_ancestor(load_cpu_probe_marker()):
         return None
@@ -91,7 +91,7 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings) -> subprocess.Popen[
 
 
 def _started_by_an_ancestor(marker: int | None) -> bool:
-    """Whether VLLM_NEURON_CPU_PROBE_STARTED names this process or one it descends from: a
+    """Whether _VLLM_NEURON_CPU_PROBE_STARTED names this process or one it descends from: a
     value inherited from anything else (a launcher that loaded vLLM's plugins itself, then
     started servers) does not stop this start's probe."""
     if marker is None:

@@ -24,6 +24,8 @@ a snapshot rule selects) is decided in that feature, from the parsed group.
 - :mod:`.metrics` - where the cache's live metrics go inside vLLM (read at each use);
 - :mod:`.secrets` - which variables hold credentials, and their redaction from everything
   the package writes (manifests, run specs, logs, reports);
+- :mod:`.listing` - every setting with its value, origin and error (``debug env``), and
+  the check each command runs on the groups it reads (`validate_groups`);
 - :mod:`._parse` - the shared primitives.
 
 Conventions shared by every variable:
@@ -74,6 +76,14 @@ from .host_mode import (
     mark_cpu_probe_started,
 )
 from .identity import IdentitySettings, load_identity_settings
+from .listing import (
+    GROUPS,
+    OTHER_READ,
+    SettingRow,
+    group_errors,
+    setting_rows,
+    validate_groups,
+)
 from .manifest import ManifestSettings, load_manifest_settings, manifest_settings
 from .metrics import MetricsSettings, load_metrics_settings
 from .profiling import ProfilingSettings, load_profiling_settings
@@ -101,6 +111,10 @@ from .trust import TrustSettings, load_trust_settings, trust_settings
 
 __all__ = [
     "ENVIRONMENT_VARIABLES",
+    "GROUPS",
+    "INTERNAL_MARKERS",
+    "OTHER_READ",
+    "OWN_SETTINGS",
     "READ_VARIABLES",
     "REDACTED",
     "SNAPSHOT_FORMATS",
@@ -115,6 +129,7 @@ __all__ = [
     "MetricsSettings",
     "ProfilingSettings",
     "RedactingFilter",
+    "SettingRow",
     "SnapshotFormat",
     "SnapshotSettings",
     "ToolchainName",
@@ -124,6 +139,7 @@ __all__ = [
     "default_cache_root",
     "environment_with",
     "fault_settings",
+    "group_errors",
     "host_mode_settings",
     "install_log_redaction",
     "is_secret_name",
@@ -150,8 +166,10 @@ __all__ = [
     "require_directory",
     "reset_for_tests",
     "run_id",
+    "setting_rows",
     "snapshot_settings",
     "trust_settings",
+    "validate_groups",
 ]
 
 # Every documented variable, grouped by feature, so the CLI and docs can list them all.
@@ -168,17 +186,27 @@ ENVIRONMENT_VARIABLES: tuple[EnvVar, ...] = (
     + metrics.VARIABLES
 )
 
+# The settings this package owns: its VLLM_NEURON_* and NEURON_* variables, not vLLM's
+# (VLLM_CACHE_ROOT, VLLM_DP_RANK), nor a launcher's (RANK, NEURON_VISIBLE_DEVICES: a worker's
+# own, never the driver's). The plugin makes them known to vLLM's environment validation and
+# hands them to Ray workers (vllm_neuron/plugin/vllm_env.py).
+OWN_SETTINGS: tuple[str, ...] = tuple(
+    v.name for v in ENVIRONMENT_VARIABLES
+    if v.name.startswith(("VLLM_NEURON_", "NEURON_")) and v.feature != "identity"
+)
+# What the package sets itself for the processes it starts. Not settings, so named outside
+# vLLM's VLLM_* namespace (vLLM checks every VLLM_* variable against its own list); handed to
+# Ray workers with the settings.
+INTERNAL_MARKERS: tuple[str, ...] = (
+    host_mode.VLLM_NEURON_CPU_PROBE_STARTED,
+    metrics.VLLM_NEURON_METRICS_DIR,
+)
+
 # Every variable this package reads: the documented ones, vLLM's VLLM_USE_AOT_COMPILE
 # (host mode turns it off), prometheus_client's PROMETHEUS_MULTIPROC_DIR (where vLLM's
 # /metrics collects from when set) and the standard ones defaults are derived from. No module
 # outside this package may read one of them (tests/test_single_reader.py).
-READ_VARIABLES: frozenset[str] = frozenset(v.name for v in ENVIRONMENT_VARIABLES) | {
-    host_mode.VLLM_USE_AOT_COMPILE,
-    metrics.PROMETHEUS_MULTIPROC_DIR,
-    identity.USER,
-    "HOME",
-    "XDG_CACHE_HOME",
-}
+READ_VARIABLES: frozenset[str] = frozenset(v.name for v in ENVIRONMENT_VARIABLES) | OTHER_READ
 
 
 def reset_for_tests() -> None:

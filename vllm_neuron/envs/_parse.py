@@ -16,7 +16,11 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from vllm_neuron.backends import check_location, local_path_of, normalize_location
+from vllm_neuron.backends import (
+    check_remote_location,
+    local_path_of,
+    normalize_location,
+)
 
 from .secrets import has_url_credentials, redact_text
 
@@ -24,7 +28,6 @@ __all__ = [
     "ConfigError",
     "EnvVar",
     "bool_var",
-    "checked_location_var",
     "choice_var",
     "environ_or_default",
     "expand_path",
@@ -35,6 +38,7 @@ __all__ = [
     "parse_positive_float",
     "parsed_once",
     "raw",
+    "remote_location_var",
     "require_directory",
     "require_local_directory",
 ]
@@ -155,20 +159,17 @@ def location_var(environ: Mapping[str, str], name: str) -> str | None:
     return value
 
 
-def checked_location_var(environ: Mapping[str, str], name: str) -> str | None:
-    """A path-or-URL variable that `open_store` will accept, as set (stripped), or None.
-
-    Checked without opening anything (`check_location`): a mangled URL (``s3:/bucket``,
-    which would otherwise become a local directory named ``s3:``), a scheme nobody
-    registered (``bogus://x``) or ``s3://`` without a bucket is a ConfigError naming the
-    variable at start-up, not a warning at the first compile.
-    """
+def remote_location_var(environ: Mapping[str, str], name: str) -> str | None:
+    """A remote tier's variable, as set (stripped), or None: checked as every remote tier
+    given anywhere is (`check_remote_location`: a mangled URL such as ``s3//bucket/x`` with
+    the URL probably meant, and a relative path, which each process would resolve against
+    its own directory), a ConfigError naming the variable and the value."""
     value = location_var(environ, name)
     if value is not None:
         try:
-            check_location(value)
+            check_remote_location(value, f"{name}={environ[name]!r}")
         except ValueError as exc:
-            raise ConfigError(f"{name}={environ[name]!r}: {exc}") from None
+            raise ConfigError(str(exc)) from None
     return value
 
 

@@ -17,7 +17,6 @@ from ._parse import (
     ConfigError,
     EnvVar,
     bool_var,
-    checked_location_var,
     choice_var,
     environ_or_default,
     expand_path,
@@ -25,6 +24,7 @@ from ._parse import (
     parse_positive_float,
     parsed_once,
     raw,
+    remote_location_var,
     require_directory,
     require_local_directory,
 )
@@ -352,7 +352,7 @@ def load_compile_cache_settings(environ: Mapping[str, str] | None = None) -> Com
             purpose="vLLM's and this package's caches",
         )
 
-    remote = checked_location_var(env, NEURON_LIBTORCH_REMOTE_CACHE)
+    remote = remote_location_var(env, NEURON_LIBTORCH_REMOTE_CACHE)
     if remote is not None:
         require_local_directory(
             remote, env,

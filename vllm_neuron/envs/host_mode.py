@@ -24,7 +24,9 @@ __all__ = [
 
 VLLM_NEURON_HOST_MODE = "VLLM_NEURON_HOST_MODE"
 VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING = "VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING"
-VLLM_NEURON_CPU_PROBE_STARTED = "VLLM_NEURON_CPU_PROBE_STARTED"
+# An internal marker, not a setting: named outside vLLM's ``VLLM_*`` namespace, which vLLM
+# checks against its list of variables (a leading underscore: no VLLM_ prefix).
+VLLM_NEURON_CPU_PROBE_STARTED = "_VLLM_NEURON_CPU_PROBE_STARTED"
 # vLLM's own variable; read here because host mode must turn it off (see the plugin).
 VLLM_USE_AOT_COMPILE = "VLLM_USE_AOT_COMPILE"
 
@@ -103,7 +105,7 @@ def host_mode_settings() -> HostModeSettings:
 
 
 def load_cpu_probe_marker(environ: Mapping[str, str] | None = None) -> int | None:
-    """VLLM_NEURON_CPU_PROBE_STARTED: the process id of the process of this start that looked
+    """_VLLM_NEURON_CPU_PROBE_STARTED: the process id of the process of this start that looked
     at whether to run Inductor's CPU probe ahead (vllm_neuron/compile/head_start.py), or None
     when unset. Read at each use (the first process sets it while running); a value that is
     no process id is no marker (None), never an error: it is no setting of the user's."""
@@ -112,5 +114,5 @@ def load_cpu_probe_marker(environ: Mapping[str, str] | None = None) -> int | Non
 
 
 def mark_cpu_probe_started() -> None:
-    """Set VLLM_NEURON_CPU_PROBE_STARTED to this process's id, for the processes it starts."""
+    """Set _VLLM_NEURON_CPU_PROBE_STARTED to this process's id, for the processes it starts."""
     os.environ[VLLM_NEURON_CPU_PROBE_STARTED] = str(os.getpid())

@@ -1,6 +1,6 @@
 """Where the cache's live metrics go inside vLLM (`vllm_neuron.metrics.live`).
 
-``VLLM_NEURON_METRICS_DIR`` is set by the package itself, in vLLM's first process, for the
+``_VLLM_NEURON_METRICS_DIR`` is set by the package itself, in vLLM's first process, for the
 processes it starts (each writes its counters there; the API server collects them).
 ``PROMETHEUS_MULTIPROC_DIR`` is prometheus_client's own, set by vLLM when it runs several
 API servers; when set, it wins. Both are read at each use, never cached: the first process
@@ -22,7 +22,8 @@ __all__ = [
     "load_metrics_settings",
 ]
 
-VLLM_NEURON_METRICS_DIR = "VLLM_NEURON_METRICS_DIR"
+# An internal marker, not a setting: named outside vLLM's ``VLLM_*`` namespace (see host_mode).
+VLLM_NEURON_METRICS_DIR = "_VLLM_NEURON_METRICS_DIR"
 PROMETHEUS_MULTIPROC_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 VARIABLES: tuple[EnvVar, ...] = (

@@ -9,9 +9,9 @@ Which directory, in vLLM 0.32:
 
 * With one API server (the default) vLLM does not use multiprocess mode: ``/metrics``
   serves prometheus_client's global ``REGISTRY`` of the API server process. There this
-  package's general plugin, in vLLM's first process (no ``VLLM_NEURON_METRICS_DIR``
+  package's general plugin, in vLLM's first process (no ``_VLLM_NEURON_METRICS_DIR``
   inherited), makes a private directory, hands it to the processes vLLM starts through
-  ``VLLM_NEURON_METRICS_DIR``, and registers a ``MultiProcessCollector`` over it in
+  ``_VLLM_NEURON_METRICS_DIR``, and registers a ``MultiProcessCollector`` over it in
   ``REGISTRY``. The directory is removed when that process exits.
 * With ``PROMETHEUS_MULTIPROC_DIR`` set (vLLM sets it for ``--api-server-count`` > 1, or
   the user does), ``/metrics`` serves a collector over that directory: the files go there.
@@ -49,12 +49,14 @@ from vllm_neuron.compile.tiers.local import EVENT_OBSERVERS
 # envs' primitives (blank counts as unset), never os.environ (tests/test_single_reader.py).
 from vllm_neuron.envs import load_metrics_settings
 
+from .gauges import TierSampler
 from .series import SERIES, Series, samples_of
 
 __all__ = [
     "FILE_PREFIX",
     "METRICS_DIR_ENV",
     "LiveMetrics",
+    "gauge_sampler",
     "install",
     "install_in_vllm",
     "uninstall",
@@ -62,12 +64,13 @@ __all__ = [
 
 logger = logging.getLogger("vllm_neuron.metrics")
 
-METRICS_DIR_ENV = "VLLM_NEURON_METRICS_DIR"
+METRICS_DIR_ENV = "_VLLM_NEURON_METRICS_DIR"  # envs/metrics.py
 """Set by vLLM's first process for the processes it starts: where their counters go."""
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 FILE_PREFIX = "counter_vllm-neuron-"  # "counter" before the first "_": the collector's type
 
 _installed: LiveMetrics | None = None
+_sampler: TierSampler | None = None  # the first process's gauges (gauges.py)
 _install_lock = threading.Lock()
 
 
@@ -176,15 +179,17 @@ def _collector_dir(environ: MutableMapping[str, str] | None) -> str:
 
 
 def install(
-    environ: MutableMapping[str, str] | None = None, registry: Any = None
+    environ: MutableMapping[str, str] | None = None, registry: Any = None,
+    *, gauges: bool = False,
 ) -> LiveMetrics | None:
     """Observe every cache event of this process into the live series (once per process).
 
-    In the first process (no ``VLLM_NEURON_METRICS_DIR``) also makes the directory and
+    In the first process (no ``_VLLM_NEURON_METRICS_DIR``) also makes the directory and
     registers a collector over it in `registry` (default prometheus_client's ``REGISTRY``,
-    what vLLM's single API server serves). None when prometheus_client is missing.
+    what vLLM's single API server serves), and with `gauges` starts the sampler of the
+    tier gauges there (:mod:`.gauges`). None when prometheus_client is missing.
     """
-    global _installed
+    global _installed, _sampler
     with _install_lock:
         if _installed is not None:
             return _installed
@@ -194,7 +199,8 @@ def install(
         except ImportError as exc:
             logger.info("vllm_neuron: no cache metrics in /metrics (%s)", exc)
             return None
-        if load_metrics_settings(environ).metrics_dir is None:
+        first = load_metrics_settings(environ).metrics_dir is None
+        if first:
             directory = _collector_dir(environ)
             target = prometheus_client.REGISTRY if registry is None else registry
             target.register(MultiProcessCollector(None, path=directory))
@@ -202,6 +208,9 @@ def install(
         live.open()
         EVENT_OBSERVERS.append(live.observe)
         _installed = live
+        if first and gauges and not live.broken:  # one sampler per server, not per engine
+            _sampler = TierSampler(live.directory(), environ)
+            _sampler.start()
         return live
 
 
@@ -210,13 +219,20 @@ def install_in_vllm() -> LiveMetrics | None:
     itself before calling its plugins), so a plain ``torch.compile`` observes nothing."""
     if "vllm" not in sys.modules:
         return None
-    return install()
+    return install(gauges=True)
+
+
+def gauge_sampler() -> TierSampler | None:
+    """The sampler `install` started in this process, if any (its ``sampled`` handshake)."""
+    return _sampler
 
 
 def uninstall() -> None:
     """Stop observing (tests): the observer leaves the cache; files and collector stay."""
-    global _installed
+    global _installed, _sampler
     with _install_lock:
         if _installed is not None:
             EVENT_OBSERVERS[:] = [o for o in EVENT_OBSERVERS if o != _installed.observe]
-        _installed = None
+        if _sampler is not None:
+            _sampler.stop()
+        _installed = _sampler = None

@@ -4,11 +4,14 @@ vLLM discovers this package through two entry-point groups (pyproject.toml):
 
 ``vllm.general_plugins`` -> :func:`register`
     Called once in every vLLM process (API server, engine core, each worker) before the
-    engine is built. Resolves and validates every setting of this package, so a malformed
-    value stops the server at start-up with the variable's name; fixes the engine run's id
-    for the manifest ledger before any engine process is started; registers the
-    ``vllm_neuron`` torch.compile backend; installs the compile cache's counters for
-    vLLM's ``/metrics`` (:mod:`vllm_neuron.metrics`); makes this package's log lines visible.
+    engine is built. Makes this package's settings known to vLLM's environment validation
+    and Ray's copying of variables (:mod:`.vllm_env`); warns when vLLM is outside the
+    supported range (:mod:`.vllm_version`). Resolves and validates every setting of this
+    package, so a malformed value stops the server at start-up with the variable's name;
+    fixes the engine run's id for the manifest ledger before any engine process is started;
+    registers the ``vllm_neuron`` torch.compile backend; installs the compile cache's
+    counters for vLLM's ``/metrics`` (:mod:`vllm_neuron.metrics`); makes this package's log
+    lines visible.
 ``vllm.platform_plugins`` -> :func:`platform_plugin`
     Returns the host platform when ``VLLM_NEURON_HOST_MODE=1``, otherwise ``None``: vLLM
     then picks its platform as if this package were not installed. In host mode, in a vLLM
@@ -54,6 +57,9 @@ from vllm_neuron.envs import (
 )
 from vllm_neuron.metrics import install_in_vllm
 from vllm_neuron.snapshot.config import snapshot_config
+
+from .vllm_env import register_settings_with_vllm
+from .vllm_version import check_vllm_version
 
 __all__ = [
     "DEVICE_DIR",
@@ -213,6 +219,10 @@ def register() -> None:
     if _registered:
         return
     _show_logs()
+    # Before vLLM validates its environment (it builds the engine configuration after
+    # loading its general plugins): our VLLM_NEURON_* names are known, not "unknown".
+    register_settings_with_vllm()
+    check_vllm_version()
     try:
         resolve_settings()
     except ConfigError as exc:

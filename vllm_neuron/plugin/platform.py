@@ -20,6 +20,8 @@ from typing import Any
 
 from vllm.platforms.cpu import CpuPlatform
 
+from vllm_neuron.envs import INTERNAL_MARKERS, OWN_SETTINGS
+
 from .hooks import COMPILER_ADAPTOR, configure_engine
 
 __all__ = ["CPU_WORKER", "HOST_WORKER", "NeuronHostPlatform"]
@@ -30,6 +32,11 @@ HOST_WORKER = "vllm_neuron.plugin.worker.NeuronHostWorker"
 
 class NeuronHostPlatform(CpuPlatform):
     """vLLM's CPU platform, compiling through this package's cache (host mode)."""
+
+    # vLLM's hook for variables its Ray executor copies to the workers (beyond VLLM_*, HF_*
+    # and the names registered in vllm.envs): this package's settings, NEURON_* ones
+    # included, and the markers the first process sets for the processes it starts.
+    additional_env_vars: list[str] = [*OWN_SETTINGS, *INTERNAL_MARKERS]
 
     @classmethod
     def get_compile_backend(cls) -> str:

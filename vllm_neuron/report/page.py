@@ -18,11 +18,12 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from vllm_neuron.compile.entry.text import human_size
 from vllm_neuron.version import __version__
 
 from .gather import CacheView, ProcessRow, Report
 from .markup import Markup, el, join
-from .sections import human_size, problem_list, render_engines, render_profiles, render_snapshots
+from .sections import problem_list, render_engines, render_profiles, render_snapshots
 from .tier_table import TIER_CSS, render_entries
 from .timeline import BAR_KINDS, TIMELINE_CSS, TimelineRow, event_kind, render_timeline
 

@@ -17,6 +17,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_neuron.compile.entry.text import human_size
 from vllm_neuron.manifest.inspect import snapshot_paths
 from vllm_neuron.manifest.schema import GraphEntry
 from vllm_neuron.snapshot.replay import ReplayReport
@@ -25,18 +26,7 @@ from .gather import EngineView
 from .markup import Markup, el, join
 from .runs import ARTIFACT_FIELDS, ProfileRun, SnapshotView
 
-__all__ = ["bundle_index", "human_size", "render_engines", "render_profiles",
-           "render_snapshots"]
-
-
-def human_size(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(n) < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
+__all__ = ["bundle_index", "render_engines", "render_profiles", "render_snapshots"]
 
 
 def _table(headers: Sequence[str], rows: Sequence[Markup], **attrs: Any) -> Markup:

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import json
 
+from vllm_neuron.compile.entry.text import human_age, human_size
+
 from .markup import Markup, el, join
-from .sections import human_size, problem_list
+from .sections import problem_list
 from .tiers import EntryRow, TierEntries
 
-__all__ = ["ROW_CAP", "TIER_CSS", "human_age", "render_entries"]
+__all__ = ["ROW_CAP", "TIER_CSS", "render_entries"]
 
 ROW_CAP = 200  # entry rows shown per tier; the rest are counted
 
@@ -29,14 +31,6 @@ p.more { font-style: italic; }
 _TOTALS = (("entries", "entries"), ("bytes", "size"), ("with_problems", "with a problem"),
            ("signed", "signed"), ("quarantined", "quarantined"))  # fmt: skip
 _HEADERS = ("key", "piece", "size", "age", "toolchain", "signer", "problems")
-
-
-def human_age(seconds: float) -> str:
-    """``42s``, ``3.5m``, ``2.0h``, ``9.1d`` (as `cache ls` writes ages)."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{max(0.0, seconds):.0f}s"
 
 
 def _totals(entries: TierEntries, location: str) -> Markup:

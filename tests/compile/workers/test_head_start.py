@@ -104,7 +104,7 @@ from vllm_neuron import plugin
 # vLLM asks for its platform first (seconds before it loads the general plugins), more
 # than once, then runs the general plugin: the probe starts at the first ask, once.
 assert plugin.platform_plugin() == plugin.HOST_PLATFORM
-assert os.environ["VLLM_NEURON_CPU_PROBE_STARTED"] == str(os.getpid())
+assert os.environ["_VLLM_NEURON_CPU_PROBE_STARTED"] == str(os.getpid())
 assert plugin.platform_plugin() == plugin.HOST_PLATFORM
 plugin.register()
 probes = []
@@ -173,7 +173,7 @@ def test_a_process_of_ours_that_loads_vllms_kernels_starts_no_probe(tmp_path, fi
             "    import_vllm_kernels()\n"
             "except ImportError:\n"
             "    pass  # no vLLM in this Python: what vLLM would ask, asked below\n"
-            "assert os.environ['VLLM_NEURON_CPU_PROBE_STARTED'] == str(os.getpid())\n"
+            "assert os.environ['_VLLM_NEURON_CPU_PROBE_STARTED'] == str(os.getpid())\n"
             "assert plugin.platform_plugin() == plugin.HOST_PLATFORM\n")
     env = worker_env(VLLM_NEURON_HOST_MODE="1", VLLM_CACHE_ROOT=str(tmp_path / "root"))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,

@@ -65,6 +65,7 @@ from ..entry.notes import (
     kind_named,
     kind_of,
 )
+from ..entry.text import human_age
 from ..tiers.unpacked import drop_unpacked
 
 STAGING_MAX_AGE = 6 * 3600.0
@@ -210,10 +211,11 @@ def plan_gc(
             elif name in pinned:
                 kept.append(GcItem("entry", name, age, pub.size, "pinned"))
             elif age <= bound:
-                kept.append(GcItem("entry", name, age, pub.size, f"younger than {_span(bound)}"))
+                kept.append(GcItem("entry", name, age, pub.size,
+                                   f"younger than {human_age(bound)}"))
             else:
                 items.append(GcItem("entry", name, age, pub.size,
-                                    f"no manifest names it; published {_span(age)} ago",
+                                    f"no manifest names it; published {human_age(age)} ago",
                                     version=pub.version))  # fmt: skip
     bounds = {"older_than": bound, "lease_grace": lease_grace,
               "failure_notes": failure_max_age, "quarantine_notes": note_bound}  # fmt: skip
@@ -246,7 +248,7 @@ def _plan_notes(store: Store, found: Survey, now: float, bound: float, retry_aft
         if _kept_with_entry(kind, key, found, GcItem(kind.name, where, age, size, ""), kept):
             continue  # its entry's: loads verify it, a withdrawal drops it
         if age <= limit:
-            kept.append(GcItem(kind.name, where, age, size, f"younger than {_span(limit)}"))
+            kept.append(GcItem(kind.name, where, age, size, f"younger than {human_age(limit)}"))
             continue
         items.append(GcItem(kind.name, where, age, size, f"entry {key} is not published",
                             version=store.publication(where).version))  # fmt: skip
@@ -260,7 +262,7 @@ def _plan_notes(store: Store, found: Survey, now: float, bound: float, retry_aft
             continue
         (items if age > limit else kept).append(GcItem(
             kind.name, seen.key, age, seen.size,
-            f"older than {_span(limit)}" if age > limit else f"younger than {_span(limit)}",
+            f"older than {human_age(limit)}" if age > limit else f"younger than {human_age(limit)}",
             version=version,
         ))  # fmt: skip
 
@@ -278,8 +280,8 @@ def _kept_with_entry(kind: NoteKind[Any], key: str, found: Survey, item: GcItem,
 
 def _debris_reason(d: Debris, bound: float, grace: float) -> str:
     if d.kind == "lease":
-        return f"{d.detail}; free for {_span(d.age_seconds)} (grace {_span(grace)})"
-    text = f"untouched for {_span(d.age_seconds)} (bound {_span(bound)})"
+        return f"{d.detail}; free for {human_age(d.age_seconds)} (grace {human_age(grace)})"
+    text = f"untouched for {human_age(d.age_seconds)} (bound {human_age(bound)})"
     return f"{d.detail}; {text}" if d.detail else text
 
 
@@ -380,12 +382,3 @@ def _withdraw(store: Store, item: GcItem) -> str | None:
         return "withdrawn or republished since the plan"
     finally:
         lock.release()
-
-
-def _span(seconds: float) -> str:
-    """'45s', '12.0m', '6.0h', '30.0d' (as `cli.format.human_age`, which this layer
-    cannot import)."""
-    for unit, size in (("d", 86400), ("h", 3600), ("m", 60)):
-        if seconds >= size:
-            return f"{seconds / size:.1f}{unit}"
-    return f"{seconds:.0f}s"
