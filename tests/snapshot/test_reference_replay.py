@@ -231,3 +231,22 @@ def test_the_reference_tolerance_allows_rounding_at_the_tensors_scale_not_more()
     assert not ints.passed and ints.atol == 0.0
     (given,) = compare_outputs([rounded], [expected], atol=0.0, rtol=0.0, reference=True)
     assert not given.passed and given.atol == 0.0
+
+
+def test_a_graph_error_someone_else_wrote_is_quoted_not_obeyed(
+    tmp_path: Path, capturer_for: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """meta.json is anyone's file: its graph_error reaches the terminal escaped."""
+    gm = torch.fx.symbolic_trace(Opaque())
+    root = tmp_path / "snaps"
+    cfg = make_config(str(root), CAPTURE_AT_CALL="0")
+    fn = capturer_for(cfg, rank=RankInfo(), graph=TracedGraph(HASH, gm, [])).wrap(gm.forward)
+    with forward_context(ctx(0, ["r"], [0], True, config=cfg)):
+        fn(torch.ones(2, 4))
+    meta_file = root / HASH / "rank0" / "call0" / "meta.json"
+    meta = json.loads(meta_file.read_text())
+    meta_file.write_text(json.dumps({**meta, "graph_error": "\x1b[2J\x1b[31mwiped\rok"}))
+    for argv in (("show",), ("replay", "--runner", "eager")):
+        _, out = run_cli(capsys, "snapshot", *argv, str(meta_file.parent))
+        assert "\x1b" not in out and "\r" not in out, out
+        assert "\\x1b[2J" in out, out

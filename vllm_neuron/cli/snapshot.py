@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from vllm_neuron.backends import is_url, join
+from vllm_neuron.compile.entry.text import printable
 from vllm_neuron.manifest.inspect import load_manifest, select_graphs, snapshot_paths
 from vllm_neuron.manifest.schema import Locations
 from vllm_neuron.manifest.snapshot_links import path_order
@@ -174,7 +175,7 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 def _unsaved(reason: str | None) -> str:
     """The ``graph`` line of a bundle whose graph was not saved: why, when the capture said."""
-    why = f": {reason}" if reason else ""
+    why = f": {printable(reason)}" if reason else ""  # meta.json is anyone's file
     return f"(not saved{why}; replay needs the compile cache)"
 
 

@@ -32,6 +32,7 @@ from typing import Any
 from vllm_neuron.backends import join, local_root_missing, open_store
 from vllm_neuron.compile.entry.outcomes import CacheResult
 from vllm_neuron.compile.entry.record import read_record
+from vllm_neuron.compile.entry.text import printable
 from vllm_neuron.compile.tiers.health import LocalTierUnusable, not_own_tier
 from vllm_neuron.compile.tiers.location import trusted_local_tier_dir
 from vllm_neuron.compile.tiers.unpacked import load_entry
@@ -113,7 +114,8 @@ def _eager_runner(bundle: Bundle) -> Callable[..., Any]:
     if bundle.meta.graph is None and bundle.meta.graph_error is not None:
         raise ReplayError(
             f"the capture could not save the graph of {bundle.location} for the eager "
-            f"runner: {bundle.meta.graph_error}; replay it with the compile-cache runner")
+            f"runner: {printable(bundle.meta.graph_error)}; replay it with the compile-cache "
+            "runner")
     data = bundle.store.read(key)
     if data is None:
         raise ReplayError(
