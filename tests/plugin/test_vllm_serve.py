@@ -746,7 +746,10 @@ def test_profile_capture_against_a_host_mode_server(
          "--max-model-len", "512", "--max-num-seqs", "4",
          "--ready-timeout", "900", "--teardown-grace", "30", *server, *workload,
          "--", "--kv-cache-memory-bytes", str(64 << 20), *DTYPE],
-        cwd=ROOT, env=server_env({"VLLM_NEURON_VENV_PATH": str(vllm_python.parent.parent)}),
+        # Not the checkout: the capture's server runs `python -m` in this directory, which
+        # would put the checkout's vllm_neuron before the wheel the other servers load (and
+        # vLLM's own cache key hashes the traced files' paths).
+        cwd=work, env=server_env({"VLLM_NEURON_VENV_PATH": str(vllm_python.parent.parent)}),
         capture_output=True, text=True, timeout=1800,
     )
     assert done.returncode == 0, done.stderr[-4000:]
