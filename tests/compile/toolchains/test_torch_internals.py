@@ -106,6 +106,12 @@ VEC_AND_KEY = [f"{VEC}.valid_vec_isa_list", f"{VEC}.x86_isa_checker",
                *(q for q in FENCED if q.startswith("torch.cpu."))]  # fmt: skip
 
 
+# Not read by a compile: the probe run ahead (workers, head start); read only on a CPU that
+# claims AVX-512 or AMX tiles (then warned too).
+ONLY_SOMETIMES = {f"{VEC}.pick_vec_isa"}
+SOMETIMES = {"torch.cpu._is_avx512_bf16_supported", "torch.cpu._is_amx_fp16_supported"}
+
+
 @pytest.mark.parametrize("scale, hidden", [
     (5.25, [RUN_CMD]),
     (5.5, [f"{RUN_CMD}=signature"]),
@@ -119,8 +125,9 @@ def test_a_compile_without_a_fenced_name_succeeds_whole_and_correct(
     got = _compile(shared_tmp, scale, *hidden)
     assert got["correct"]
     names = [h.partition("=")[0] for h in hidden]
-    for name in names:  # one warning per missing name, naming it
-        assert sum(name in w for w in got["warnings"]) == 1, got["warnings"]
+    for name in names:  # one warning per missing name a compile reads, naming it
+        expected = (0,) if name in ONLY_SOMETIMES else (1,) if name not in SOMETIMES else (0, 1)
+        assert sum(name in w for w in got["warnings"]) in expected, (name, got["warnings"])
     if RUN_CMD in names:
         assert not got["split"]  # torch compiled the wrapper whole
     else:

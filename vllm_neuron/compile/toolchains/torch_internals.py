@@ -96,12 +96,12 @@ FENCED: dict[str, Fenced] = {e.qualname: e for e in _ENTRIES}
 
 _lock = threading.Lock()
 _warned: set[str] = set()
-_unreadable: set[str] = set()
+_unreadable: set[str] = set()  # key-feeding names that raised when read
 
 
 def resolve(qualname: str) -> Any | None:
     """The fenced name `qualname` as torch has it now, or None when it is missing or its
-    signature changed (one warning per name and process; a key-feeding name is then
+    signature changed (one warning per name and process; a key-feeding name is then in
     `unreadable`)."""
     entry = FENCED[qualname]
     problem = _problem(entry)
@@ -110,8 +110,6 @@ def resolve(qualname: str) -> Any | None:
     with _lock:
         first = qualname not in _warned
         _warned.add(qualname)
-        if entry.feeds_key:
-            _unreadable.add(qualname)
     if first:
         logger.warning("vllm_neuron: torch's private %s %s; %s", qualname, problem,
                        entry.without)  # fmt: skip
@@ -168,10 +166,12 @@ def unknown(qualname: str, why: str) -> str:
 
 
 def unreadable() -> str:
-    """The key's account of the key-feeding names this process could not read: empty when
-    every one was read (the key is then what it always was)."""
+    """The key's account of the key-feeding names torch does not have as expected now, and
+    of those that raised when read in this process: empty when every one was read (the key
+    is then what it always was)."""
+    now = {q for q, e in FENCED.items() if e.feeds_key and _problem(e) is not None}
     with _lock:
-        return ",".join(f"unknown:{q}" for q in sorted(_unreadable))
+        return ",".join(f"unknown:{q}" for q in sorted(now | _unreadable))
 
 
 def _forget() -> None:
