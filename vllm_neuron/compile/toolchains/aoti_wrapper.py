@@ -58,6 +58,7 @@ from vllm_neuron.compile.toolchains.aoti_runtime_store import (
 )
 from vllm_neuron.compile.toolchains.cpu_target import compiling_for
 from vllm_neuron.compile.toolchains.private_dirs import secure_inductor_dirs
+from vllm_neuron.compile.toolchains.torch_internals import resolve
 from vllm_neuron.compile.toolchains.torn_headers import run_healing_torn_headers
 from vllm_neuron.compile.toolchains.vector_isa import ask_first_valid_only
 
@@ -79,6 +80,7 @@ _active = threading.local()
 _install_lock = threading.Lock()
 
 RunCmd = Callable[[str, str], None]
+RUN_COMPILE_CMD = "torch._inductor.cpp_builder._run_compile_cmd"
 
 
 def compile_and_package(program: Any, package_path: str, inductor_configs: Mapping[str, Any],
@@ -173,12 +175,12 @@ def _install() -> None:
     """Put `run` in front of torch's compile-command runner (again if something replaced
     it since). Only threads inside `split_wrapper_builds` are affected (wrappers split, a
     torn precompiled header healed: torn_headers.py); every other command runs as before."""
-    from torch._inductor import cpp_builder
-
     with _install_lock:
-        if getattr(cpp_builder._run_compile_cmd, "_vllm_neuron_split", False):
+        # Through the fence: a torch without it (or with another signature) compiles whole.
+        current = resolve(RUN_COMPILE_CMD)
+        if current is None or getattr(current, "_vllm_neuron_split", False):
             return
-        original: RunCmd = cpp_builder._run_compile_cmd
+        original: RunCmd = current
 
         def run(cmd_line: str, cwd: str) -> None:
             if not getattr(_active, "depth", 0):
@@ -187,6 +189,8 @@ def _install() -> None:
                 run_healing_torn_headers(original, cmd_line, cwd)
 
         run._vllm_neuron_split = True  # type: ignore[attr-defined]
+        from torch._inductor import cpp_builder
+
         cpp_builder._run_compile_cmd = run
 
 

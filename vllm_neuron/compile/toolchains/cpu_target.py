@@ -37,9 +37,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from vllm_neuron.compile.toolchains.torch_internals import cpu_feature, resolve, unknown
+
 __all__ = ["FEATURES", "ISA_FLAGS", "LEVELS", "UNSHOWN", "CpuInfo", "HostTarget",
-           "compiler_identity", "compiling_for", "host_target", "missing_features",
-           "node_token", "read_cpuinfo", "torch_meaning", "vector_isa_requires"]  # fmt: skip
+           "compiler_identity", "compiling_for", "cpp_compiler", "host_target",
+           "missing_features", "node_token", "read_cpuinfo", "torch_meaning",
+           "vector_isa_requires"]  # fmt: skip
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -210,21 +213,20 @@ def _vector_isa_options() -> str:
     builds that make the pick itself cost seconds (vector_isa.py)."""
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
         return ""
-    import torch
-    from torch._inductor import cpu_vec_isa
-
-    checker = getattr(cpu_vec_isa, "x86_isa_checker", None)
-    candidates = getattr(cpu_vec_isa, "supported_vec_isa_list", None)
-    if not callable(checker) or not isinstance(candidates, list):
+    checker = resolve("torch._inductor.cpu_vec_isa.x86_isa_checker")
+    candidates = resolve("torch._inductor.cpu_vec_isa.supported_vec_isa_list")
+    if checker is None or candidates is None:
         return "-unknown-vector-isa"  # torch laid out otherwise: fail closed
     claimed = checker()
     options = [isa.build_arch_flags() for isa in candidates
                if str(isa).split() and all(f in claimed for f in str(isa).split())]  # fmt: skip
-    if "avx512" in claimed and getattr(torch.cpu, "_is_avx512_bf16_supported", bool)():
-        options.append("-mavx512bf16")
-    if "amx_tile" in claimed and getattr(torch.cpu, "_is_amx_fp16_supported", bool)():
-        options.append("-mamx-fp16")
-    return " ".join(options)
+    for claim, probe, option in (("avx512", "_is_avx512_bf16_supported", "-mavx512bf16"),
+                                 ("amx_tile", "_is_amx_fp16_supported", "-mamx-fp16")):
+        if claim in claimed:
+            has = cpu_feature(probe)
+            # Unknown: an option unknown here, so every ISA flag is required (fail closed).
+            options.append(option if has else f"-unknown-{probe}" if has is None else "")
+    return " ".join(o for o in options if o)
 
 
 def missing_features(requires: tuple[str, ...] | list[str], cpu: CpuInfo | None) -> list[str]:
@@ -311,15 +313,29 @@ def torch_meaning(compiler: str, cflags: tuple[str, ...]) -> str:
 
 
 # --------------------------------------------------------------------- torch, behind a fence
+_ARCH_CFLAGS = "torch._inductor.cpp_builder._get_cpu_arch_cflags"
+
+
+def cpp_compiler() -> str:
+    """The C++ compiler Inductor compiles with (its own choice; ``g++`` where torch cannot
+    say: a torch laid out otherwise, keyed as unknown by the fence)."""
+    choose = resolve("torch._inductor.cpp_builder.get_cpp_compiler")
+    try:
+        return str(choose()) if choose is not None else "g++"
+    except Exception as exc:  # noqa: BLE001 - then the compile itself fails with torch's error
+        unknown("torch._inductor.cpp_builder.get_cpp_compiler", f"raised {exc!r}")
+        return "g++"
+
+
 def _torch_arch_cflags(compiler: str, inductor_configs: Mapping[str, Any]) -> tuple[str, ...]:
     """The architecture flags torch itself compiles with, under `inductor_configs`'
     ``cpp.march`` (a torch without the function: ``march=native``, its default)."""
-    from torch._inductor import config, cpp_builder
+    from torch._inductor import config
 
-    current = getattr(cpp_builder, "_get_cpu_arch_cflags", None)
+    current = resolve(_ARCH_CFLAGS)
     original = getattr(current, "__wrapped__", current)
     if not callable(original):
-        return ("march=native",)
+        return ("march=native",)  # keyed by what it means, and as unknown (the fence)
     patch = {"cpp.march": inductor_configs["cpp.march"]} if "cpp.march" in inductor_configs else {}
     with config.patch(patch):
         return tuple(original(compiler))
@@ -331,13 +347,13 @@ def _fence_holds() -> bool:
 
 
 def _install() -> bool:
-    from torch._inductor import config, cpp_builder
+    from torch._inductor import config
 
     with _INSTALL:
-        current = getattr(cpp_builder, "_get_cpu_arch_cflags", None)
+        current = resolve(_ARCH_CFLAGS)
         if getattr(current, _MARK, False):
             return True
-        if not callable(current) or not hasattr(getattr(config, "cpp", None), "march"):
+        if current is None or not hasattr(getattr(config, "cpp", None), "march"):
             logger.debug("vllm_neuron: Inductor's architecture flags are not laid out as "
                          "expected; torch's own are used (and keyed)")  # fmt: skip
             return False
@@ -352,6 +368,8 @@ def _install() -> bool:
 
         setattr(arch_cflags, _MARK, True)
         arch_cflags.__wrapped__ = original  # type: ignore[attr-defined]
+        from torch._inductor import cpp_builder
+
         cpp_builder._get_cpu_arch_cflags = arch_cflags
         return True
 
@@ -363,9 +381,7 @@ def compiling_for(cflags: tuple[str, ...], inductor_configs: Mapping[str, Any]) 
     Raises ValueError when `cflags` were keyed but torch would no longer compile for
     ``native`` (``cpp.march`` set since): the artifact would not be what its key says."""
     if cflags:
-        from torch._inductor import cpp_builder
-
-        compiler = cpp_builder.get_cpp_compiler()
+        compiler = cpp_compiler()
         now = _torch_arch_cflags(compiler, inductor_configs)
         if now != ("march=native",) or not _install():
             raise ValueError(f"the key names the explicit target {' '.join(cflags)}, but "

@@ -42,6 +42,7 @@ from vllm_neuron.compile.toolchains.cpu_target import (
     CpuInfo,
     HostTarget,
     compiler_identity,
+    cpp_compiler,
     host_target,
     missing_features,
     read_cpuinfo,
@@ -52,8 +53,9 @@ from vllm_neuron.compile.toolchains.host_collectives import (
     route_collectives,
 )
 from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
+from vllm_neuron.compile.toolchains.torch_internals import cpu_feature, unreadable
 
-__all__ = ["HostToolchain", "exportable_graph"]
+__all__ = ["HostToolchain", "cpp_compiler", "exportable_graph"]
 
 ARTIFACT_NAME = "graph.pt2"
 
@@ -100,12 +102,13 @@ class HostToolchain(Toolchain):
         # Lazy: torch is heavy and optional; only this path needs it.
         import torch
 
-        features = [
-            name
-            for name, probe in _CPU_FEATURE_PROBES
-            if getattr(torch.cpu, probe, lambda: False)()
-        ]
-        return {
+        # Through the fence: a probe torch no longer has is keyed as unknown, never as absent.
+        has = {name: cpu_feature(probe) for name, probe in _CPU_FEATURE_PROBES}
+        features = [name if known else f"unknown:torch.cpu.{probe}"
+                    for (name, probe), known in zip(_CPU_FEATURE_PROBES, has.values(),
+                                                    strict=True)
+                    if known is not False]  # fmt: skip
+        versions = {
             "torch": str(torch.__version__),
             "machine": platform.machine(),
             "cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
@@ -116,6 +119,12 @@ class HostToolchain(Toolchain):
             "compiler": compiler_identity(cpp_compiler()),
             "program_rewrites": PROGRAM_REWRITES,
         }
+        # Read last: what any of the above could not read (absent when all were read, so
+        # keys are unchanged on a torch with every fenced name).
+        unread = unreadable()
+        if unread:
+            versions["torch_internals"] = unread
+        return versions
 
     def compiler_args(self) -> list[str]:
         return sorted(f"--{k}={v}" for k, v in self._inductor_configs.items())
@@ -192,19 +201,6 @@ class HostToolchain(Toolchain):
 def node_cpu() -> CpuInfo | None:
     """This node's CPU, as /proc/cpuinfo describes it (read once)."""
     return read_cpuinfo()
-
-
-def cpp_compiler() -> str:
-    """The C++ compiler Inductor compiles with (its own choice; ``g++`` where torch cannot
-    say: a torch laid out otherwise)."""
-    # Lazy: torch is heavy and optional; only this path needs it.
-    from torch._inductor import cpp_builder
-
-    choose = getattr(cpp_builder, "get_cpp_compiler", None)
-    try:
-        return str(choose()) if callable(choose) else "g++"
-    except Exception:  # noqa: BLE001 - then the compile itself fails with torch's error
-        return "g++"
 
 
 def _graph_callable(runner: Callable[..., Any], meta: CompiledArtifact) -> Callable[..., Any]:

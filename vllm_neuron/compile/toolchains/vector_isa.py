@@ -30,23 +30,26 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_neuron.compile.toolchains.private_dirs import secure_inductor_dirs
+from vllm_neuron.compile.toolchains.torch_internals import resolve
 
 __all__ = ["ask_first_valid_only", "pick_vector_isa"]
 
 logger = logging.getLogger("vllm_neuron.compile")
 
 _MARK = "_vllm_neuron_first_valid_only"
+_VEC_ISA = "torch._inductor.cpu_vec_isa"
 _INSTALL = threading.Lock()
 
 
 def pick_vector_isa() -> Any:
     """Inductor's `pick_vec_isa`, with this process asking only the first valid candidate
     (`ask_first_valid_only`): what a compile worker or the cold start's probe pays once."""
-    from torch._inductor import cpu_vec_isa
-
+    pick = resolve(f"{_VEC_ISA}.pick_vec_isa")
+    if pick is None:
+        return None  # a torch without it: its first compile probes as torch does
     secure_inductor_dirs()  # its test programs are built in Inductor's cache directory
     ask_first_valid_only()
-    return cpu_vec_isa.pick_vec_isa()
+    return pick()
 
 
 def ask_first_valid_only() -> bool:
@@ -54,24 +57,28 @@ def ask_first_valid_only() -> bool:
     one whenever only the first is used (see the module). Idempotent; True when it is (or
     was already) in place, False for a torch whose probe has another layout."""
     # Lazy: torch is heavy and optional; only the host toolchain needs it.
-    from torch._inductor import config, cpu_vec_isa
+    from torch._inductor import config
 
     with _INSTALL:
-        inductors = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+        # Through the fence (torch_internals.py): a torch without one of these probes
+        # every vector ISA the CPU claims, as it does on its own.
+        inductors = resolve(f"{_VEC_ISA}.valid_vec_isa_list")
         if getattr(inductors, _MARK, False):
             return True
-        if not callable(inductors) or not _laid_out_as_expected(cpu_vec_isa, config):
+        if inductors is None or not _laid_out_as_expected(config):
             logger.debug("vllm_neuron: Inductor's CPU probe is not laid out as expected; "
                          "every vector ISA the CPU claims is probed")  # fmt: skip
             return False
+        from torch._inductor import cpu_vec_isa
+
         replacement = _first_valid_only(inductors, cpu_vec_isa, config)
         cpu_vec_isa.valid_vec_isa_list = replacement  # type: ignore[assignment]
         return True
 
 
-def _laid_out_as_expected(cpu_vec_isa: Any, config: Any) -> bool:
-    return (callable(getattr(cpu_vec_isa, "x86_isa_checker", None))
-            and isinstance(getattr(cpu_vec_isa, "supported_vec_isa_list", None), list)
+def _laid_out_as_expected(config: Any) -> bool:
+    return (resolve(f"{_VEC_ISA}.x86_isa_checker") is not None
+            and resolve(f"{_VEC_ISA}.supported_vec_isa_list") is not None
             and hasattr(getattr(config, "cpp", None), "simdlen"))  # fmt: skip
 
 
