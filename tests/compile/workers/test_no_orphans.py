@@ -39,16 +39,20 @@ exec sleep 600
 """
 
 OWNER = """
-import sys, threading
+import os, sys, threading
 from vllm_neuron.compile.workers.pool import _Worker
-workers = []
 if sys.argv[1] == "thread":  # as the cache's background thread does, which then ends
-    started = threading.Thread(target=lambda: workers.append(_Worker([])))
+    def start():
+        print(_Worker([]).process.pid, flush=True)
+        sys.stdin.readline()  # until its worker compiles: then this thread ends
+    started = threading.Thread(target=start)
     started.start()
     started.join()
+    while os.path.exists(f"/proc/self/task/{started.native_id}"):  # gone in the kernel too
+        os.sched_yield()
+    print("ended", flush=True)
 else:
-    workers.append(_Worker([]))
-print(workers[0].process.pid, flush=True)
+    print(_Worker([]).process.pid, flush=True)
 sys.stdin.read()  # until the test kills it
 """
 
@@ -119,6 +123,13 @@ def test_a_worker_and_its_compiler_die_with_their_owner_killed_mid_compile(tmp_p
         assert owner.stdout is not None
         worker = int(owner.stdout.readline())
         compiling = _wait_for_line(handshake, owner)
+        if started_from == "thread":  # Linux sends the parent-death signal on its end too
+            assert owner.stdin is not None
+            owner.stdin.write("\n")
+            owner.stdin.flush()
+            assert owner.stdout.readline() == "ended\n"
+            assert not gone(worker)  # the end of the owner's thread did not end it (nor
+            # disarm it: the owner's death below is signalled too, with no poll to fall on)
         # The worker leads a group of its own, with its compiler in it (a thread of the
         # owner that started it and ended did not end it).
         assert os.getpgid(worker) == worker and os.getpgid(compiling) == worker

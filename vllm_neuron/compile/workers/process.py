@@ -12,9 +12,10 @@ No orphans: the pool starts each worker as the leader of a process group of its 
 session: a Ctrl-C at the server's terminal reaches neither it nor its compilers), and the
 worker asks Linux for `PARENT_DEATH_SIGNAL` when its parent dies, even by SIGKILL
 (``PR_SET_PDEATHSIG``); on it, or on SIGTERM, it kills its whole group - itself and every
-compiler it started - at once (`_die_with_group`). Elsewhere (no ``prctl``), or once that
-signal was spent on the exit of the parent's thread that started it, a thread polls for the
-parent every `PARENT_POLL` seconds instead.
+compiler it started - at once (`_die_with_group`). Linux sends that signal also when the
+parent's *thread* that started the worker ends (the cache's threads do): the worker then
+finds its parent alive and carries on, the signal still armed for the parent's next thread.
+Where there is no ``prctl``, a thread polls for the parent every `PARENT_POLL` seconds.
 """
 
 from __future__ import annotations
@@ -81,13 +82,9 @@ def _exit_with_parent(parent: int) -> None:
             time.sleep(PARENT_POLL)
         _die_with_group(LOST_PARENT)
 
-    def poll() -> None:
-        threading.Thread(target=watch, daemon=True, name="vllm-neuron-parent-watch").start()
-
     def on_parent_death(signum: int, frame: Any) -> None:
-        if os.getppid() != parent:
+        if os.getppid() != parent:  # else a thread of the parent ended: still armed
             _die_with_group(LOST_PARENT)
-        poll()  # the parent's thread that started it exited, not the parent: spent
 
     signal.signal(signal.SIGTERM, lambda signum, frame: _die_with_group(128 + signum))
     signal.signal(PARENT_DEATH_SIGNAL, on_parent_death)
@@ -95,7 +92,7 @@ def _exit_with_parent(parent: int) -> None:
     if os.getppid() != parent:  # gone before the signal was asked for
         _die_with_group(LOST_PARENT)
     if not armed:
-        poll()
+        threading.Thread(target=watch, daemon=True, name="vllm-neuron-parent-watch").start()
 
 
 def _compile_one(job_dir: str, out_dir: str) -> int:
