@@ -10,6 +10,7 @@ not end before the owner is killed). Version questions go to the real g++.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import select
@@ -143,8 +144,10 @@ def test_a_worker_and_its_compiler_die_with_their_owner_killed_mid_compile(tmp_p
         if owner.poll() is None:
             owner.kill()
             owner.wait()
-        for pid in _group(worker) if "worker" in locals() else []:  # never leave one behind
-            os.kill(pid, signal.SIGKILL)
+        started = [int(p) for p in handshake.read_text().split()] if handshake.exists() else []
+        for pid in [*(_group(worker) if "worker" in locals() else []), *started]:
+            with contextlib.suppress(ProcessLookupError):  # never leave one behind
+                os.kill(pid, signal.SIGKILL)
 
 
 @pytest.mark.timeout(2 * SAFETY)
