@@ -27,12 +27,13 @@ up to two idle workers, which retire after `workers.pool.EARLY_IDLE_SECONDS`.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import subprocess
 import sys
+import tempfile
 import threading
+from typing import IO
 
 from vllm_neuron.envs import (
     CompileCacheSettings,
@@ -43,9 +44,12 @@ from vllm_neuron.envs import (
 
 from .tiers.location import get_neuron_compile_cache_dir, holds_entries
 
-__all__ = ["likely_to_compile", "start_cpu_probe_if_cold"]
+__all__ = ["PROBE_SAID", "likely_to_compile", "start_cpu_probe_if_cold"]
 
 logger = logging.getLogger("vllm_neuron.compile")
+
+PROBE_SAID = 4000
+"""How much of what a failed probe printed (its end: the traceback) is logged with it."""
 
 
 def likely_to_compile(settings: CompileCacheSettings, local_dir: str, toolchain: str) -> bool:
@@ -74,19 +78,30 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings) -> subprocess.Popen[
     if not likely_to_compile(settings, local_dir, toolchain):
         return None
     try:
+        # What it prints, kept nameless (nothing left in the temporary directory) and said
+        # with its exit status if it fails: a probe broken by a torch change must say why.
+        said = tempfile.TemporaryFile(prefix="vllm_neuron_cpu_probe_")  # noqa: SIM115
+    except OSError as exc:
+        logger.warning("vllm_neuron: Inductor's CPU probe not started ahead: %s", exc)
+        return None
+    try:
         probe = subprocess.Popen(
             [sys.executable, "-m", "vllm_neuron.compile.workers.process", "--probe",
              str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            stdin=subprocess.DEVNULL, stdout=said, stderr=said,
+            start_new_session=True)  # a group of its own, with its compilers: process.py
     except OSError as exc:  # no process left: the workers probe for themselves
+        said.close()
         logger.warning("vllm_neuron: Inductor's CPU probe not started ahead: %s", exc)
         return None
     # Reaped when it ends, so no zombie is left in a server that runs for weeks (without a
     # thread - a pids limit reached - `subprocess` reaps it at this process's next start of
     # one).
-    with contextlib.suppress(RuntimeError):
-        threading.Thread(target=_reap, args=(probe,), daemon=True,
+    try:
+        threading.Thread(target=_reap, args=(probe, said), daemon=True,
                          name="vllm-neuron-cpu-probe").start()  # fmt: skip
+    except RuntimeError:
+        said.close()
     return probe
 
 
@@ -111,6 +126,22 @@ def _started_by_an_ancestor(marker: int | None) -> bool:
     return False
 
 
-def _reap(probe: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(OSError):
-        probe.wait()
+def _reap(probe: subprocess.Popen[bytes], said: IO[bytes]) -> None:
+    """Wait for the probe; if it failed, log its exit status and the end of what it printed,
+    once (the workers then probe for themselves, and a first job says its own failure)."""
+    with said:
+        try:
+            status = probe.wait()
+        except OSError:
+            return
+        if status == 0:
+            return
+        try:
+            end = said.seek(0, os.SEEK_END)
+            said.seek(max(0, end - PROBE_SAID))
+            text = said.read().decode(errors="replace").strip()
+        except OSError as exc:
+            text = f"(its output could not be read: {exc})"
+        logger.warning("vllm_neuron: Inductor's CPU probe ahead of the cold start failed "
+                       "(exit status %s); the compile workers probe for themselves: %s",
+                       status, text or "(it printed nothing)")  # fmt: skip

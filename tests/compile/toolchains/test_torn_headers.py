@@ -125,3 +125,32 @@ def test_the_lock_waited_on_is_torchs_own(header, monkeypatch):
     run_healing_torn_headers(_Runner(TORN, None), f"g++ -include {header} -c a.cpp", "/")
     assert taken == [os.path.join(codecache._HEADER_LOCK_DIR, "abc.lock")]
     assert torn_headers.LOCK_SECONDS > 0
+
+
+@pytest.mark.parametrize("killed", [False, True])
+def test_a_precompiled_header_is_written_by_rename(tmp_path, killed):
+    """A header's build (a real g++) never writes the name compiles read: its own file,
+    renamed into place whole once built; a build that dies leaves neither (issue 42)."""
+    header = tmp_path / "abc.h"
+    header.write_text("#include <vector>\n")
+    published = tmp_path / "abc.h.gch"
+    seen: list[str] = []
+
+    def run(cmd_line: str, cwd: str) -> None:
+        seen.append(cmd_line)
+        assert not published.exists()  # a signal now would tear no shared file
+        subprocess.run(cmd_line.split(), cwd=cwd, check=True, timeout=SAFETY)
+        if killed:
+            raise exc.CppCompileError(cmd_line.split(), "killed (test)")
+
+    command = f"g++ -x c++-header {header} -o {published.name}"
+    if killed:
+        with pytest.raises(exc.CppCompileError):
+            run_healing_torn_headers(run, command, str(tmp_path))
+        assert not published.exists()
+    else:
+        run_healing_torn_headers(run, command, str(tmp_path))
+        assert published.read_bytes()[:4] == b"gpch"  # a whole header, under its name
+    assert f"-o {published.name}" not in seen[0], seen
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["abc.h"] + ([] if killed else ["abc.h.gch"]))  # nothing of the build's own left

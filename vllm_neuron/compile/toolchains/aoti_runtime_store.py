@@ -25,7 +25,7 @@ import subprocess
 import tempfile
 import time
 
-from vllm_neuron.backends import KernelLock, LockTimeout
+from vllm_neuron.backends import PRIVATE_FILE, KernelLock, LockTimeout, open_store
 from vllm_neuron.backends.digests import file_digest
 from vllm_neuron.compile.toolchains.cpu_target import torch_meaning
 from vllm_neuron.compile.toolchains.private_dirs import make_private_dir
@@ -119,8 +119,9 @@ class KeptRuntime:
         staged = os.path.join(directory, f"{self.name}.{os.getpid()}.tmp")
         fixed = os.path.join(directory, f"{self.name}.cpp")
         try:
-            with open(runtime_src, "w", encoding="utf-8") as f:
-                f.write(self.text)
+            # Through the storage layer (the only door to bytes): this user's private dir.
+            open_store(directory, create=False, profile="local").write(
+                os.path.basename(runtime_src), self.text.encode("utf-8"), mode=PRIVATE_FILE)
             command = swap(self.cmd, self.source, runtime_src, self.out, staged)
             if _maps_file_prefixes(self.cmd[0]):  # gcc < 8 cannot: its bytes name the source
                 command.append(f"-ffile-prefix-map={runtime_src}={fixed}")

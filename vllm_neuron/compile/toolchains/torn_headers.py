@@ -23,9 +23,10 @@ import contextlib
 import logging
 import os
 import shlex
+import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["LOCK_SECONDS", "TORN_MESSAGES", "run_healing_torn_headers"]
+__all__ = ["LOCK_SECONDS", "TORN_MESSAGES", "publish_by_rename", "run_healing_torn_headers"]
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -39,7 +40,9 @@ LOCK_SECONDS = 300.0
 def run_healing_torn_headers(run: Callable[[str, str], None], cmd_line: str, cwd: str) -> None:
     """`run(cmd_line, cwd)` (a runner of compile commands that raises on failure, with the
     compiler's output in its message), healing a torn precompiled header of torch's that the
-    command reads (see the module); any other failure is raised as it is."""
+    command reads (see the module); any other failure is raised as it is. A command that
+    builds a precompiled header writes it by rename (`publish_by_rename`)."""
+    run = publish_by_rename(run)
     try:
         run(cmd_line, cwd)
         return
@@ -71,6 +74,35 @@ def run_healing_torn_headers(run: Callable[[str, str], None], cmd_line: str, cwd
                    "build killed mid-write?); removed: this process compiles without it, the "
                    "next one builds it again", ", ".join(h + ".gch" for h in headers))  # fmt: skip
     run(cmd_line, cwd)
+
+
+def publish_by_rename(run: Callable[[str, str], None]) -> Callable[[str, str], None]:
+    """`run`, with a command whose output (``-o``) is a precompiled header (``.gch``) made
+    to write a name of this build's own beside it, renamed onto the header once it
+    succeeded: readers see no header or a whole one. What a killed build leaves is its own
+    ``.tmp`` file, never the shared name; a failed one's is removed."""
+
+    def publishing(cmd_line: str, cwd: str) -> None:
+        try:
+            words = shlex.split(cmd_line)
+        except ValueError:
+            words = []
+        at = [i for i, word in enumerate(words[:-1])
+              if word == "-o" and words[i + 1].endswith(".gch")]  # fmt: skip
+        if len(at) != 1:
+            run(cmd_line, cwd)
+            return
+        header = os.path.join(cwd, words[at[0] + 1])
+        staged = f"{header}.{os.getpid()}.{threading.get_ident()}.tmp"
+        words[at[0] + 1] = staged
+        try:
+            run(shlex.join(words), cwd)
+            os.replace(staged, header)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)
+
+    return publishing
 
 
 def _torn(exc: Exception) -> bool:

@@ -27,9 +27,11 @@ What can go wrong, and what it costs:
 * the worker cannot run (an import that fails, a signal, an exit without a status):
   `CompileWorkerLost`, which is not the graph's fault - no failure note - and the graph is
   compiled in place at its first call instead;
-* the serving process dies: the worker's standard input closes, or its watchdog sees the
-  parent gone mid-compile, and it exits, leaving a staging directory that `cache gc`
-  collects like any killed compile's.
+* the serving process dies: the worker's standard input closes, or - mid-compile - Linux's
+  parent-death signal (elsewhere its watchdog) tells it, and it kills its process group (a
+  new session of its own: itself and every compiler it started) and exits, leaving a
+  staging directory that `cache gc` collects like any killed compile's. A worker this
+  process stops is killed by group too (`_Worker.kill`).
 
 Only the host toolchain (AOTInductor: the exported program travels as a file) has workers.
 The Neuron toolchain needs none: its compiler, ``neuronx-cc``, is a process of its own. Its
@@ -44,6 +46,7 @@ import errno
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -110,7 +113,8 @@ class _Worker:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "vllm_neuron.compile.workers.process", "--serve",
              str(os.getpid()), *preload],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+            start_new_session=True)  # a group of its own: see process.py
         self.idle_since = 0.0
 
     def run(self, job_dir: str, out_dir: str) -> int:
@@ -126,7 +130,7 @@ class _Worker:
         try:  # it closed its answers: it is exiting, or it is in a state to be stopped
             code = self.process.wait(timeout=RETIRE_WAIT)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            self.kill()
             code = self.process.wait()
         self.log.seek(0)
         said = self.log.read()[-2000:].decode(errors="replace").strip()
@@ -148,8 +152,14 @@ class _Worker:
         try:
             return self.process.wait(timeout=wait)
         except subprocess.TimeoutExpired:
-            self.process.kill()
+            self.kill()
             return self.process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL the worker's process group: the worker and every compiler it started
+        (the group is the worker's own until it is reaped, so its id names no other)."""
+        with contextlib.suppress(OSError):
+            os.killpg(self.process.pid, signal.SIGKILL)
 
 
 class WorkerPool:

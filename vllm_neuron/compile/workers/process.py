@@ -7,22 +7,34 @@ then compiles one job after another, each named on its standard input and answer
 status line (`compile_workers.GRAPH_FAILED`, `NO_ROOM`, 0) on what was its standard output;
 what the compiler prints goes into the job's own ``output.txt``. It exits when its input
 closes (its process retired it, or died) or, mid-compile, when its parent is gone.
+
+No orphans: the pool starts each worker as the leader of a process group of its own (a new
+session: a Ctrl-C at the server's terminal reaches neither it nor its compilers), and the
+worker asks Linux for `PARENT_DEATH_SIGNAL` when its parent dies, even by SIGKILL
+(``PR_SET_PDEATHSIG``); on it, or on SIGTERM, it kills its whole group - itself and every
+compiler it started - at once (`_die_with_group`). Linux sends that signal also when the
+parent's *thread* that started the worker ends (the cache's threads do): the worker then
+finds its parent alive and carries on, the signal still armed for the parent's next thread.
+Where there is no ``prctl``, a thread polls for the parent every `PARENT_POLL` seconds.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import shutil
+import signal
 import sys
 import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
+from typing import Any, NoReturn
 
 import msgspec
 
-from vllm_neuron.backends import fault_point
+from vllm_neuron.backends import Store, fault_point, open_store
 from vllm_neuron.backends.records import encode
 from vllm_neuron.backends.writable import unwritable_cause
 
@@ -32,18 +44,55 @@ from .pool import ARTIFACT, ERROR, GRAPH_FAILED, NO_ROOM, OUTPUT
 __all__ = ["main", "probe", "serve"]
 
 PARENT_POLL = 0.5  # seconds between a worker's looks at whether its parent is alive
+PARENT_DEATH_SIGNAL = signal.SIGUSR1
+"""What Linux sends a worker when its parent dies (``PR_SET_PDEATHSIG``): one of its own, so a
+SIGTERM from anyone else is told apart."""
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+LOST_PARENT = 70  # a worker's exit status when its parent is gone
+
+
+def _die_with_group(status: int) -> NoReturn:
+    """Kill this worker's process group - itself and every compiler it started, which would
+    otherwise run to the end of their compile with nobody to publish it - and exit. Only a
+    group of its own (the pool's workers lead one): never its parent's."""
+    with contextlib.suppress(OSError):
+        if os.getpgrp() == os.getpid():
+            os.killpg(0, signal.SIGKILL)
+    os._exit(status)
+
+
+def _arm_parent_death_signal() -> bool:
+    """Ask Linux for `PARENT_DEATH_SIGNAL` when the parent dies; False where it cannot."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_PDEATHSIG, int(PARENT_DEATH_SIGNAL), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def _exit_with_parent(parent: int) -> None:
-    """Exit when the process that started this worker is gone, even mid-compile: nobody
-    would publish what it compiles, and a killed server must not leave compilers behind."""
+    """Exit when the process that started this worker is gone, even mid-compile, with every
+    compiler it started: nobody would publish what they compile, and a killed server must
+    not leave compilers behind (see the module). SIGTERM ends the group as well."""
 
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(PARENT_POLL)
-        os._exit(70)
+        _die_with_group(LOST_PARENT)
 
-    threading.Thread(target=watch, daemon=True, name="vllm-neuron-parent-watch").start()
+    def on_parent_death(signum: int, frame: Any) -> None:
+        if os.getppid() != parent:  # else a thread of the parent ended: still armed
+            _die_with_group(LOST_PARENT)
+
+    signal.signal(signal.SIGTERM, lambda signum, frame: _die_with_group(128 + signum))
+    signal.signal(PARENT_DEATH_SIGNAL, on_parent_death)
+    armed = _arm_parent_death_signal()
+    if os.getppid() != parent:  # gone before the signal was asked for
+        _die_with_group(LOST_PARENT)
+    if not armed:
+        threading.Thread(target=watch, daemon=True, name="vllm-neuron-parent-watch").start()
 
 
 def _compile_one(job_dir: str, out_dir: str) -> int:
@@ -58,20 +107,22 @@ def _compile_one(job_dir: str, out_dir: str) -> int:
         # A refused permission is the place's only in the tier (out_dir's directory, as the
         # in-place compile judges it), never in the compiler's own work directories.
         fault = unwritable_cause(exc, os.path.dirname(out_dir.rstrip("/")))
-        with open(os.path.join(job_dir, ERROR), "wb") as f:
-            f.write(msgspec.json.encode({"errno": fault.errno, "strerror": fault.strerror,
-                                         "filename": fault.filename})  # fmt: skip
-                    if fault is not None else str(exc).encode())
+        _job_store(job_dir).write(ERROR, msgspec.json.encode(
+            {"errno": fault.errno, "strerror": fault.strerror, "filename": fault.filename})
+            if fault is not None else str(exc).encode())  # fmt: skip
         if fault is not None:
             return NO_ROOM
         if isinstance(exc, ToolchainError):
             return GRAPH_FAILED
         raise
-    temporary = os.path.join(job_dir, ARTIFACT + ".tmp")
-    with open(temporary, "wb") as f:
-        f.write(encode(artifact))
-    os.replace(temporary, os.path.join(job_dir, ARTIFACT))
+    _job_store(job_dir).write(ARTIFACT, encode(artifact))  # whole, or not at all
     return 0
+
+
+def _job_store(job_dir: str) -> Store:
+    """The job's directory as a store (the storage layer is the only door to bytes): a
+    node-local scratch place, nothing to fsync."""
+    return open_store(job_dir, create=False, profile="local")
 
 
 @contextlib.contextmanager
@@ -130,8 +181,11 @@ def serve(parent: int, preload: Sequence[str]) -> int:
     register_collective_ops()  # what a graph with collectives calls
     with contextlib.suppress(MissingOpLibrary):  # a job that needs it says so itself
         load_namespaces(preload, "a compile worker")  # paid before the first job comes
-    with contextlib.suppress(Exception):  # the first job would pay it (and say what failed)
+    try:
         _probe_cpu()
+    except Exception:  # the first job pays it again (and says what failed); said here once
+        print("vllm_neuron: Inductor's CPU probe failed in a compile worker:", file=sys.stderr)
+        traceback.print_exc()
     for line in sys.stdin:
         job_dir, _, out_dir = line.rstrip("\n").partition("\0")
         with _output_to(os.path.join(job_dir, OUTPUT)):
