@@ -153,13 +153,15 @@ def prepare_bundle(
     meta = bundle.meta
     if not meta.outputs:
         return report_of(bundle, runner, problem=_no_reference(bundle))
-    # Per graph too: the eager runner's program is specialised to its bundles' signature.
-    cache_key = (meta.compilation_hash, runner, meta.graph)
-    resolved = runners.get(cache_key) if runners is not None else None
+    # The compile-cache entry is one per hash; the eager runner's program is specialised to
+    # its bundles' signature, so it is remembered per graph.
+    per_hash, per_graph = (meta.compilation_hash, runner, None), (meta.compilation_hash, runner,
+                                                                    meta.graph)  # fmt: skip
+    runners = {} if runners is None else runners
+    resolved = runners.get(per_hash) or runners.get(per_graph)
     if resolved is None:
         resolved = resolve_runner(bundle, runner, cache_dir)
-        if runners is not None:
-            runners[cache_key] = resolved
+        runners[per_hash if resolved.name == "cache" else per_graph] = resolved
     return PreparedReplay(bundle, resolved.name, resolved.fn, bundle.load_inputs(),
                           bundle.load_outputs(), resolved.note)  # fmt: skip
 
