@@ -137,6 +137,47 @@ def test_a_graph_that_failed_on_another_node_is_not_compiled_again_at_trace(tmp_
     assert called == []
 
 
+@pytest.mark.parametrize("who", ["won-by-a-node-that-leases", "as-a-node-that-cannot-sign"])
+def test_a_failure_noted_between_the_look_and_the_lease_stops_the_waiter(
+    tmp_path, compile_fn, monkeypatch, who
+):
+    """The holder's compile fails, and it notes that and lets the lease go, in the moment
+    between a waiter's look for a failure note and its try for the lease (seen in a CI run:
+    a second node compiled the failed graph). A holder notes before it lets go, so the
+    waiter that wins the lease, or sees it free, must find the note: the graph's error,
+    and no second compile."""
+    from vllm_neuron.compile.entry.failure_notes import recent_failure, write_failure_note
+    from vllm_neuron.compile.entry.outcomes import CompileError
+    from vllm_neuron.compile.flow import fleet
+    from vllm_neuron.compile.trust.policy import TrustPolicy
+
+    remote = str(tmp_path / "remote")
+    holder = open_store(remote, lock="lease").lock(KEY, lease_duration=60.0)
+    holder.acquire(timeout=0)  # another node compiles the key
+    looks: list[object] = []
+
+    def the_holder_fails_right_after_this_look(store: Any, key: str, **kwargs: Any) -> Any:
+        note = recent_failure(store, key, **kwargs)
+        looks.append(note)
+        if len(looks) == 1:  # the holder notes its failure, then lets the lease go
+            assert note is None
+            assert write_failure_note(store, key, "ValueError: the compiler crashed") is None
+            holder.release()
+        return note
+
+    monkeypatch.setattr(fleet, "recent_failure", the_holder_fails_right_after_this_look)
+    # A node that checks signatures but has no key to sign with waits, never leases
+    # (`claim_without_lease`): it reads the lease as free instead of winning it.
+    trust = TrustPolicy(mode="warn") if who == "as-a-node-that-cannot-sign" else None
+    cache = _cache(tmp_path, remote=remote, remote_options={"lock": "lease"}, trust=trust)
+    assert cache.trust.may_publish_remote is (trust is None)
+    called: list[str] = []
+    with pytest.raises(CompileError, match="the compiler crashed"):
+        cache.get_or_compile(KEY, lambda out: called.append(out) or compile_fn(KEY)(out))
+    assert called == []
+    assert len(looks) == 2 and looks[1] is not None
+
+
 def test_a_remote_that_fails_to_answer_after_the_lease_is_won_is_an_outage_not_a_failure(
     tmp_path, compile_fn, monkeypatch
 ):

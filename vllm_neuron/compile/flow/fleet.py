@@ -128,8 +128,8 @@ class RemoteSingleFlight:
         recorded after it is this wait's failure (`FleetCompileError`). `deadline`
         (monotonic) bounds the wait, and so does one cool-down (`retry_after`): then this
         process compiles alone (`Won` without a lease, the promotion owed). A failure note
-        is looked for before waiting, or - without `wait` - once the lease is won (a remote
-        that fails to answer then is a remote outage, as anywhere in this loop). A `Won`
+        is looked for at every poll (with `wait`) and once the lease is won (a remote that
+        fails to answer then is a remote outage, as anywhere in this loop). A `Won`
         with a lease must be given back (`let_go`) whatever the compile does.
         """
         remote = self.tier.store()
@@ -148,13 +148,14 @@ class RemoteSingleFlight:
                 # Every poll: a waiter sees a dead holder's lease run out only by watching
                 # it stop changing (one read while it does not; docs/compile-cache.md).
                 lease.acquire(timeout=0)
-                if not wait:
-                    try:
-                        self._raise_if_failed_elsewhere(remote, key, started, wait_start,
-                                                        waited)  # fmt: skip
-                    except BaseException:
-                        self._let_go(lease)  # a failed graph, or the remote failed: below
-                        raise
+                # Looked for again once the lease is won, waiting or not: a holder writes its
+                # failure note before it lets the lease go, so the look before the lease can
+                # miss a failure this one cannot (the holder failed between the two).
+                try:
+                    self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
+                except BaseException:
+                    self._let_go(lease)  # a failed graph, or the remote failed: below
+                    raise
                 break
             except LockTimeout:
                 pass
@@ -243,8 +244,10 @@ class RemoteSingleFlight:
         delay = 0.05
         while True:
             try:
-                self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
+                # The lease first, then the note: a holder writes its failure note before it
+                # lets the lease go, so a lease seen free after a failure comes with its note.
                 busy = lease.busy()
+                self._raise_if_failed_elsewhere(remote, key, started, wait_start, waited)
             except FleetCompileError:
                 raise
             except Exception as exc:  # noqa: BLE001 - the remote is best-effort
