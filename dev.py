@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -60,7 +61,10 @@ def write_lock() -> int:
     """Resolve every command's extras afresh at constraints.txt's versions, in a new
     environment, and write what was installed (but the project and what constraints.txt
     pins) to dev-lock.txt."""
-    pinned = {line.split("==")[0].strip().lower() for line in CONSTRAINTS.read_text().splitlines()
+    def name(line: str) -> str:  # a distribution's name as pip compares it (PEP 503)
+        return re.sub(r"[-_.]+", "-", line.split("==")[0].strip()).lower()
+
+    pinned = {name(line) for line in CONSTRAINTS.read_text().splitlines()
               if "==" in line and not line.lstrip().startswith("#")}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="vllm-neuron-lock-") as tmp:
         venv.EnvBuilder(with_pip=True).create(tmp)
@@ -72,7 +76,7 @@ def write_lock() -> int:
         frozen = subprocess.run([*pip, "freeze", "--all", "--exclude-editable"], check=True,
                                 stdout=subprocess.PIPE, text=True).stdout.splitlines()
     keep = sorted((line for line in frozen if "==" in line and " @ " not in line
-                   and line.split("==")[0].lower() not in {*pinned, "pip"}),
+                   and name(line) not in {*pinned, "pip"}),
                   key=str.lower)  # fmt: skip
     LOCK.write_text(
         "# Written by `python3 dev.py lock`: every package of the development environment\n"
