@@ -155,8 +155,8 @@ def prepare_bundle(
         return report_of(bundle, runner, problem=_no_reference(bundle))
     # The compile-cache entry is one per hash; the eager runner's program is specialised to
     # its bundles' signature, so it is remembered per graph.
-    per_hash, per_graph = (meta.compilation_hash, runner, None), (meta.compilation_hash, runner,
-                                                                    meta.graph)  # fmt: skip
+    per_hash = (meta.compilation_hash, runner, None)
+    per_graph = (meta.compilation_hash, runner, meta.graph)
     runners = {} if runners is None else runners
     resolved = runners.get(per_hash) or runners.get(per_graph)
     if resolved is None:
