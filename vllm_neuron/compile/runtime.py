@@ -22,6 +22,7 @@ from vllm_neuron.envs import redact_config
 from .entry.outcomes import CompileError, PendingCompile
 from .flow.cache import CacheResult, TwoTierCache
 from .tiers.build import CompileFn
+from .tiers.deployments import deployment_keys, remember_keys
 from .tiers.health import unwritable_cause
 from .tiers.location import holds_entries
 from .tiers.unpacked import load_entry
@@ -108,6 +109,46 @@ class CompileRuntime:
         if holds_entries(cache.local_dir) or not self.compiles_in_background:
             return False
         return start_worker_early(self.toolchain, workers=cache.compile_share, pool=pool)
+
+    def start_for_deployment(self, deployment: str | None, rank: int,
+                             pool: WorkerPool = POOL) -> str | None:  # fmt: skip
+        """What this rank begins before the engine traces its model, once its device is set
+        up (head_start.py): on a node whose local tier holds no entry, the graphs the remote
+        records for this rank of `deployment` (tiers/deployments.py) are fetched in the
+        background while the model loads, and no compile worker starts - they will be
+        fetched, not compiled; without such a record, compile workers start early
+        (`start_compile_worker_if_cold`). What it began, for the log: ``"fetch N"``,
+        ``"workers"``, or None."""
+        cache = self.cache
+        if cache.disabled or holds_entries(cache.local_dir):
+            return None
+        remote = cache.remote if deployment is not None else None
+        keys = None if remote is None else deployment_keys(remote, deployment or "", rank)
+        if keys:
+            cache.prefetch(keys)
+            return f"fetch {len(keys)}"
+        return "workers" if self.start_compile_worker_if_cold(pool) else None
+
+    def remember_deployment(self, deployment: str | None, rank: int) -> bool:
+        """Record on the remote the keys this rank of `deployment` loaded, once its start-up
+        is over (every graph loaded), when it may write there and any came from a compile or
+        the remote (a start served wholly by its local tier found them recorded, or cannot
+        tell a new node anything new); True when written. Never raises: the record is
+        advice for the next new node, never a need."""
+        cache = self.cache
+        if deployment is None or cache.disabled or not cache.writes_remote:
+            return False
+        if all(g.result.source in ("local", "memory", "baked") for g in self.history):
+            return False
+        remote = cache.remote
+        if remote is None:
+            return False
+        try:
+            return remember_keys(remote, deployment, rank, [g.key for g in self.history])
+        except Exception as exc:  # noqa: BLE001 - see above
+            logger.warning("vllm_neuron: this deployment's keys were not recorded on the "
+                           "remote tier: %s", exc)  # fmt: skip
+            return False
 
     @property
     def compiles_in_background(self) -> bool:

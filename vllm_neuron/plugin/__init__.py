@@ -37,6 +37,7 @@ import glob
 import logging
 import os
 import sys
+from typing import Any
 
 from vllm_neuron.compile.head_start import start_cpu_probe_if_cold
 from vllm_neuron.compile.tiers.location import get_neuron_compile_cache_dir
@@ -65,6 +66,7 @@ __all__ = [
     "DEVICE_DIR",
     "HOST_PLATFORM",
     "neuron_devices_present",
+    "start_cpu_probe_for_engine",
     "platform_plugin",
     "register",
     "resolve_settings",
@@ -191,7 +193,21 @@ def _starts_a_vllm_server(argv: list[str] | None = None) -> bool:
     return argv[0].endswith(os.path.join("vllm", "entrypoints", "openai", "api_server.py"))
 
 
-def _start_cpu_probe_ahead() -> None:
+def start_cpu_probe_for_engine(vllm_config: Any) -> None:
+    """Once vLLM has built its configuration (the platform's ``check_and_update_config``, in
+    its first process before any engine process exists): the CPU probe, unless an earlier
+    call decided already, or the remote tier records this deployment (head_start.py)."""
+    from .deployment import deployment_of, ranks_of
+
+    try:
+        deployment, ranks = deployment_of(vllm_config), ranks_of(vllm_config)
+    except Exception:  # noqa: BLE001 - no deployment: decided as without records
+        deployment, ranks = None, 1
+    _start_cpu_probe_ahead(configured=True, deployment=deployment, ranks=ranks)
+
+
+def _start_cpu_probe_ahead(*, configured: bool = False, deployment: str | None = None,
+                           ranks: int = 1) -> None:  # fmt: skip
     """Inductor's CPU probe, started now in vLLM's first process when this node is likely
     to compile (head_start.py): on a core vLLM's imports leave idle, before any engine
     process exists. Once per start, whichever entry point asks first; settings that do
@@ -202,7 +218,8 @@ def _start_cpu_probe_ahead() -> None:
     except ConfigError:
         return
     try:
-        probe = start_cpu_probe_if_cold(settings)
+        probe = start_cpu_probe_if_cold(settings, configured=configured, deployment=deployment,
+                                        ranks=ranks)  # fmt: skip
     except Exception as exc:  # noqa: BLE001 - a head start never stops a server
         _show_logs()
         logger.warning("vllm_neuron: Inductor's CPU probe not started ahead: %s", exc)

@@ -53,4 +53,8 @@ class NeuronHostPlatform(CpuPlatform):
             worker=HOST_WORKER,
             backend=cls.get_compile_backend(),
         )
+        # Lazy: the package imports this module's parent first.
+        from . import start_cpu_probe_for_engine
+
+        start_cpu_probe_for_engine(vllm_config)
 

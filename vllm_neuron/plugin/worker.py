@@ -35,24 +35,35 @@ class NeuronHostWorker(ArtifactWorkerHooks, CPUWorker):
 
     def init_device(self) -> None:
         super().init_device()
-        _start_compile_worker_if_cold()
+        _begin_before_the_model_loads(self.vllm_config, self.rank)
 
 
-def _start_compile_worker_if_cold() -> None:
+def _begin_before_the_model_loads(vllm_config: Any, rank: int) -> None:
+    """On a node whose local tier holds no entry: fetch this rank's graphs in the
+    background when the remote records them for this deployment, else start the compile
+    workers early (`CompileRuntime.start_for_deployment`)."""
     # Lazy: the runtime's assembly reads every setting, once this process is a worker.
     from vllm_neuron.assembly import get_runtime
     from vllm_neuron.envs import ConfigError
 
+    from .deployment import deployment_of, rank_in_deployment
+
     try:
-        started = get_runtime().start_compile_worker_if_cold()
+        deployment, rank = deployment_of(vllm_config), rank_in_deployment(vllm_config, rank)
+        logger.info("vllm_neuron: deployment %s, rank %d", deployment or "unknown", rank)
+        began = get_runtime().start_for_deployment(deployment, rank)
     except ConfigError:
         return  # a malformed setting: the first compile says it, naming the variable
     except Exception as exc:  # noqa: BLE001 - an early start is a head start, never a need
-        logger.warning("vllm_neuron: no compile worker started early: %s", exc)
+        logger.warning("vllm_neuron: nothing begun before the model loads: %s", exc)
         return
-    if started:
+    if began == "workers":
         logger.info("vllm_neuron: this node's local tier holds no entry: compile workers "
                     "start now, while the model loads")
+    elif began is not None:
+        logger.info("vllm_neuron: this node's local tier holds no entry, the remote tier "
+                    "records this rank's %s graphs of this deployment: fetched while the "
+                    "model loads, no compile worker started", began.split()[1])
 
 
 def _install_rank_independent_embedding() -> None:

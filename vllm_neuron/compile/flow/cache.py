@@ -660,6 +660,22 @@ class TwoTierCache:
             self.keep_within_bound()
         return True
 
+    def prefetch(self, keys: Sequence[str]) -> None:
+        """Fetch `keys` into the local tier in the background, each once it is published
+        (a new node's known graphs, while vLLM loads the model: head_start.py), as deferred
+        graphs are (prefetch.py)."""
+        for key in keys:
+            validate_hex(key, length=32, what="compile cache key")
+            self._prefetcher.add(key)
+
+    @property
+    def writes_remote(self) -> bool:
+        """Whether this process writes the remote tier: one is set and answers, writable
+        (not VLLM_NEURON_REMOTE_WRITE=off, not refused), and the trust policy lets it
+        publish (docs/trust.md)."""
+        return (self.remote is not None and not self._remote.read_only
+                and self.trust.may_publish_remote)  # fmt: skip
+
     def _first_use_of_prefetched(self, key: str) -> bool:
         """Whether `key` was fetched by the prefetcher and not used since: its first local
         hit records no `hit` event (the fetch counted once, as a remote hit)."""
