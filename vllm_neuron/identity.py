@@ -17,12 +17,15 @@ import re
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from vllm_neuron.envs import load_identity_settings
+from vllm_neuron.vllm_internals import resolve
 
 logger = logging.getLogger("vllm_neuron")
 
 NO_DEVICE = "nodev"
+_PARALLEL_STATE = "vllm.distributed.parallel_state"
 _RANGE = re.compile(r"^(\d+)\s*-\s*(\d+)$")
 _warned: set[str] = set()
 _prefixes: dict[str, str] = {}
@@ -98,6 +101,24 @@ class RankInfo:
     dp_rank: int = 0
 
 
+def _vllm_group(accessor: str) -> Any | None:
+    """vLLM's ``parallel_state.<accessor>`` through the fence (vllm_internals.py), when this
+    process has loaded vLLM's parallel state (else it is no vLLM rank): None otherwise."""
+    if _PARALLEL_STATE not in sys.modules:
+        return None
+    return resolve(f"{_PARALLEL_STATE}.{accessor}")
+
+
+def _vllm_rank(accessor: str, otherwise: int) -> int:
+    get_group = _vllm_group(accessor)
+    if get_group is None:
+        return otherwise
+    try:
+        return int(get_group().rank_in_group)
+    except Exception:  # noqa: BLE001 - vLLM's groups are not set up (yet)
+        return otherwise
+
+
 def detect_ranks() -> RankInfo:
     """The ranks of this process: torch.distributed and vLLM's groups when initialised,
     else the launcher's ``RANK``/``VLLM_DP_RANK`` variables, else 0."""
@@ -114,20 +135,8 @@ def detect_ranks() -> RankInfo:
     if global_rank is None:
         global_rank = launcher.rank or 0
     tp_rank, dp_rank = global_rank, launcher.dp_rank or 0
-    try:
-        # Lazy: vLLM is heavy and optional; only this path needs it.
-        from vllm.distributed.parallel_state import get_tp_group
-
-        tp_rank = int(get_tp_group().rank_in_group)
-    except Exception:  # noqa: BLE001 - not inside vLLM, or its groups are not set up
-        pass
-    try:
-        # Lazy: vLLM is heavy and optional; only this path needs it.
-        from vllm.distributed.parallel_state import get_dp_group
-
-        dp_rank = int(get_dp_group().rank_in_group)
-    except Exception:  # noqa: BLE001
-        pass
+    tp_rank = _vllm_rank("get_tp_group", tp_rank)
+    dp_rank = _vllm_rank("get_dp_group", dp_rank)
     return RankInfo(global_rank=global_rank, tp_rank=tp_rank, dp_rank=dp_rank)
 
 
@@ -137,10 +146,10 @@ def tensor_parallel_size() -> int:
 
     Looked up in the modules already loaded, never imported: a process that has not
     imported vLLM is no vLLM rank, and the compile slots ask on every take (`peers`)."""
-    state = sys.modules.get("vllm.distributed.parallel_state")
-    if state is not None:
+    get_tp_group = _vllm_group("get_tp_group")
+    if get_tp_group is not None:
         try:
-            return max(1, int(state.get_tp_group().world_size))
+            return max(1, int(get_tp_group().world_size))
         except Exception:  # noqa: BLE001 - its groups are not set up (yet)
             pass
     dist = sys.modules.get("torch.distributed")

@@ -32,6 +32,9 @@ def clean_settings(monkeypatch: pytest.MonkeyPatch) -> Any:
                                       "CAPTURE_REQUEST", "MAX_CAPTURES", "RANKS", "FORMAT",
                                       "DIR"))):
         monkeypatch.delenv(name, raising=False)
+    # No vLLM here: its CPU platform stands as fenced (the fence itself, and host mode off
+    # without it, are tested in vLLM's environment: test_vllm_internals.py).
+    monkeypatch.setattr(plugin_mod, "resolve", lambda qualname: object())
     # register() in host mode would start Inductor's CPU probe for this process's default
     # cache root (head_start.py): this process has looked already.
     monkeypatch.setenv("_VLLM_NEURON_CPU_PROBE_STARTED", str(os.getpid()))

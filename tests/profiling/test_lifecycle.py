@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -107,3 +108,45 @@ def test_ready_timeout(tmp_path: Path, port: int) -> None:
     finally:
         rec = server.teardown(grace=5)
     assert rec.signals == ["SIGTERM"] and rec.clean
+
+
+# A server whose child leads a session of its own (as a compile worker does) and starts a
+# grandchild in it (its compiler); then it writes their pids and waits to be stopped.
+_SERVER_WITH_A_SESSION_CHILD = """
+import subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c", '''
+import subprocess, sys, time
+g = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+print(g.pid, flush=True)
+time.sleep(600)
+'''], start_new_session=True, stdout=subprocess.PIPE, text=True)
+grandchild = child.stdout.readline().strip()
+open(sys.argv[1] + ".tmp", "w").write(f"{child.pid} {grandchild}")
+import os; os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+time.sleep(600)
+"""
+
+
+def test_teardown_finds_and_kills_what_left_the_servers_group(tmp_path: Path) -> None:
+    """A compile worker leads a group of its own: the group's signals miss it; the server's
+    marker in its environment finds it, and it dies with its own group (its compiler)."""
+    import psutil
+
+    pids_file = tmp_path / "pids"
+    server = launch([sys.executable, "-c", _SERVER_WITH_A_SESSION_CHILD, str(pids_file)],
+                    tmp_path)
+    try:
+        assert wait_until(pids_file.exists, 30), server.log_tail()
+        child, grandchild = (int(x) for x in pids_file.read_text().split())
+        assert os.getpgid(child) == child != server.pgid  # outside the server's group
+        assert os.getpgid(grandchild) == child
+    finally:
+        rec = server.teardown(grace=10)
+    try:
+        assert rec.strays == sorted([child, grandchild])
+        assert rec.survivors == [] and rec.clean
+        for pid in (child, grandchild):
+            assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == "zombie"
+    finally:  # a failed check leaves nothing behind either
+        with contextlib.suppress(OSError):
+            os.killpg(child, signal.SIGKILL)

@@ -58,6 +58,7 @@ from vllm_neuron.envs import (
 )
 from vllm_neuron.metrics import install_in_vllm
 from vllm_neuron.snapshot.config import snapshot_config
+from vllm_neuron.vllm_internals import resolve
 
 from .vllm_env import register_settings_with_vllm
 from .vllm_version import check_vllm_version
@@ -93,7 +94,9 @@ def neuron_devices_present(dev_dir: str | None = None) -> bool:
 def platform_plugin(dev_dir: str | None = None) -> str | None:
     """The ``vllm.platform_plugins`` entry point: which platform class vLLM should use.
 
-    Only a platform this package can run: the host platform in host mode, else None, so
+    Only a platform this package can run: the host platform in host mode (and a vLLM
+    whose CPU platform is as fenced, vllm_internals.py: else host mode is off, one
+    warning), else None, so
     vLLM selects exactly as it would without this package. On a machine with Neuron devices
     (under ``dev_dir``, default :data:`DEVICE_DIR`) that is logged once per process, with
     what the package still provides there.
@@ -106,6 +109,9 @@ def platform_plugin(dev_dir: str | None = None) -> str | None:
         host_mode = load_host_mode_settings().enabled
     except ConfigError:
         return None
+    if host_mode and resolve("vllm.platforms.cpu.CpuPlatform") is None:
+        _show_logs()  # the fence's one warning says host mode is off, and why
+        host_mode = False
     if host_mode:
         # vLLM asks for its platform about 3 s before it loads the general plugins (on a
         # 2-core host: half its first process's imports): a server's probe starts then.

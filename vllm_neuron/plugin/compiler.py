@@ -28,18 +28,20 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from vllm.compilation.compiler_interface import CompilerInterface
-
 from vllm_neuron.assembly import get_runtime
 from vllm_neuron.compile.key.cache_key import KEY_SCHEMA_VERSION
 from vllm_neuron.manifest.recorder import tracing_piece
 from vllm_neuron.manifest.schema import Piece
 from vllm_neuron.version import __version__
+from vllm_neuron.vllm_internals import require
 
 __all__ = ["NeuronCompilerAdaptor"]
 
 logger = logging.getLogger("vllm_neuron.plugin")
 
+
+# Named by the host platform only when it is as fenced (platform.adaptor_usable).
+CompilerInterface: Any = require("vllm.compilation.compiler_interface.CompilerInterface")
 
 _SUBGRAPH = re.compile(r"_subgraph_(\d+)$")
 

@@ -32,6 +32,7 @@ from vllm_neuron.snapshot.context import (
     set_current_forward,
 )
 from vllm_neuron.snapshot.kernel_handles import track_vllm_onednn_handles
+from vllm_neuron.vllm_internals import resolve
 
 __all__ = [
     "COMPILER_ADAPTOR",
@@ -62,13 +63,15 @@ def configure_compilation(vllm_config: Any, *, requested_mode: Any, backend: str
     compiles. Returns whether the piecewise path is on (False when the user asked for
     another mode, e.g. ``--enforce-eager``, or LoRA switched compilation off).
     """
-    # Lazy: vLLM is heavy and optional; only this path needs it.
-    from vllm.config import CompilationMode
-
-    cc = vllm_config.compilation_config
-    if requested_mode != CompilationMode.VLLM_COMPILE or getattr(vllm_config, "lora_config", None):
+    # Lazy: vLLM is heavy and optional; only this path needs it. Fenced: without it, vLLM's
+    # own compile (vllm_internals.py).
+    modes = resolve("vllm.config.CompilationMode")
+    if modes is None:
         return False
-    cc.mode = CompilationMode.VLLM_COMPILE
+    cc = vllm_config.compilation_config
+    if requested_mode != modes.VLLM_COMPILE or getattr(vllm_config, "lora_config", None):
+        return False
+    cc.mode = modes.VLLM_COMPILE
     cc.backend = backend
     cc.custom_ops = [op for op in cc.custom_ops if op not in ("all", "none")] + ["none"]
     if cc.compile_sizes is None:
@@ -86,18 +89,25 @@ def configure_engine(
     requested_mode: Any,
     base_worker: str,
     worker: str,
-    backend: str = COMPILER_ADAPTOR,
+    backend: str | None = COMPILER_ADAPTOR,
 ) -> None:
     """Everything a platform's ``check_and_update_config`` adds, after its base class's.
 
     ``base_worker`` is the worker class the base platform chose; it is replaced by
     ``worker`` (this package's subclass) only when it is still that one, so a user's own
-    ``--worker-cls`` wins.
+    ``--worker-cls`` wins, and so does the worker of a vLLM that moved its CPU worker (one
+    warning: no worker hooks). ``backend`` None: vLLM's compiler interface is not as fenced
+    (vllm_internals.py), so the compilation is left as the base platform set it.
     """
-    piecewise = configure_compilation(vllm_config, requested_mode=requested_mode, backend=backend)
+    piecewise = backend is not None and configure_compilation(
+        vllm_config, requested_mode=requested_mode, backend=backend)
     parallel = vllm_config.parallel_config
     if parallel.worker_cls == base_worker:
         parallel.worker_cls = worker
+    elif parallel.worker_cls != worker:
+        logger.warning("vllm_neuron: worker %s kept (not %s): no snapshot forward context, "
+                       "manifest after warm-up nor early compile workers", parallel.worker_cls,
+                       base_worker)
     # The effective scheduling, after the base platform's own adjustments (vLLM's CPU
     # platform always runs synchronously): raises if capture is on under async scheduling.
     check_snapshot_gating(bool(getattr(vllm_config.scheduler_config, "async_scheduling", False)))
@@ -221,9 +231,9 @@ def install_forward_publisher(model_runner: Any, vllm_config: Any) -> ForwardPub
 
 def _tp_group_ranks() -> list[int] | None:
     try:
-        # Lazy: vLLM is heavy and optional; only this path needs it.
-        from vllm.distributed.parallel_state import get_tp_group
-
+        get_tp_group = resolve("vllm.distributed.parallel_state.get_tp_group")
+        if get_tp_group is None:
+            return None
         return [int(r) for r in get_tp_group().ranks]
     except Exception:  # noqa: BLE001 - outside vLLM's groups: ranks are already global
         return None

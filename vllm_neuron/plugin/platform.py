@@ -18,9 +18,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from vllm.platforms.cpu import CpuPlatform
-
 from vllm_neuron.envs import INTERNAL_MARKERS, OWN_SETTINGS
+from vllm_neuron.vllm_internals import require, resolve
 
 from .hooks import COMPILER_ADAPTOR, configure_engine
 
@@ -28,6 +27,19 @@ __all__ = ["CPU_WORKER", "HOST_WORKER", "NeuronHostPlatform"]
 
 CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 HOST_WORKER = "vllm_neuron.plugin.worker.NeuronHostWorker"
+
+# The platform plugin names this class only when vLLM's CPU platform is as fenced
+# (vllm_internals.py); named anyway, the import says which name is not.
+CpuPlatform: Any = require("vllm.platforms.cpu.CpuPlatform")
+
+
+def adaptor_usable() -> bool:
+    """Whether vLLM's compiler interface and compile mode are as the adaptor was written
+    against; when not, the host platform compiles as vLLM's CPU platform does (warned once
+    per name by the fence)."""
+    return all(resolve(name) is not None for name in (
+        "vllm.compilation.compiler_interface.CompilerInterface",
+        "vllm.config.CompilationMode"))
 
 
 class NeuronHostPlatform(CpuPlatform):
@@ -40,7 +52,7 @@ class NeuronHostPlatform(CpuPlatform):
 
     @classmethod
     def get_compile_backend(cls) -> str:
-        return COMPILER_ADAPTOR
+        return COMPILER_ADAPTOR if adaptor_usable() else str(super().get_compile_backend())
 
     @classmethod
     def check_and_update_config(cls, vllm_config: Any) -> None:
@@ -51,7 +63,7 @@ class NeuronHostPlatform(CpuPlatform):
             requested_mode=requested_mode,
             base_worker=CPU_WORKER,
             worker=HOST_WORKER,
-            backend=cls.get_compile_backend(),
+            backend=COMPILER_ADAPTOR if adaptor_usable() else None,
         )
         # Lazy: the package imports this module's parent first.
         from . import start_cpu_probe_for_engine

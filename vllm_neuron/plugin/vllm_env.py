@@ -22,10 +22,12 @@ A name vLLM already defines keeps vLLM's getter.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
 from typing import Any
 
 from vllm_neuron.envs import OWN_SETTINGS
+from vllm_neuron.vllm_internals import resolve
 
 __all__ = ["register_settings_with_vllm"]
 
@@ -42,11 +44,13 @@ def register_settings_with_vllm(vllm_envs: Any = None) -> list[str]:
     ``vllm.envs`` module, imported when None). The names added now; [] when vLLM is missing
     (nothing to register with) or its table is (logged once, as a warning)."""
     if vllm_envs is None:
-        try:
-            vllm_envs = importlib.import_module("vllm.envs")
-        except ImportError:  # outside vLLM (the CLI, tests): nothing checks our names
+        if importlib.util.find_spec("vllm") is None:  # outside vLLM (the CLI, tests):
+            return []  # nothing checks our names
+        table = resolve("vllm.envs.environment_variables")  # warns once when missing
+        if table is None:
             return []
-    table = getattr(vllm_envs, "environment_variables", None)
+    else:
+        table = getattr(vllm_envs, "environment_variables", None)
     if not isinstance(table, dict):
         logger.warning(
             "vllm_neuron: this vLLM has no vllm.envs.environment_variables table: its "

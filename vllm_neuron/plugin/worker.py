@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any
 
-from vllm.v1.worker.cpu_worker import CPUWorker
-
 from vllm_neuron.envs import host_mode_settings
+from vllm_neuron.vllm_internals import resolve
 
 from .hooks import ArtifactWorkerHooks
 
@@ -15,8 +15,24 @@ __all__ = ["NeuronHostWorker"]
 
 logger = logging.getLogger("vllm_neuron.plugin")
 
+CPU_WORKER = "vllm.v1.worker.cpu_worker.CPUWorker"
 
-class NeuronHostWorker(ArtifactWorkerHooks, CPUWorker):
+# Through the fence (vllm_internals.py). Not as fenced (its constructor or a method we
+# override changed), `NeuronHostWorker` is vLLM's own worker, without hooks (the fence warned
+# once); missing, it is None, as vLLM's CPU platform, which names that path, fails too (a
+# vLLM that moved it names the new path, and the host platform keeps that worker).
+_base: Any = resolve(CPU_WORKER)
+
+
+def _stock_worker() -> Any:
+    module, _, name = CPU_WORKER.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+class _HostWorker(ArtifactWorkerHooks, _base or object):  # type: ignore[misc]
     """``CPUWorker`` that publishes the snapshot forward context and emits the manifest.
 
     Before anything builds the model, it has vLLM build the vocab-parallel embedding whose
@@ -25,7 +41,8 @@ class NeuronHostWorker(ArtifactWorkerHooks, CPUWorker):
     tensor-parallel group known, so its share of the node's compile slots is), on a node whose
     local tier is empty it starts its compile workers (when it has any: a share of more than
     one slot, `CompileRuntime.compiles_in_background`), whose start-up then runs while the
-    model loads.
+    model loads - unless the remote records this rank's graphs of this deployment: they are
+    fetched meanwhile instead (compile/head_start.py).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -36,6 +53,10 @@ class NeuronHostWorker(ArtifactWorkerHooks, CPUWorker):
     def init_device(self) -> None:
         super().init_device()
         _begin_before_the_model_loads(self.vllm_config, self.rank)
+
+
+_HostWorker.__name__ = _HostWorker.__qualname__ = "NeuronHostWorker"
+NeuronHostWorker: Any = _HostWorker if _base is not None else _stock_worker()
 
 
 def _begin_before_the_model_loads(vllm_config: Any, rank: int) -> None:

@@ -303,7 +303,8 @@ class _Run:
         )
         self.log(f"teardown of process group {rec.pgid}: signals {rec.signals or 'none'}, "
                  f"exit code {rec.exit_code}, {rec.seconds:.1f} s"
-                 + (f", SURVIVORS {rec.survivors}" if rec.survivors else ""))
+                 + (f", SURVIVORS {rec.survivors}" if rec.survivors else "")
+                 + (f", killed outside its group: {rec.strays}" if rec.strays else ""))
         self.server = None
 
     def manifest(self, *, final: bool, validation: Validation | None = None) -> ProfileManifest:

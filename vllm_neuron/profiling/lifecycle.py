@@ -30,6 +30,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +97,29 @@ def group_members(pgid: int, *, include_zombies: bool = False) -> list[int]:
     return sorted(members)
 
 
+SERVER_MARKER = "_VLLM_NEURON_SERVER"
+"""Set in a launched server's environment to a token of its own; every process it starts
+inherits it (compile workers, their compilers), also one that leads a group or session of its
+own (compile/workers/process.py), which the group's signals and `group_members` miss.
+Outside vLLM's ``VLLM_*`` namespace (vLLM validates those); read only from other processes'
+environment (`marked_processes`), never from this process's."""
+
+
+def marked_processes(token: str) -> list[int]:
+    """Pids of the live processes whose environment has ``SERVER_MARKER=token`` (one of
+    this user's: another's environment cannot be read, and is no server of ours)."""
+    found = []
+    for proc in psutil.process_iter(["status"]):
+        if proc.pid == os.getpid() or proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        try:
+            if proc.environ().get(SERVER_MARKER) == token:
+                found.append(proc.pid)
+        except (psutil.Error, OSError):  # gone meanwhile, or not ours to read
+            continue
+    return sorted(found)
+
+
 @dataclass
 class TeardownRecord:
     """What teardown did; recorded separately from the capture's own result."""
@@ -106,6 +130,9 @@ class TeardownRecord:
     seconds: float = 0.0
     survivors: list[int] = field(default_factory=list)
     error: str | None = None
+    strays: list[int] = field(default_factory=list)
+    """Processes the server started outside its group (`SERVER_MARKER`), found once the
+    group was gone, and SIGKILLed (with their own groups)."""
 
     @property
     def clean(self) -> bool:
@@ -120,7 +147,9 @@ class ServerProcess:
     server's stdout is an append descriptor of that store, its tail is read back from it.
     """
 
-    def __init__(self, proc: subprocess.Popen[bytes], pgid: int, log_path: str) -> None:
+    def __init__(self, proc: subprocess.Popen[bytes], pgid: int, log_path: str,
+                 token: str = "") -> None:
+        self.token = token  # its `SERVER_MARKER`: "" when not marked (nothing looked for)
         self.proc = proc
         self.pgid = pgid
         self.log_path = log_path
@@ -143,9 +172,10 @@ class ServerProcess:
         try:
             if out.fileno() < 0:
                 raise ValueError(f"server log {log_path}: its store cannot append in place")
+            token = uuid.uuid4().hex
             proc = subprocess.Popen(
                 list(argv),
-                env=dict(env),
+                env={**env, SERVER_MARKER: token},
                 cwd=cwd,
                 stdin=subprocess.DEVNULL,
                 stdout=out.fileno(),
@@ -160,7 +190,7 @@ class ServerProcess:
             pgid = proc.pid
         if pgid == os.getpgrp():  # pragma: no cover - a new process group guarantees otherwise
             raise UnsafeSignal(f"server {proc.pid} shares the launcher's process group")
-        return cls(proc, pgid, log_path)
+        return cls(proc, pgid, log_path, token)
 
     @property
     def pid(self) -> int:
@@ -225,10 +255,36 @@ class ServerProcess:
         # Reap the leader so it is not left as a zombie in our process table.
         with contextlib.suppress(subprocess.TimeoutExpired):
             record.exit_code = self.proc.wait(timeout=1.0)
-        record.survivors = group_members(self.pgid)
+        if record.error is None:  # never after a refused signal: the record is not trusted
+            record.strays = self._kill_strays(kill_wait)
+        record.survivors = sorted(set(group_members(self.pgid)) | set(self._marked()))
         record.seconds = round(time.monotonic() - start, 3)
         self.teardown_record = record
         return record
+
+    def _marked(self) -> list[int]:
+        return marked_processes(self.token) if self.token else []
+
+    def _kill_strays(self, timeout: float) -> list[int]:
+        """SIGKILL what the server started outside its group (with each one's own group,
+        when it leads one: a compile worker's compilers are in it), and wait for it to go."""
+        strays = self._marked()
+        for pid in strays:
+            with contextlib.suppress(OSError):
+                pgid = os.getpgid(pid)
+                try:
+                    check_signalable_group(pgid)
+                    own_group = pgid == pid
+                except UnsafeSignal:
+                    own_group = False
+                if own_group:
+                    os.killpg(pgid, signal.SIGKILL)
+                else:
+                    os.kill(pid, signal.SIGKILL)
+        deadline = time.monotonic() + timeout
+        while strays and self._marked() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return strays
 
     def _signal(self, sig: signal.Signals, record: TeardownRecord) -> bool:
         if not self._group_alive():
