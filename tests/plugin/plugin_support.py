@@ -261,6 +261,14 @@ TP2_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 _WORKER_PID = re.compile(r"\(Worker_TP(\d+) pid=(\d+)\)")
 
 
+_DEPLOYMENT = re.compile(r"\(pid=(\d+)\).*vllm_neuron: deployment ([0-9a-f]{32}), rank (\d+)")
+
+
+def logged_deployments(log: str) -> dict[int, str]:
+    """Rank within its deployment -> the deployment its worker said it is (plugin/worker.py)."""
+    return {int(m.group(3)): m.group(2) for m in _DEPLOYMENT.finditer(log)}
+
+
 def worker_pids(log: str) -> dict[int, int]:
     """Tensor-parallel rank -> pid of that rank's worker, from vLLM's log prefixes."""
     return {int(m.group(1)): int(m.group(2)) for m in _WORKER_PID.finditer(log)}

@@ -62,6 +62,7 @@ from plugin_support import (
     ServerRun,
     adaptor_calls,
     free_port,
+    logged_deployments,
     read_only_copy,
     run_server,
     run_until_exit,
@@ -380,6 +381,24 @@ def test_second_node_fetches_everything_from_a_shared_folder(
     stats = node_b.extra["stats"]
     assert stats["compiles"] == 0 and stats["fetches"] == len(calls)
     assert stats["verification_failures"] == 0
+
+
+def test_a_node_that_fetched_its_graphs_records_them_for_the_next_new_node(
+    cold: ServerRun, node_b: ServerRun, shared_folder: Path
+) -> None:
+    """Node B is a new node of a deployment the remote did not record (node A had no remote):
+    it starts the cold-start machinery as before, then records the keys it loaded, by
+    deployment, for the next new node (compile/tiers/deployments.py)."""
+    from vllm_neuron.backends import open_store
+    from vllm_neuron.compile.tiers.deployments import deployment_keys
+
+    log = node_b.log()
+    assert "CPU probe runs ahead" in log  # not known: a cold start's guess, as before
+    deployment = logged_deployments(log)
+    assert list(deployment) == [0], deployment
+    assert deployment == logged_deployments(cold.log())  # the same deployment as node A
+    keys = deployment_keys(open_store(str(shared_folder)), deployment[0], 0)
+    assert keys == sorted({c[1] for c in adaptor_calls(log)})
 
 
 def test_another_pod_of_the_deployment_shares_every_key(

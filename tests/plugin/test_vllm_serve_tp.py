@@ -61,12 +61,16 @@ from plugin_support import (
     ServerRun,
     adaptor_calls,
     cache_events_by_rank,
+    logged_deployments,
     read_only_copy,
     run_server,
     server_env,
     tree_listing,
     worker_pids,
 )
+
+from vllm_neuron.backends import open_store
+from vllm_neuron.compile.tiers.deployments import remember_keys
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(3600)]
 
@@ -203,6 +207,14 @@ def node_b(vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
     done = cli("cache", "--cache-dir", str(node_a.compile_cache), "promote", "--all",
                "--to", str(remote))  # fmt: skip
     assert done.returncode == 0, done.stderr
+    # What node A's ranks would have recorded had they had this remote (they record after
+    # their start-up what they loaded: tiers/deployments.py): node B is a new node of a
+    # deployment the fleet knows.
+    deployments = logged_deployments(cold.log())
+    assert sorted(deployments) == list(RANKS), deployments
+    for rank, pieces in pieces_by_rank(cold).items():
+        assert remember_keys(open_store(str(remote)), deployments[rank], rank,
+                             sorted(set(pieces.values())))  # fmt: skip
     node = Node(work / "node-b")
     pod = Pod.beside(node.root, tiny_model)
     env = node.env("node-b", NEURON_LIBTORCH_REMOTE_CACHE=str(remote))
@@ -314,6 +326,18 @@ def test_new_node_fetches_every_piece_and_compiles_none(cold: ServerRun, node_b:
         fetched += events.get("fetch", 0)
     assert len(keys) <= fetched <= 2 * len(keys)
     assert "compiled" not in {c[2] for c in adaptor_calls(node_b.log())}
+
+
+def test_a_new_node_of_a_known_deployment_fetches_while_the_model_loads(
+    cold: ServerRun, node_b: ServerRun
+) -> None:
+    """The remote records both ranks of this deployment: no CPU probe, no early compile
+    worker; each rank fetches its graphs while vLLM loads the model (head_start.py)."""
+    log = node_b.log()
+    assert logged_deployments(log) == logged_deployments(cold.log())  # another pod, same one
+    assert log.count("fetched while the model loads, no compile worker started") == len(RANKS)
+    assert "no CPU probe ahead" in log
+    assert "CPU probe runs ahead" not in log and "compile workers start now" not in log
 
 
 def test_another_pod_of_the_deployment_shares_every_key_at_tp2(
