@@ -48,6 +48,7 @@ from typing import IO
 from vllm_neuron.envs import (
     CompileCacheSettings,
     ConfigError,
+    cold_start_without,
     load_cpu_probe_marker,
     mark_cpu_probe_started,
 )
@@ -109,6 +110,9 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings, *, configured: bool 
     deployment leaves the decision to the call that is configured (nothing is marked). The
     probe's process when it was started (reaped by a thread of this process)."""
     if _started_by_an_ancestor(load_cpu_probe_marker()):
+        return None
+    if cold_start_without("probe"):  # the A/B benchmark's other side
+        mark_cpu_probe_started()
         return None
     try:
         local_dir = get_neuron_compile_cache_dir(settings)

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_neuron.envs import redact_config
+from vllm_neuron.envs import cold_start_without, redact_config
 
 from .entry.outcomes import CompileError, PendingCompile
 from .flow.cache import CacheResult, TwoTierCache
@@ -106,6 +106,8 @@ class CompileRuntime:
         cache = self.cache
         if cache.disabled or cache.precompiled_only or not cache.defer_compiles:
             return False
+        if cold_start_without("early-workers"):  # the A/B benchmark's other side
+            return False
         if holds_entries(cache.local_dir) or not self.compiles_in_background:
             return False
         return start_worker_early(self.toolchain, workers=cache.compile_share, pool=pool)
@@ -163,7 +165,12 @@ class CompileRuntime:
         engine's own start-up) and each graph's export to a file: the rank compiles them in
         place, on the cores vLLM gave it (as stock vLLM does), taking turns with its peers
         as before (measured: a 2-core TP=2 cold start 46 s with workers, 41 s in place)."""
-        return self.toolchain.name != "host" or self.cache.compile_share > 1
+        if self.toolchain.name != "host":
+            return True
+        # The A/B benchmark's other sides (benchmarks/bench_cold_start_ab.py).
+        if cold_start_without("workers"):
+            return False
+        return self.cache.compile_share > 1 or cold_start_without("in-place")
 
     def compile_graph(self, gm: Any, example_inputs: Sequence[Any]) -> Callable[..., Any]:
         """Artifacts for `gm` from the cache (compiling on a miss), loaded as a callable."""

@@ -69,7 +69,9 @@ from .compile_cache import (
 )
 from .faults import FaultSettings, fault_settings, load_fault_settings
 from .host_mode import (
+    COLD_START_MECHANISMS,
     HostModeSettings,
+    cold_start_without,
     host_mode_settings,
     load_cpu_probe_marker,
     load_host_mode_settings,
@@ -123,6 +125,7 @@ __all__ = [
     "ConfigError",
     "EnvVar",
     "FaultSettings",
+    "COLD_START_MECHANISMS",
     "HostModeSettings",
     "IdentitySettings",
     "ManifestSettings",
@@ -140,6 +143,7 @@ __all__ = [
     "environment_with",
     "fault_settings",
     "group_errors",
+    "cold_start_without",
     "host_mode_settings",
     "install_log_redaction",
     "is_secret_name",
@@ -199,6 +203,7 @@ OWN_SETTINGS: tuple[str, ...] = tuple(
 # Ray workers with the settings.
 INTERNAL_MARKERS: tuple[str, ...] = (
     host_mode.VLLM_NEURON_CPU_PROBE_STARTED,
+    host_mode.VLLM_NEURON_WITHOUT,
     metrics.VLLM_NEURON_METRICS_DIR,
 )
 

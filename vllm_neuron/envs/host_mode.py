@@ -14,6 +14,9 @@ __all__ = [
     "VLLM_NEURON_CPU_PROBE_STARTED",
     "VLLM_NEURON_HOST_MODE",
     "VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING",
+    "VLLM_NEURON_WITHOUT",
+    "COLD_START_MECHANISMS",
+    "cold_start_without",
     "VLLM_USE_AOT_COMPILE",
     "HostModeSettings",
     "host_mode_settings",
@@ -27,6 +30,17 @@ VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING = "VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING
 # An internal marker, not a setting: named outside vLLM's ``VLLM_*`` namespace, which vLLM
 # checks against its list of variables (a leading underscore: no VLLM_ prefix).
 VLLM_NEURON_CPU_PROBE_STARTED = "_VLLM_NEURON_CPU_PROBE_STARTED"
+# An internal marker for the cold-start A/B benchmark (benchmarks/bench_cold_start_ab.py):
+# the mechanisms a start runs without, each falling back to what torch and vLLM do alone.
+VLLM_NEURON_WITHOUT = "_VLLM_NEURON_WITHOUT"
+COLD_START_MECHANISMS: tuple[str, ...] = (
+    "probe", "early-workers", "prepare-runtime", "wrapper-split", "first-valid-isa",
+    "in-place", "workers")  # fmt: skip
+"""What `VLLM_NEURON_WITHOUT` may name: the CPU probe ahead (head_start.py), compile workers
+started before the model loads, the probe's compile of the wrapper's runtime part, the
+wrapper compiled in two parts (aoti_wrapper.py), the vector-ISA probe stopped at the first
+valid ISA (vector_isa.py), a share of one slot compiling in place (in workers instead), and
+host compile workers at larger shares (in place instead)."""
 # vLLM's own variable; read here because host mode must turn it off (see the plugin).
 VLLM_USE_AOT_COMPILE = "VLLM_USE_AOT_COMPILE"
 
@@ -53,6 +67,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         "The process id of the process that looked at whether to run Inductor's CPU probe "
         "ahead of a cold start (vllm_neuron/compile/head_start.py); the processes it starts "
         "inherit it and do not look again. Not a setting: leave it unset.",
+    ),
+    EnvVar(
+        VLLM_NEURON_WITHOUT,
+        "(unset)",
+        "vllm-plugin",
+        "For the cold-start A/B benchmark only: comma-separated cold-start mechanisms this "
+        f"start runs without ({', '.join(COLD_START_MECHANISMS)}). Not a setting: leave it "
+        "unset.",
     ),
 )
 
@@ -116,3 +138,20 @@ def load_cpu_probe_marker(environ: Mapping[str, str] | None = None) -> int | Non
 def mark_cpu_probe_started() -> None:
     """Set _VLLM_NEURON_CPU_PROBE_STARTED to this process's id, for the processes it starts."""
     os.environ[VLLM_NEURON_CPU_PROBE_STARTED] = str(os.getpid())
+
+
+def cold_start_without(mechanism: str, environ: Mapping[str, str] | None = None) -> bool:
+    """Whether _VLLM_NEURON_WITHOUT turns `mechanism` (one of `COLD_START_MECHANISMS`) off
+    for this start. Read at each use; a name that is no mechanism is a `ConfigError` naming
+    the variable and the value (a misspelt A/B would measure nothing)."""
+    if mechanism not in COLD_START_MECHANISMS:
+        raise ValueError(f"{mechanism!r} is not one of {COLD_START_MECHANISMS}")
+    value = raw(environ_or_default(environ), VLLM_NEURON_WITHOUT)
+    if value is None:
+        return False
+    names = {name.strip() for name in value.split(",") if name.strip()}
+    unknown = sorted(names - set(COLD_START_MECHANISMS))
+    if unknown:
+        raise ConfigError(f"{VLLM_NEURON_WITHOUT}={value!r}: {', '.join(unknown)} is not a "
+                          f"cold-start mechanism (one of {', '.join(COLD_START_MECHANISMS)})")
+    return mechanism in names

@@ -61,6 +61,7 @@ from vllm_neuron.compile.toolchains.private_dirs import secure_inductor_dirs
 from vllm_neuron.compile.toolchains.torch_internals import resolve
 from vllm_neuron.compile.toolchains.torn_headers import run_healing_torn_headers
 from vllm_neuron.compile.toolchains.vector_isa import ask_first_valid_only
+from vllm_neuron.envs import cold_start_without
 
 __all__ = ["LOCK_SECONDS", "RUNTIME_DIR", "compile_and_package", "prepare_runtime",
            "runtime_objects_dir", "split_wrapper_builds", "split_wrapper_source"]  # fmt: skip
@@ -142,6 +143,9 @@ class _RuntimeKept(Exception):
 def split_wrapper_builds(*, stop_after_runtime: bool = False) -> Iterator[None]:
     """Within this block, in this thread, AOTInductor wrappers compile in two parts (with
     `stop_after_runtime`, only the runtime part, then `_RuntimeKept` is raised)."""
+    if cold_start_without("wrapper-split"):  # the A/B benchmark's other side: whole
+        yield
+        return
     _install()
     saved = getattr(_active, "depth", 0), getattr(_active, "stop", False)
     _active.depth, _active.stop = saved[0] + 1, stop_after_runtime

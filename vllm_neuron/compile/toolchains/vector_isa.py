@@ -31,6 +31,7 @@ from typing import Any
 
 from vllm_neuron.compile.toolchains.private_dirs import secure_inductor_dirs
 from vllm_neuron.compile.toolchains.torch_internals import resolve
+from vllm_neuron.envs import cold_start_without
 
 __all__ = ["ask_first_valid_only", "pick_vector_isa"]
 
@@ -56,6 +57,8 @@ def ask_first_valid_only() -> bool:
     """Make Inductor's list of valid vector ISAs, in this process, stop at the first valid
     one whenever only the first is used (see the module). Idempotent; True when it is (or
     was already) in place, False for a torch whose probe has another layout."""
+    if cold_start_without("first-valid-isa"):  # the A/B benchmark's other side
+        return False
     # Lazy: torch is heavy and optional; only the host toolchain needs it.
     from torch._inductor import config
 
