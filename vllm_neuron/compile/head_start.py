@@ -43,6 +43,7 @@ from vllm_neuron.envs import (
 )
 
 from .tiers.location import get_neuron_compile_cache_dir, holds_entries
+from .toolchains.node_files import use_tier
 
 __all__ = ["PROBE_SAID", "likely_to_compile", "start_cpu_probe_if_cold"]
 
@@ -77,6 +78,7 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings) -> subprocess.Popen[
     toolchain = "host" if settings.toolchain in ("auto", "host") else settings.toolchain
     if not likely_to_compile(settings, local_dir, toolchain):
         return None
+    use_tier(local_dir)  # the probe's headers go into the tier (toolchains/node_files.py)
     try:
         # What it prints, kept nameless (nothing left in the temporary directory) and said
         # with its exit status if it fails: a probe broken by a torch change must say why.

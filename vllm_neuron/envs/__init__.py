@@ -200,6 +200,7 @@ OWN_SETTINGS: tuple[str, ...] = tuple(
 INTERNAL_MARKERS: tuple[str, ...] = (
     host_mode.VLLM_NEURON_CPU_PROBE_STARTED,
     metrics.VLLM_NEURON_METRICS_DIR,
+    compile_cache.VLLM_NEURON_NODE_FILES,
 )
 
 # Every variable this package reads: the documented ones, vLLM's VLLM_USE_AOT_COMPILE
