@@ -2,9 +2,10 @@
 made once, and only ever from a place no other user can change.
 
 An object is kept in the local tier's node files (`runtime_objects_dir`, node_files.py),
-named by the SHA-256 of everything its bytes depend on (the part's text, the compile command, torch's version and AOTInductor runtime headers, the compiler's
-version, and what a ``native`` target in the command means on this CPU) and by the SHA-256 of
-its own bytes, checked before each use: a torn or changed object is removed and made again.
+named by the SHA-256 of everything its bytes depend on (the part's text, the compile command,
+torch's version and AOTInductor runtime headers, the compiler's version, and what a
+``native`` target in the command means on this CPU) and by the SHA-256 of its own bytes,
+checked before each use: a torn or changed object is removed and made again.
 It is made under a kernel lock (dropped if its maker dies) from a source and a staging file
 of that attempt's own, and renamed into place whole.
 It is used only from a directory this user owns and no one else can write, under

@@ -44,8 +44,15 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from vllm_neuron.backends import PRIVATE_FILE, KernelLock, LockTimeout, Record, RecordCodec
-from vllm_neuron.backends import encode, open_store
+from vllm_neuron.backends import (
+    PRIVATE_FILE,
+    KernelLock,
+    LockTimeout,
+    Record,
+    RecordCodec,
+    encode,
+    open_store,
+)
 from vllm_neuron.envs.compile_cache import load_node_files_dir, set_node_files_dir
 
 from .private_dirs import make_private_dir, private_temp_root
@@ -158,7 +165,7 @@ def _throwaway() -> str:
     what killed processes left there is removed first."""
     root = private_temp_root()
     for name in os.listdir(root):
-        pid = name[len(THROWAWAY_PREFIX):].split("_", 1)[0]
+        pid = name.removeprefix(THROWAWAY_PREFIX).split("_", 1)[0]
         if name.startswith(THROWAWAY_PREFIX) and pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     directory = tempfile.mkdtemp(prefix=f"{THROWAWAY_PREFIX}{os.getpid()}_", dir=root)
