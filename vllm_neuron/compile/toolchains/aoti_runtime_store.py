@@ -56,6 +56,7 @@ def private_runtime_dir() -> str | None:
     """`runtime_objects_dir`, made ``0700`` if needed; None (said once, with why) when
     another user could change what it holds (private_dirs.py `why_not_private`): the
     wrappers are then compiled whole, which needs no kept object at all."""
+    why: str | None
     try:
         directory = runtime_objects_dir()
     except OSError as exc:  # no group at all (node_files.py)

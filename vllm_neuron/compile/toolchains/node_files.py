@@ -55,11 +55,13 @@ from vllm_neuron.backends import (
 )
 from vllm_neuron.envs.compile_cache import load_node_files_dir, set_node_files_dir
 
+from . import private_dirs
 from .private_dirs import make_private_dir, private_temp_root
 
 __all__ = ["NODE_DIR", "OWNER", "THROWAWAY_PREFIX", "UNUSED_SECONDS", "NodeGroup",
            "NodeFilesOwner", "collectable", "group_dir", "node_groups", "remove_group",
-           "sweep_header_debris", "torch_loader_scratch", "use_tier"]  # fmt: skip
+           "secure_inductor_dirs", "sweep_header_debris", "torch_loader_scratch",
+           "use_tier"]  # fmt: skip
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -96,6 +98,12 @@ def use_tier(local_dir: str) -> None:
     """The local tier at `local_dir` (writable by this process) keeps this process's node
     files, and those of the processes it starts."""
     set_node_files_dir(os.path.join(local_dir, NODE_DIR))
+
+
+def secure_inductor_dirs() -> None:
+    """private_dirs.py `secure_inductor_dirs`, Inductor's cache and headers in this
+    process's group: what every compile of ours calls before torch's first."""
+    private_dirs.secure_inductor_dirs(group_dir)
 
 
 def _identity() -> NodeFilesOwner:

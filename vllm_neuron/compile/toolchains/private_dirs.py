@@ -39,6 +39,7 @@ import re
 import stat
 import tempfile
 import threading
+from collections.abc import Callable
 
 from vllm_neuron.envs import default_cache_root
 
@@ -172,7 +173,7 @@ def why_not_a_temp_root(root: str) -> str | None:
 
 
 # ------------------------------------------------------------------ Inductor's directories
-def secure_inductor_dirs() -> None:
+def secure_inductor_dirs(group: Callable[[], str] | None = None) -> None:
     """Make sure Inductor's cache directory and its precompiled headers' are private before
     its first compile in this process (see the module); idempotent, never raises (a torch
     laid out otherwise, or no private place at all, keeps torch's own behaviour, said once).
@@ -183,16 +184,13 @@ def secure_inductor_dirs() -> None:
             return
         _inductor_done = True
         try:
-            _secure_inductor_dirs()
+            _secure_inductor_dirs(group or (lambda: private_fallback("torchinductor")))
         except Exception as exc:  # noqa: BLE001 - torch's own behaviour, said
             logger.warning("vllm_neuron: Inductor's cache directory could not be checked (%s); "
                            "torch's own is used", exc)  # fmt: skip
 
 
-def _secure_inductor_dirs() -> None:
-    # Lazy: node_files builds on this module.
-    from .node_files import group_dir
-
+def _secure_inductor_dirs(group_dir: Callable[[], str]) -> None:
     group = group_dir()  # the local tier's (node_files.py): private, bounded, collected
     chosen = os.environ.get(INDUCTOR_CACHE_DIR)
     default = _torch_default_cache_dir()
