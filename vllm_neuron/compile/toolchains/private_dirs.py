@@ -197,7 +197,9 @@ def _secure_inductor_dirs(group_dir: Callable[[], str]) -> None:
     if not chosen or os.path.abspath(chosen) == default:  # unset, or set by torch itself
         os.environ[INDUCTOR_CACHE_DIR] = os.path.join(group, "inductor")
         with contextlib.suppress(OSError):
-            os.rmdir(default)  # made (empty) by torch's first look: nothing of ours stays
+            st = os.stat(default)
+            if st.st_uid == os.getuid() and not st.st_mode & 0o022:  # as torch makes it
+                os.rmdir(default)  # made (empty) by torch's first look: nothing stays
     elif (why := make_private_dir(os.path.abspath(chosen))) is not None:
         cache = private_fallback("torchinductor")
         os.environ[INDUCTOR_CACHE_DIR] = cache
