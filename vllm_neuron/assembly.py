@@ -19,6 +19,7 @@ from collections.abc import Callable
 from vllm_neuron.compile.flow.cache import TwoTierCache
 from vllm_neuron.compile.runtime import CompileRuntime
 from vllm_neuron.compile.tiers.location import resolve_local_tier, writable_stand_in
+from vllm_neuron.compile.toolchains.node_files import use_tier
 from vllm_neuron.compile.toolchains.select import select_toolchain
 from vllm_neuron.envs import (
     ConfigError,
@@ -54,6 +55,8 @@ def build_runtime() -> CompileRuntime:
         check_snapshot_root(snapshots.root)
     # Last of the settings: its probe writes (a malformed setting must refuse first).
     local_dir, bypassed = resolve_local_tier(settings)
+    if bypassed is None and not settings.disable_compile_cache:
+        use_tier(local_dir)  # the toolchain's node files: in the tier (node_files.py)
     read_only = list(settings.baked_caches)  # NEURON_LIBTORCH_BAKED_CACHE
     if bypassed is not None and local_dir and os.path.isdir(local_dir):
         # This user's own tier, that this process cannot write (a read-only image or

@@ -55,6 +55,7 @@ from vllm_neuron.envs import (
 
 from .tiers.deployments import DEPLOYMENTS_DIR, deployment_known
 from .tiers.location import get_neuron_compile_cache_dir, holds_entries
+from .toolchains.node_files import use_tier
 
 __all__ = ["PROBE_SAID", "fleet_knows", "likely_to_compile", "start_cpu_probe_if_cold"]
 
@@ -132,6 +133,7 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings, *, configured: bool 
                     "no CPU probe ahead (its graphs are fetched, not compiled)")
         return None
     mark_cpu_probe_started()
+    use_tier(local_dir)  # the probe's headers go into the tier (toolchains/node_files.py)
     try:
         # What it prints, kept nameless (nothing left in the temporary directory) and said
         # with its exit status if it fails: a probe broken by a torch change must say why.

@@ -59,6 +59,9 @@ __all__ = [
     "load_compile_cache_settings",
     "parse_size",
     "remote_cache_url",
+    "VLLM_NEURON_NODE_FILES",
+    "load_node_files_dir",
+    "set_node_files_dir",
 ]
 
 ToolchainName = Literal["auto", "host", "neuron"]
@@ -79,6 +82,8 @@ VLLM_NEURON_COMPILE_RETRY_AFTER = "VLLM_NEURON_COMPILE_RETRY_AFTER"
 VLLM_NEURON_CACHE_MAX_SIZE = "VLLM_NEURON_CACHE_MAX_SIZE"
 VLLM_NEURON_DEFER_COMPILES = "VLLM_NEURON_DEFER_COMPILES"
 VLLM_NEURON_COMPILE_WORKERS = "VLLM_NEURON_COMPILE_WORKERS"
+# An internal marker, not a setting: named outside vLLM's ``VLLM_*`` namespace (host_mode).
+VLLM_NEURON_NODE_FILES = "_VLLM_NEURON_NODE_FILES"
 
 COMPILE_MEMORY = 4 << 30
 """Memory one compile is assumed to need when the node's compile slots are sized from its
@@ -180,6 +185,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         "auto",
         "compile-cache",
         "auto | host | neuron: which toolchain compiles graphs (auto: neuron if installed).",
+    ),
+    EnvVar(
+        VLLM_NEURON_NODE_FILES,
+        "(set by the process that opens the local tier, inherited by the processes it starts)",
+        "compile-cache",
+        "Where the node's toolchain files (precompiled headers, kept AOTInductor runtime "
+        "objects, Inductor's cache) are kept: the local tier's .node directory "
+        "(vllm_neuron/compile/toolchains/node_files.py). Not a setting: leave it unset.",
     ),
 )
 
@@ -432,3 +445,15 @@ def _baked_caches(env: Mapping[str, str]) -> tuple[str, ...]:
 def compile_cache_settings() -> CompileCacheSettings:
     """The process's compile-cache settings, parsed from os.environ on first use."""
     return load_compile_cache_settings()
+
+
+def load_node_files_dir(environ: Mapping[str, str] | None = None) -> str | None:
+    """_VLLM_NEURON_NODE_FILES: the local tier's directory of node files, as the process that
+    opened the tier set it for the processes it starts; None when unset. Read at each use
+    (set while running); no setting of the user's, so never an error."""
+    return raw(environ_or_default(environ), VLLM_NEURON_NODE_FILES) or None
+
+
+def set_node_files_dir(directory: str) -> None:
+    """Set _VLLM_NEURON_NODE_FILES for this process and the processes it starts."""
+    os.environ[VLLM_NEURON_NODE_FILES] = directory

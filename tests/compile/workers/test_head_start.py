@@ -17,20 +17,25 @@ from vllm_neuron.compile.flow.cache import TwoTierCache
 from vllm_neuron.compile.head_start import start_cpu_probe_if_cold
 from vllm_neuron.compile.tiers.location import holds_entries
 from vllm_neuron.compile.toolchains.aoti_wrapper import RUNTIME_DIR
+from vllm_neuron.compile.toolchains.node_files import NODE_DIR
 from vllm_neuron.envs import CompileCacheSettings
+from vllm_neuron.envs.compile_cache import VLLM_NEURON_NODE_FILES
 from vllm_neuron.envs.host_mode import VLLM_NEURON_CPU_PROBE_STARTED
 
 
 @pytest.fixture
 def first_process(monkeypatch, tmp_path):
     """This process as vLLM's first one on a new machine: no probe looked at yet, a private
-    Inductor cache and temporary directory (AOTInductor keeps its precompiled headers under
-    the temporary directory, whatever TORCHINDUCTOR_CACHE_DIR says)."""
-    monkeypatch.setenv(VLLM_NEURON_CPU_PROBE_STARTED, "restored after the test")
-    monkeypatch.delenv(VLLM_NEURON_CPU_PROBE_STARTED)
+    Inductor cache, and a fresh temporary directory as a Kubernetes ``emptyDir`` mounts it
+    (world-writable, not sticky): what the probe keeps goes into the local tier's node
+    files (toolchains/node_files.py), nothing into the temporary directory."""
+    for marker in (VLLM_NEURON_CPU_PROBE_STARTED, VLLM_NEURON_NODE_FILES):
+        monkeypatch.setenv(marker, "restored after the test")
+        monkeypatch.delenv(marker)
     inductor = tmp_path / "inductor"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(inductor))
     (tmp_path / "tmp").mkdir()
+    (tmp_path / "tmp").chmod(0o777)
     monkeypatch.setenv("TMPDIR", str(tmp_path / "tmp"))
     return inductor
 
@@ -50,12 +55,12 @@ def test_a_cold_node_probes_the_cpu_ahead_once_per_start(tmp_path, first_process
     # Its CPU test programs and AOTInductor's precompiled headers are in Inductor's cache for
     # the workers: built, not to be built again.
     assert list(first_process.rglob("*.so")), sorted(first_process.rglob("*"))
-    assert list((tmp_path / "tmp").rglob("precompiled_headers/*.gch")), sorted(
-        (tmp_path / "tmp").rglob("*"))
-    # ... and the runtime part of AOTInductor's wrapper, compiled once (aoti_wrapper.py).
-    assert len(list((tmp_path / "tmp").glob(f"{RUNTIME_DIR}_*/*.o"))) == 1, sorted(
-        (tmp_path / "tmp").rglob("*"))
-    assert not list((tmp_path / "tmp").glob("vllm_neuron_compile_job_*"))  # its throwaway
+    node = Path(_local(tmp_path)) / NODE_DIR
+    assert list(node.glob("*/headers/*.gch")), sorted(node.rglob("*"))
+    # ... and the runtime part of AOTInductor's wrapper, compiled once (aoti_wrapper.py),
+    # whatever the emptyDir-like temporary directory, in which nothing of ours is left.
+    assert len(list(node.glob(f"*/{RUNTIME_DIR}/*.o"))) == 1, sorted(node.rglob("*"))
+    assert not any((tmp_path / "tmp").iterdir()), sorted((tmp_path / "tmp").rglob("*"))
 
 
 @pytest.mark.parametrize("change", [
@@ -143,8 +148,8 @@ def test_the_platform_plugin_starts_the_probe_before_the_general_plugin(tmp_path
     said = [line for line in done.stderr.splitlines() if "CPU probe runs ahead" in line]
     assert len(said) == 1 and f"in pid {probe}" in said[0], done.stderr
     # A real probe: the runtime part of AOTInductor's wrapper is made (aoti_wrapper.py).
-    assert len(list((tmp_path / "tmp").glob(f"{RUNTIME_DIR}_*/*.o"))) == 1, sorted(
-        (tmp_path / "tmp").rglob("*"))
+    node = Path(_local(tmp_path)) / NODE_DIR
+    assert len(list(node.glob(f"*/{RUNTIME_DIR}/*.o"))) == 1, sorted(node.rglob("*"))
 
 
 @pytest.mark.parametrize(("argv", "server"), [

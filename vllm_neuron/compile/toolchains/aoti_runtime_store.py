@@ -1,11 +1,11 @@
 """The kept runtime parts of AOTInductor wrappers (aoti_wrapper.py): where, under what name,
 made once, and only ever from a place no other user can change.
 
-An object is kept in a directory of this user's own in the temporary directory
-(`runtime_objects_dir`), named by the SHA-256 of everything its bytes depend on (the part's
-text, the compile command, torch's version and AOTInductor runtime headers, the compiler's
-version, and what a ``native`` target in the command means on this CPU) and by the SHA-256 of
-its own bytes, checked before each use: a torn or changed object is removed and made again.
+An object is kept in the local tier's node files (`runtime_objects_dir`, node_files.py),
+named by the SHA-256 of everything its bytes depend on (the part's text, the compile command,
+torch's version and AOTInductor runtime headers, the compiler's version, and what a
+``native`` target in the command means on this CPU) and by the SHA-256 of its own bytes,
+checked before each use: a torn or changed object is removed and made again.
 It is made under a kernel lock (dropped if its maker dies) from a source and a staging file
 of that attempt's own, and renamed into place whole.
 It is used only from a directory this user owns and no one else can write, under
@@ -22,12 +22,12 @@ import logging
 import os
 import shlex
 import subprocess
-import tempfile
 import time
 
 from vllm_neuron.backends import PRIVATE_FILE, KernelLock, LockTimeout, open_store
 from vllm_neuron.backends.digests import file_digest
 from vllm_neuron.compile.toolchains.cpu_target import torch_meaning
+from vllm_neuron.compile.toolchains.node_files import group_dir
 from vllm_neuron.compile.toolchains.private_dirs import make_private_dir
 from vllm_neuron.compile.toolchains.torn_headers import run_healing_torn_headers
 
@@ -36,8 +36,8 @@ __all__ = ["FAILED", "RUNTIME_DIR", "KeptRuntime", "private_runtime_dir", "run",
 
 logger = logging.getLogger("vllm_neuron.compile")
 
-RUNTIME_DIR = "vllm_neuron_aoti_runtime"
-"""In the temporary directory, with the user id: the runtime parts' objects, by digest."""
+RUNTIME_DIR = "runtime"
+"""In this process's group of node files (node_files.py): the runtime parts' objects."""
 DEBRIS_SECONDS = 3600.0
 """After this, what a killed maker left (its source, its staged object) is removed."""
 
@@ -47,17 +47,22 @@ compile whole from then on, not failing again at every graph."""
 
 
 def runtime_objects_dir() -> str:
-    """Where the runtime parts' objects are kept: a directory of this user's own in the
-    temporary directory (`RUNTIME_DIR` and the user id), its path without symlinks."""
-    return os.path.join(os.path.realpath(tempfile.gettempdir()), f"{RUNTIME_DIR}_{os.getuid()}")
+    """Where the runtime parts' objects are kept: `RUNTIME_DIR` in this process's group of
+    node files (node_files.py: in the local tier, private), its path without symlinks."""
+    return os.path.realpath(os.path.join(group_dir(), RUNTIME_DIR))
 
 
 def private_runtime_dir() -> str | None:
     """`runtime_objects_dir`, made ``0700`` if needed; None (said once, with why) when
     another user could change what it holds (private_dirs.py `why_not_private`): the
     wrappers are then compiled whole, which needs no kept object at all."""
-    directory = runtime_objects_dir()
-    why = make_private_dir(directory)
+    why: str | None
+    try:
+        directory = runtime_objects_dir()
+    except OSError as exc:  # no group at all (node_files.py)
+        directory, why = RUNTIME_DIR, str(exc)
+    else:
+        why = make_private_dir(directory)
     if why is None:
         return directory
     if directory not in FAILED:

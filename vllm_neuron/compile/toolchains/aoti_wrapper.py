@@ -57,7 +57,7 @@ from vllm_neuron.compile.toolchains.aoti_runtime_store import (
     swap,
 )
 from vllm_neuron.compile.toolchains.cpu_target import compiling_for
-from vllm_neuron.compile.toolchains.private_dirs import secure_inductor_dirs
+from vllm_neuron.compile.toolchains.node_files import secure_inductor_dirs
 from vllm_neuron.compile.toolchains.torch_internals import resolve
 from vllm_neuron.compile.toolchains.torn_headers import run_healing_torn_headers
 from vllm_neuron.compile.toolchains.vector_isa import ask_first_valid_only

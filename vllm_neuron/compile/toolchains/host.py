@@ -52,6 +52,7 @@ from vllm_neuron.compile.toolchains.host_collectives import (
     register_collective_ops,
     route_collectives,
 )
+from vllm_neuron.compile.toolchains.node_files import torch_loader_scratch
 from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
 from vllm_neuron.compile.toolchains.torch_internals import cpu_feature, unreadable
 
@@ -250,11 +251,13 @@ def _load_package(path: str) -> Any:
     import torch
 
     try:
-        return torch._inductor.aoti_load_package(path)
+        with torch_loader_scratch():  # its aotinductor_* copy unpacked in ours, removed
+            return torch._inductor.aoti_load_package(path)
     except Exception as exc:
         if not load_for_missing_schema(exc, f"the compiled graph {path}"):
             raise
-    return torch._inductor.aoti_load_package(path)
+    with torch_loader_scratch():
+        return torch._inductor.aoti_load_package(path)
 
 
 def _load_unpacked(directory: str) -> Callable[..., Any]:

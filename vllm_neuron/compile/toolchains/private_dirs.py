@@ -20,10 +20,11 @@ instead (`private_fallback`: under this user's cache root, ``$XDG_CACHE_HOME/vll
 ``~/.cache/vllm``), said once in a warning that names the directory and why.
 
 Inductor is pointed at its private directory by ``TORCHINDUCTOR_CACHE_DIR`` (read by torch
-at every use) before its first compile (`secure_inductor_dirs`); its precompiled headers
-ignore that variable (torch puts them under its *default* directory, fixed when
-``torch._inductor.codecache`` is imported), so when that one is refused they are moved
-into the private cache directory. Torch's private names
+at every use) before its first compile (`secure_inductor_dirs`): unless the user set it, the
+local tier's node files (node_files.py); its precompiled headers ignore that variable (torch
+puts them under its *default* directory in the temporary directory, fixed when
+``torch._inductor.codecache`` is imported), so they are always moved into the local tier's
+node files too. Torch's private names
 are used here only, each looked up with a fallback: a torch laid out otherwise keeps its own
 behaviour, said once.
 """
@@ -38,6 +39,7 @@ import re
 import stat
 import tempfile
 import threading
+from collections.abc import Callable
 
 from vllm_neuron.envs import default_cache_root
 
@@ -171,7 +173,7 @@ def why_not_a_temp_root(root: str) -> str | None:
 
 
 # ------------------------------------------------------------------ Inductor's directories
-def secure_inductor_dirs() -> None:
+def secure_inductor_dirs(group: Callable[[], str] | None = None) -> None:
     """Make sure Inductor's cache directory and its precompiled headers' are private before
     its first compile in this process (see the module); idempotent, never raises (a torch
     laid out otherwise, or no private place at all, keeps torch's own behaviour, said once).
@@ -182,33 +184,35 @@ def secure_inductor_dirs() -> None:
             return
         _inductor_done = True
         try:
-            _secure_inductor_dirs()
+            _secure_inductor_dirs(group or (lambda: private_fallback("torchinductor")))
         except Exception as exc:  # noqa: BLE001 - torch's own behaviour, said
             logger.warning("vllm_neuron: Inductor's cache directory could not be checked (%s); "
                            "torch's own is used", exc)  # fmt: skip
 
 
-def _secure_inductor_dirs() -> None:
+def _secure_inductor_dirs(group_dir: Callable[[], str]) -> None:
+    group = group_dir()  # the local tier's (node_files.py): private, bounded, collected
+    chosen = os.environ.get(INDUCTOR_CACHE_DIR)
     default = _torch_default_cache_dir()
-    chosen = os.environ.get(INDUCTOR_CACHE_DIR) or default
-    cache = os.path.abspath(chosen)
-    why = make_private_dir(cache)
-    if why is not None:
+    if not chosen or os.path.abspath(chosen) == default:  # unset, or set by torch itself
+        os.environ[INDUCTOR_CACHE_DIR] = os.path.join(group, "inductor")
+        with contextlib.suppress(OSError):
+            st = os.stat(default)
+            if st.st_uid == os.getuid() and not st.st_mode & 0o022:  # as torch makes it
+                os.rmdir(default)  # made (empty) by torch's first look: nothing stays
+    elif (why := make_private_dir(os.path.abspath(chosen))) is not None:
         cache = private_fallback("torchinductor")
         os.environ[INDUCTOR_CACHE_DIR] = cache
         _warn_once(chosen, why, f"Inductor's cache directory is {cache} ({INDUCTOR_CACHE_DIR})")
     # Torch keeps the precompiled headers under its *default* directory whatever the
-    # variable says: when that one is not private, they go where the rest of the cache is.
-    headers_why = why if default == os.path.abspath(chosen) else make_private_dir(default)
-    if headers_why is not None:
-        headers = os.path.join(cache, "precompiled_headers")
-        _warn_once(default, headers_why, f"torch's precompiled headers are kept in {headers}")
-        _move_headers(headers)
+    # variable says (in the temporary directory, outside any tier): they go to the group's.
+    _move_headers(os.path.join(group, "headers"))
 
 
 def _torch_default_cache_dir() -> str:
     """Torch's default Inductor cache directory (``cache_dir_utils.default_cache_dir``);
-    its rule mirrored when that name is gone."""
+    its rule mirrored when that name is gone. Torch sets ``TORCHINDUCTOR_CACHE_DIR`` to it
+    at its first look when unset: that value is torch's, not the user's."""
     try:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 

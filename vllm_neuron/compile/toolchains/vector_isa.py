@@ -29,7 +29,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from vllm_neuron.compile.toolchains.private_dirs import secure_inductor_dirs
+from vllm_neuron.compile.toolchains.node_files import secure_inductor_dirs
 from vllm_neuron.compile.toolchains.torch_internals import resolve
 from vllm_neuron.envs import cold_start_without
 

@@ -28,6 +28,10 @@ What is collected (`GcItem.what`):
     not published, untouched for `older_than` (its entry's withdrawal drops a copy at
     once; this catches a process killed in between, and a load that raced a withdrawal);
   - pins (``.pins/<key>.json``): never;
+- node files (``.node/<group>/``, toolchains/node_files.py: precompiled headers, kept
+  runtime objects, Inductor's cache) of an interpreter or torch installation that no
+  longer exists, or no process started using for `node_files.UNUSED_SECONDS` (14 days):
+  never a group a live process uses (nor a header one builds);
 - with `keep` (the graph hashes a live deployment's manifests name): every published
   entry no one of them names, published longer than `older_than` ago (which the caller
   must give: `--older-than` is required with `--keep-manifest`).
@@ -44,6 +48,7 @@ since the plan (written to, committed, taken again) is left, and said so.
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import time
 from collections.abc import Callable, Collection
@@ -67,6 +72,7 @@ from ..entry.notes import (
 )
 from ..entry.text import human_age
 from ..tiers.unpacked import drop_unpacked
+from ..toolchains.node_files import NODE_DIR, collectable, node_groups, remove_group
 
 STAGING_MAX_AGE = 6 * 3600.0
 """The default age bound: what killed writers left, untouched this long, is collected (by
@@ -79,6 +85,7 @@ QUARANTINE_NOTE_MIN_AGE = OPERATOR_NOTE_MIN_AGE
 (`entry/notes.py`)."""
 
 _KEY = re.compile(r"[0-9a-f]{32}")
+NODE_FILES = "node-files"
 
 WHAT = {
     "staging": "abandoned staging",
@@ -90,6 +97,7 @@ WHAT = {
     "lease": "expired lease",
     **{kind.name: kind.what for kind in NOTE_KINDS},
     "entry": "unreferenced entry",
+    NODE_FILES: "node files of an interpreter or torch not in use",
 }
 """How each kind is named in the plan (`GcItem.what`); a note's as the registry says."""
 
@@ -198,6 +206,7 @@ def plan_gc(
     kept = [GcItem(k.kind, k.prefix, k.age_seconds, 0, k.reason) for k in found.kept]
     note_bound = max(bound, OPERATOR_NOTE_MIN_AGE)
     _plan_notes(store, found, now, bound, failure_max_age, items, kept)
+    _plan_node_files(store, now, items, kept)
     missing: tuple[str, ...] = ()
     if keep is not None:
         wanted = set(keep)
@@ -220,6 +229,24 @@ def plan_gc(
     bounds = {"older_than": bound, "lease_grace": lease_grace,
               "failure_notes": failure_max_age, "quarantine_notes": note_bound}  # fmt: skip
     return GcPlan(store, tuple(items), tuple(kept), missing, bounds)
+
+
+def _plan_node_files(store: Store, now: float, items: list[GcItem],
+                     kept: list[GcItem]) -> None:  # fmt: skip
+    """The tier's node-file groups (toolchains/node_files.py): one whose interpreter or
+    torch is gone, or unused for `UNUSED_SECONDS`, goes unless a live process uses it."""
+    base = store.local_path(NODE_DIR)
+    if base is None:
+        return
+    for group in node_groups(os.path.dirname(base)):
+        where, age = f"{NODE_DIR}/{group.name}", max(0.0, now - group.last_used)
+        why = collectable(group, now=now)
+        if why is None or group.in_use:
+            kept.append(GcItem(NODE_FILES, where, age, group.size,
+                               "in use by a live process" if group.in_use
+                               else "its interpreter and torch are here, used lately"))
+        else:
+            items.append(GcItem(NODE_FILES, where, age, group.size, why))
 
 
 def _plan_notes(store: Store, found: Survey, now: float, bound: float, retry_after: float,
@@ -324,6 +351,11 @@ def _remove(store: Store, item: GcItem) -> str | None:
         return _remove_note(store, item, kind)
     if item.kind == "entry":
         return _withdraw(store, item)
+    if item.kind == NODE_FILES:
+        base = store.local_path(NODE_DIR)
+        if base is None or remove_group(os.path.dirname(base), item.where.split("/")[-1]):
+            return None
+        return "in use since the plan"
     raise ValueError(f"cannot remove a {item.kind!r}")
 
 

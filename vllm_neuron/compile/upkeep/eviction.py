@@ -27,6 +27,11 @@ appended to it.
   (`protect`): the runtime loads an artifact from the entry's directory on every call,
   memory hits included.
 
+**Node files** (toolchains/node_files.py: precompiled headers, kept runtime objects,
+Inductor's cache, in ``.node/``) count toward the bound; a pass above it first removes the
+groups no live process uses, least recently used first (a few seconds' rebuild each), then
+entries. A group in use (its process alive) is never removed.
+
 When only such entries are left the tier stays above its bound: one warning, and the next
 publish tries again.
 
@@ -62,6 +67,7 @@ from ..entry.events import CACHE_EVENTS, EVENTS_STREAM, CacheHit, Compiled, Evic
 from ..entry.notes import PIN_RECORDS, PINS, PINS_DIR, Pin
 from ..tiers.inventory import EntryInfo, list_entries
 from ..tiers.unpacked import drop_unpacked, unpacked_sizes
+from ..toolchains.node_files import NODE_DIR, node_groups, remove_group
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -347,7 +353,7 @@ class Evictor:
 
     def _pass(self, protect: Collection[str]) -> Withdrawn:
         entries = sized_entries(self.store)
-        total = sum(e.size for e in entries)
+        total = sum(e.size for e in entries) + self._node_files(entries)
         if total <= self.max_size:
             return Withdrawn(total=total)
         grace = self.recent_use_seconds
@@ -370,3 +376,25 @@ class Evictor:
                 self.store.url, done.total, self.max_size, len(done.withdrawn),
                 self.recent_use_seconds)  # fmt: skip
         return done
+
+    def _node_files(self, entries: Sequence[EntryInfo]) -> int:
+        """The bytes of the tier's node files (toolchains/node_files.py), which count toward
+        the bound, after removing the groups no live process uses, least recently used
+        first, while the tier is above it: each is a few seconds' rebuild for an
+        interpreter not running now, where an entry is a compile."""
+        base = self.store.local_path(NODE_DIR)
+        if base is None:
+            return 0
+        groups = node_groups(os.path.dirname(base))
+        kept = sum(g.size for g in groups)
+        total = sum(e.size for e in entries) + kept
+        for group in sorted((g for g in groups if not g.in_use), key=lambda g: g.last_used):
+            if total <= self.max_size:
+                break
+            if remove_group(os.path.dirname(base), group.name):
+                logger.info("compile cache: removed the node files %s (%d bytes, not in use) "
+                            "to keep %s within VLLM_NEURON_CACHE_MAX_SIZE=%d", group.name,
+                            group.size, self.store.url, self.max_size)  # fmt: skip
+                total -= group.size
+                kept -= group.size
+        return kept
