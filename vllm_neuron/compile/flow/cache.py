@@ -18,7 +18,7 @@ Per key (docs/compile-cache.md), `_get` and `_locked_miss`:
    process: with the key's lease, or alone when the remote is down) or `Wait`;
 10. compile into a staging directory in one of the node's compile slots, write the commit
     record last, publish atomically (`tiers/build.py`); promote to the remote while the
-    lease holds, or note the failure there for every node's waiters.
+    lease holds, or note the failure there for every node's waiters (`compiling.py`).
 
 Correctness never rests on a lock or a lease: publication is first-writer-wins, so a
 holder that died (its kernel lock is dropped, its lease expires) only costs the next one a
@@ -34,20 +34,21 @@ runtime's call when an entry that verified will not load here: withdrawn and com
 under the key's lock.
 
 What reads and withdraws what is already in the local tier is the `LocalTier` this cache
-holds (`tiers/local.py`).
+holds (`tiers/local.py`). What the decision hands off lives beside it, one job a module, so
+that this one reads as the decision and nothing else: the question one pass is asked
+(`ask.py`); the fetch from the remote and the trust policy's word on an entry (`fetch.py`);
+how a won key is compiled, published and promoted (`compiling.py`); `begin`'s deferral and
+its background compiles in workers (`deferral.py`); the prefetcher's look at a deferred key
+(`prefetch.py` `PrefetchLook`); the healing of an entry that will not load (`healing.py`).
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import Future
-from dataclasses import dataclass, replace
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -59,30 +60,13 @@ from vllm_neuron.backends import (
     open_store,
     validate_hex,
 )
-from vllm_neuron.envs import redact_text
 from vllm_neuron.identity import tensor_parallel_size
 
-from ..entry.events import (
-    CacheHit,
-    CacheMiss,
-    Deferred,
-    Fetched,
-    LoadFailed,
-    LockWaited,
-    Untrusted,
-)
-from ..entry.failure_notes import (
-    clear_failure_note,
-    forget_stopped,
-    note_message,
-    recent_failure,
-)
-from ..entry.load_failure_notes import note_load_failure
+from ..entry.events import CacheHit, CacheMiss, LockWaited
+from ..entry.failure_notes import note_message, recent_failure
 from ..entry.outcomes import (
     CacheResult,
     CompileError,
-    CompileSlotTimeout,
-    CompileWorkerLost,
     FetchedFromFleet,
     PendingCompile,
     PrecompiledOnlyMiss,
@@ -90,54 +74,26 @@ from ..entry.outcomes import (
     Wait,
     Won,
 )
-from ..entry.record import EntryProblem, EntryRecord
 from ..tiers.baked import ReadOnlyTiers, open_read_only_tier
 from ..tiers.build import CompileFn, EntryBuilder
-from ..tiers.health import LOCAL_DISK_FULL_OR_READ_ONLY, LocalTierFault, tier_dir, unwritable_cause
+from ..tiers.health import tier_dir, unwritable_cause
 from ..tiers.local import LocalTier
-from ..tiers.promote import promote_entry
-from ..tiers.quarantine import PublicationProblem, quarantine_entry
-from ..tiers.remote import RemoteTier, fetch_entry
-from ..trust.policy import TrustPolicy, UntrustedEntry, trust_policy
-from ..trust.signing import Verdict
+from ..tiers.remote import RemoteTier
+from ..trust.policy import TrustPolicy, trust_policy
 from ..upkeep.background import TierUpkeep
 from ..workers.slots import CompileSlots
+from . import healing
+from .ask import Ask, WorkerCompile
+from .compiling import KeyCompiler
+from .deferral import Deferral
+from .fetch import Admission, RemoteFetch
 from .fleet import RemoteSingleFlight
-from .prefetch import Prefetcher
+from .prefetch import Prefetcher, PrefetchLook
 
 __all__ = [
     "CacheResult", "CompileError", "CompileFn", "PrecompiledOnlyMiss", "TwoTierCache",
     "WorkerCompile",
 ]
-
-logger = logging.getLogger("vllm_neuron.compile")
-
-WorkerCompile = Callable[[], "tuple[CompileFn, Callable[[], None]] | None"]
-"""Prepares a graph for a compile worker (`TwoTierCache.begin`): the compile to run, and
-what discards the prepared job; None when the graph cannot go to a worker."""
-
-
-@dataclass(frozen=True)
-class _Ask:
-    """One pass of the flow for one key: what to compile it with, and how patient to be.
-
-    `wait`: False for `begin`'s first pass (where waiting would start, a `Wait` comes back);
-    `started` (epoch seconds): when the caller began to want the key - a compile that failed
-    since then is its failure too; `worker`: prepares the graph for a compile worker;
-    `have_slot`: the caller already holds one of the node's compile slots."""
-
-    key: str
-    compile_fn: CompileFn
-    components: Mapping[str, str]
-    piece: str | None
-    wait: bool
-    started: float | None = None
-    worker: WorkerCompile | None = None
-    have_slot: bool = False
-
-    @property
-    def what(self) -> str:
-        return f"{self.key} ({self.piece})" if self.piece else self.key
 
 
 class TwoTierCache:
@@ -187,16 +143,17 @@ class TwoTierCache:
         self.compile_workers = compile_workers
         # Whose entries this process loads, and whether it signs (docs/trust.md).
         self.trust = trust_policy() if trust is None else trust
-        self._untrusted: dict[str, str] = {}  # key -> why its entry is not trusted
+        self._admission = Admission(self.trust, local_dir=self.local_dir, remote_url=remote or None,
+                                    record=self._record)  # fmt: skip
         self._loaded: dict[str, CacheResult] = {}  # the memory tier: what this process loaded
         self.local_tier = LocalTier(
             self.local, trust=self.trust, lease_duration=lease_duration, timeout=timeout,
-            admit=self._admitted, forget=lambda key: self._loaded.pop(key, None))
+            admit=self._admission.admitted, forget=lambda key: self._loaded.pop(key, None))
         record = self.local_tier.record
         # Consulted after the local tier, before the remote; never written (tiers/baked.py).
         self.read_only = ReadOnlyTiers(
             [open_read_only_tier(t) if isinstance(t, str) else t for t in read_only],
-            trust=self.trust, admit=self._admitted, record=record)
+            trust=self.trust, admit=self._admission.admitted, record=record)
         # `disabled` because nothing can be written (the assembly's bypass), not because the
         # user said so: the read-only tiers still serve every hit they hold (a hit writes
         # nothing); what misses is compiled uncached, or refused in pre-compiled-only mode.
@@ -205,14 +162,21 @@ class TwoTierCache:
         self.remote_write: RemoteWrite = remote_write
         self._remote = RemoteTier(self.remote_url, remote_options or {}, record,
                                   write=remote_write)  # fmt: skip
+        self._fetch = RemoteFetch(self.local, self.local_tier, self._remote,
+                                  admission=self._admission, record=self._record)
         self._fleet = RemoteSingleFlight(
             self._remote, lease_seconds=remote_lease_seconds, retry_after=compile_retry_after,
             timeout=timeout, record=record, trust=self.trust, stopped_in=self.local)  # fmt: skip
         self._slots = None if compile_workers is None else CompileSlots(
             self.local, compile_workers, lease_duration=lease_duration, peers=tensor_parallel_size)
-        self._in_flight: dict[str, PendingCompile] = {}  # begin's worker compiles, by key
-        self._prefetcher = Prefetcher(self._prefetch_once, patience=timeout)
-        self._prefetched: set[str] = set()  # fetched by it, not yet looked up
+        self._prefetch_look = PrefetchLook(
+            self.local, self.local_tier, lease_duration=lease_duration,
+            remote=lambda: self.remote, fetch=lambda key: self.fetch_remote(key),
+            grew=lambda: self.keep_within_bound())
+        self._prefetcher = Prefetcher(self._prefetch_look.once, patience=timeout)
+        self._deferral = Deferral(get=self._get, waited_for=self._waited_for,
+                                  record=self._record, prefetcher=self._prefetcher,
+                                  slots=self._slots, timeout=timeout)  # fmt: skip
         self._bound_lock = threading.Lock()  # one eviction pass at a time
         self._builder = EntryBuilder(
             self.local, toolchain=toolchain, target=target, record=record,
@@ -225,6 +189,9 @@ class TwoTierCache:
             may_publish=self.trust.may_publish_remote, policy=self.trust,
             quarantine=lambda key, why: self.local_tier.withdraw(self.local, key, why,
                                                                  tier="local"))  # fmt: skip
+        self._compiler = KeyCompiler(
+            self.local, self.local_tier, self._builder, slots=self._slots, upkeep=self._upkeep,
+            fleet=self._fleet, remote_tier=self._remote, trust=self.trust)
         self._upkeep.at_start()
 
     # ================================================================ the callers
@@ -236,7 +203,7 @@ class TwoTierCache:
         `piece` (which piece of the model it is) only labels the compile's events (stats).
         `started` (epoch seconds) is when the caller began to want `key` (a deferral): a
         compile that failed since then is this caller's failure too."""
-        return self._waited_for(_Ask(key, compile_fn, components or {}, piece, wait=True,
+        return self._waited_for(Ask(key, compile_fn, components or {}, piece, wait=True,
                                      started=started))  # fmt: skip
 
     def begin(
@@ -259,37 +226,7 @@ class TwoTierCache:
         components = components or {}
         if not self.defer_compiles:
             return self.get_or_compile(key, compile_fn, components=components, piece=piece)
-        queued = self._in_flight.get(key)
-        if queued is not None and not queued.done:
-            return queued  # one job per key: a model's repeated layers are one graph
-        at = time.time()
-        ask = _Ask(key, compile_fn, components, piece, wait=False, started=at, worker=worker)
-        outcome = self._get(ask)
-        if isinstance(outcome, CacheResult):
-            return outcome
-        reason = outcome.reason
-        if reason == "worker":
-            future = _in_background(self._compile_in_worker, ask, outcome.prepared)
-        self._record(Deferred(key=key, at=at, reason=reason, piece=piece or ""))
-        if reason == "remote-lease":  # fetched once its holder publishes it (prefetch.py)
-            self._prefetcher.add(key)
-        later = replace(ask, wait=True, worker=None)  # the first call waits, compiles in place
-
-        def resolve() -> CacheResult:
-            self._prefetcher.forget(key)
-            if reason == "worker":
-                try:
-                    return future.result()
-                except (CompileWorkerLost, TimeoutError) as exc:
-                    # No worker, or its slot never came: not the graph's failure. Compiled
-                    # here, now, under a fresh NEURON_LIBTORCH_COMPILATION_TIMEOUT.
-                    logger.warning("compile cache: %s; compiling %s in this process", exc, key)
-            return self._waited_for(later)
-
-        pending = PendingCompile(key, reason, at, resolve)
-        if reason == "worker":
-            self._in_flight[key] = pending
-        return pending
+        return self._deferral.begin(key, compile_fn, components, piece, worker)
 
     def heal_unloadable(
         self, result: CacheResult, error: str, compile_fn: CompileFn, *,
@@ -306,40 +243,20 @@ class TwoTierCache:
         pre-compiled-only mode `PrecompiledOnlyMiss` says why, and nothing is withdrawn."""
         key = result.key
         self._loaded.pop(key, None)
-        self._record(LoadFailed(key=key, at=time.time(), source=result.source,
-                                error=redact_text(error)))  # a file of the tier: no secret
-        if self.precompiled_only:
-            raise PrecompiledOnlyMiss(
-                f"the compile cache entry {key} does not load here ({error}), and "
-                "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 forbids compiling at runtime"
-            )
-        remote = self.remote if result.source == "remote" else None
-        if remote is not None:  # a note for the fleet's operators, not a withdrawal
-            note_load_failure(remote, key, error)
-        ask = _Ask(key, compile_fn, components, piece, wait=True)
-        try:
-            with self.local.lock(key, lease_duration=self.lease_duration, timeout=self.timeout):
-                try:
-                    current: EntryRecord | None = self.local_tier.read_entry(key)
-                except EntryProblem:
-                    current = None
-                if current == result.record:
-                    if not quarantine_entry(self.local, key, f"does not load here: {error}",
-                                            warn=False):  # fmt: skip
-                        raise LocalTierFault(f"could not withdraw the entry {key}")
-                    current = None
-                replaced = None if current is None else self.local_tier.lookup(key)
-                healed = replaced or self._compiled(
-                    self._compile(ask, deadline=time.monotonic() + self.timeout))
-        except (LocalTierFault, OSError) as exc:
-            if isinstance(exc, OSError) and unwritable_cause(exc, tier_dir(self.local)) is None:
-                raise
-            healed = self._from_scratch(ask, str(exc))
+        ask = Ask(key, compile_fn, components, piece, wait=True)
+        healed = healing.heal_unloadable(
+            result, error, local=self.local, local_tier=self.local_tier,
+            lease_duration=self.lease_duration, timeout=self.timeout,
+            precompiled_only=self.precompiled_only, remote=lambda: self.remote,
+            record=self._record,
+            compile_again=lambda: self._compiler.compile(
+                ask, deadline=time.monotonic() + self.timeout),
+            from_scratch=lambda why: self._compiler.from_scratch(ask, why))
         self._loaded[key] = healed
         return healed
 
     # ================================================================ the flow
-    def _waited_for(self, ask: _Ask) -> CacheResult:
+    def _waited_for(self, ask: Ask) -> CacheResult:
         """`_get` for a caller that waits wherever the flow waits: never a `Wait`."""
         outcome = self._get(ask)
         if isinstance(outcome, Wait):  # pragma: no cover - the flow waits when asked to
@@ -347,7 +264,7 @@ class TwoTierCache:
                                  "to wait")  # fmt: skip
         return outcome
 
-    def _get(self, ask: _Ask) -> CacheResult | Wait:
+    def _get(self, ask: Ask) -> CacheResult | Wait:
         key = ask.key
         validate_hex(key, length=32, what="compile cache key")
         cached = self._loaded.get(key)
@@ -367,7 +284,7 @@ class TwoTierCache:
         self._upkeep.start_background()  # once (upkeep/background.py)
         hit = self.local_tier.lookup(key, quarantine=False)
         if hit is not None:
-            if not self._first_use_of_prefetched(key):
+            if not self._prefetch_look.first_use(key):
                 self._record(CacheHit(key=key, at=time.time(), seconds=hit.seconds,
                                       compile_seconds=hit.record.compile_seconds))
             self._loaded[key] = hit
@@ -383,7 +300,7 @@ class TwoTierCache:
             self.keep_within_bound()
         return outcome
 
-    def _locked_miss(self, ask: _Ask) -> CacheResult | Wait:
+    def _locked_miss(self, ask: Ask) -> CacheResult | Wait:
         key = ask.key
         wait_start = time.time() if ask.started is None else ask.started
         deadline = time.monotonic() + self.timeout
@@ -402,14 +319,14 @@ class TwoTierCache:
         except OSError as exc:  # a tier that filled up or turned read-only since it opened
             if unwritable_cause(exc, tier_dir(self.local)) is None:
                 raise
-            return self._from_scratch(ask, f"cannot take the key's lock: {exc}")
+            return self._compiler.from_scratch(ask, f"cannot take the key's lock: {exc}")
         waited = time.perf_counter() - t0
         try:
             if waited > 0.05:
                 self._record(LockWaited(key=key, at=time.time(), seconds=waited))
             hit = self.local_tier.lookup(key)
             if hit is not None:
-                if not self._first_use_of_prefetched(key):
+                if not self._prefetch_look.first_use(key):
                     self._record(CacheHit(key=key, at=time.time(), seconds=waited,
                                           compile_seconds=hit.record.compile_seconds))
                 return self.local_tier.result(key, hit.prefix, hit.record, "local-after-wait",
@@ -437,84 +354,9 @@ class TwoTierCache:
                 return claim
             if isinstance(claim, FetchedFromFleet):
                 return claim.result
-            return self._compile_won(ask, claim, deadline)
+            return self._compiler.won(ask, claim, deadline)
         finally:
             lock.release()
-
-    def _compile_won(self, ask: _Ask, won: Won, deadline: float) -> CacheResult | Wait:
-        """Compile a key this process won: promote it while the fleet's lease holds, or note
-        its failure there for every node's waiters; the lease is let go whatever happens."""
-        try:
-            try:
-                outcome = self._compile(ask, deadline=deadline, owes=won.owes)
-            except (CompileWorkerLost, CompileSlotTimeout):
-                raise  # no worker, or no slot: not the graph's failure; the lease comes free
-            except Exception as exc:
-                self._fleet.note_failure(won, ask.key, exc)
-                raise
-            if isinstance(outcome, CacheResult) and won.remote is not None \
-                    and self._fleet.still_holds(won, ask.key):  # fmt: skip
-                self._promote(won.remote, ask.key)
-            return outcome
-        finally:
-            self._fleet.let_go(won)
-
-    def _compile(self, ask: _Ask, *, deadline: float, owes: bool = False) -> CacheResult | Wait:
-        """Compile a key this process has won, in one of the node's compile slots: without
-        `wait`, `Wait("no-slot")` when none is free, or - with a `worker` - the graph
-        prepared for a background compile (`Wait("worker", prepared)`: `begin` hands it to
-        a worker); with `owes`, the promotion to the remote is owed first (settled by it, or
-        by a later start)."""
-        if ask.worker is not None and not ask.wait:
-            # Prepared here, under the key's lock (and lease): a rank that traces the graph
-            # meanwhile defers to this one instead of preparing it too.
-            prepared = ask.worker()
-            if prepared is not None:
-                return Wait("worker", prepared)
-            # no worker for this graph: compiled here, now, if a slot is free
-        if self._slots is None or ask.have_slot:  # no bound, or the caller holds a slot
-            return self._publish(ask, owes)
-        with self._slots.held(wait=ask.wait, deadline=deadline, what=ask.what) as held:
-            if not held:
-                return Wait("no-slot")
-            return self._publish(ask, owes)
-
-    def _publish(self, ask: _Ask, owes: bool) -> CacheResult:
-        if owes:
-            self._upkeep.owe(ask.key)
-        scratch, record, seconds = self._builder.publish_where_room(
-            ask.key, ask.compile_fn, ask.components, ask.piece)
-        if scratch is not None:  # the tier had no room: served from the scratch area
-            return CacheResult(ask.key, scratch, record, "uncached", seconds, "")
-        published = self.local_tier.lookup(ask.key)
-        if published is None:
-            raise CompileError(
-                f"compiled {ask.key} but its entry in {self.local_dir} is not readable")
-        return self.local_tier.result(ask.key, published.prefix, published.record, "compiled",
-                                      seconds)  # fmt: skip
-
-    def _promote(self, remote: Store, key: str) -> None:
-        """Promote what this process compiled for the fleet, and clear the key's failure
-        note there; best-effort (the local entry serves this node anyway)."""
-        try:
-            if self.local.published(key) is not None:
-                promote_entry(self.local, remote, key, policy=self.trust)
-            # else: served from scratch (the tier had no room): nothing to promote; the
-            # lease comes free and another node compiles it.
-            self._upkeep.settled(key)
-            clear_failure_note(remote, key)
-        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-            # Leased, so the remote takes writes: a refusal here (that key's folder made
-            # unreadable), a record that does not read, a publication stuck are that key's
-            # defects while the remote still answers a probe; only then its outage.
-            self._remote.key_failed(key, exc)
-
-    def _from_scratch(self, ask: _Ask, reason: str) -> CacheResult:
-        """The tier cannot be used for this key at all (`reason`): compiled in scratch and
-        served from there, said once."""
-        out_dir, record, seconds = self._builder.serve_from_scratch(
-            ask.key, ask.compile_fn, ask.components, ask.piece, reason)
-        return CacheResult(ask.key, out_dir, record, "uncached", seconds, "")
 
     def _baked_hit(self, key: str) -> CacheResult | None:
         """A read-only tier's hit for `key` (counted, remembered), or None."""
@@ -525,11 +367,6 @@ class TwoTierCache:
             self._loaded[key] = baked
         return baked
 
-    def _compiled(self, outcome: CacheResult | Wait) -> CacheResult:
-        if isinstance(outcome, Wait):  # pragma: no cover - a waiting compile never defers
-            raise AssertionError(f"a waiting compile deferred ({outcome.reason})")
-        return outcome
-
     def _precompiled_only_miss(self, key: str) -> PrecompiledOnlyMiss:
         self._record(CacheMiss(key=key, at=time.time()))
         where = f"the local cache {self.local_dir}"
@@ -537,7 +374,7 @@ class TwoTierCache:
             where += f", the read-only cache {url}"
         if self.remote_url:
             where += f" or the remote cache {self.remote_url}"
-        untrusted = self._untrusted.get(key)
+        untrusted = self._admission.untrusted.get(key)
         if untrusted is not None:
             where += f" (an entry is there, but untrusted: {untrusted})"
         return PrecompiledOnlyMiss(
@@ -552,57 +389,12 @@ class TwoTierCache:
         return self._remote.store()
 
     def fetch_remote(self, key: str) -> CacheResult | None:
-        """Copy `key` from the remote tier into the local tier, verifying every checksum."""
+        """Copy `key` from the remote tier into the local tier, verifying every checksum
+        (`fetch.py`)."""
         remote = self.remote
         if remote is None:
             return None
-        start = time.perf_counter()
-        try:
-            record = fetch_entry(remote, key, self.local, policy=self.trust,
-                                 admit=lambda v: self._admitted(key, "remote", v))
-        except UntrustedEntry:  # refused (and said) by the policy: a miss, nothing copied
-            return None
-        except PublicationProblem as exc:  # judged: withdraw that version only
-            self.local_tier.withdraw(remote, key, str(exc), tier="remote", version=exc.version)
-            return None
-        except EntryProblem as exc:
-            self.local_tier.withdraw(remote, key, str(exc), tier="remote")
-            return None
-        except FileNotFoundError as exc:
-            logger.warning("compile cache: remote entry %s/%s vanished while fetching: %s",
-                           remote.url, key, exc)
-            return None
-        except Exception as exc:  # noqa: BLE001 - the remote is best-effort
-            fault = unwritable_cause(exc)
-            if fault is not None and fault.errno in LOCAL_DISK_FULL_OR_READ_ONLY:
-                # This node's disk refused the copy: no remote outage. The graph compiles,
-                # and is served from scratch if the tier still has no room.
-                logger.warning("compile cache: fetching %s into %s failed: %s; compiling it "
-                               "here instead", key, self.local_dir, fault)  # fmt: skip
-                return None
-            self._remote.key_failed(key, exc)
-            return None
-        local = None if record is None else self.local_tier.lookup(key)
-        if record is None or local is None:
-            return None
-        seconds = time.perf_counter() - start
-        forget_stopped(self.local, key)
-        self._record(Fetched(key=key, at=time.time(), seconds=seconds, size=record.total_size,
-                             remote=str(self.remote_url),
-                             compile_seconds=record.compile_seconds))
-        return self.local_tier.result(key, local.prefix, local.record, "remote", seconds)
-
-    def _admitted(self, key: str, tier: str, verdict: Verdict) -> bool:
-        """Whether the policy lets this process use an entry with `verdict` (one warning
-        per signer); an `untrusted` event when it is not trusted."""
-        where = self.local_dir if tier == "local" else str(self.remote_url)
-        admitted = self.trust.admits(key, where, verdict)
-        if not verdict.trusted and key not in self._untrusted:
-            self._record(Untrusted(key=key, at=time.time(), tier=tier, status=verdict.status,
-                                   reason=verdict.reason, refused=not admitted,
-                                   signer=verdict.key_id))  # fmt: skip
-            self._untrusted[key] = verdict.reason  # one event per entry and process
-        return admitted
+        return self._fetch.fetch(remote, key)
 
     # ================================================================ deferred graphs
     @property
@@ -611,54 +403,6 @@ class TwoTierCache:
         (`workers/slots.py`), or the CPUs when nothing bounds them: the compile workers it
         needs."""
         return self._slots.share if self._slots is not None else (os.cpu_count() or 1)
-
-    def _compile_in_worker(self, ask: _Ask,
-                           prepared: tuple[CompileFn, Callable[[], None]]) -> CacheResult:
-        """`begin`'s background compile of a graph prepared for a worker."""
-        compile_fn, discard = prepared
-        in_worker = replace(ask, compile_fn=compile_fn, worker=None)
-        try:
-            # A slot first, then the key: a key (and its fleet lease) is never held while
-            # its compile queues for this node's slots, or the other nodes, idle, would
-            # wait on this node's queue instead of taking the graphs it cannot compile yet.
-            slot = contextlib.nullcontext(True) if self._slots is None else self._slots.held(
-                wait=True, deadline=time.monotonic() + self.timeout, what=ask.what)
-            with slot:
-                outcome = self._get(replace(in_worker, wait=False, have_slot=True))
-                if isinstance(outcome, CacheResult):
-                    return outcome
-                # another process took it meanwhile: waited for without a slot
-            return self._waited_for(replace(in_worker, wait=True))
-        finally:
-            discard()
-
-    def _prefetch_once(self, key: str) -> bool:
-        """One look for `key` on the remote from the prefetcher's thread (a request, no
-        lock), and once it is published, one fetch of it under the key's local lock, taken
-        without waiting. True when there is nothing more to do: fetched, found here, or a
-        fetch that failed (a full disk, a defective or untrusted entry, the remote gone),
-        whose first call owns the outcome; False to look again later (not published yet, or
-        the lock busy: a first call or another rank is on it)."""
-        remote = self.remote
-        if remote is None:
-            return True  # no remote (set aside): the first call waits and says why
-        if remote.publication(key).state == "absent":
-            return False
-        lock = self.local.lock(key, lease_duration=self.lease_duration)
-        try:
-            lock.acquire(timeout=0)
-        except LockTimeout:
-            return False
-        try:
-            if self.local_tier.lookup(key) is not None:
-                return True
-            fetched = self.fetch_remote(key) is not None
-        finally:
-            lock.release()
-        if fetched:
-            self._prefetched.add(key)  # its first call's local hit is this fetch, not a 2nd
-            self.keep_within_bound()
-        return True
 
     def prefetch(self, keys: Sequence[str]) -> None:
         """Fetch `keys` into the local tier in the background, each once it is published
@@ -676,14 +420,6 @@ class TwoTierCache:
         return (self.remote is not None and not self._remote.read_only
                 and self.trust.may_publish_remote)  # fmt: skip
 
-    def _first_use_of_prefetched(self, key: str) -> bool:
-        """Whether `key` was fetched by the prefetcher and not used since: its first local
-        hit records no `hit` event (the fetch counted once, as a remote hit)."""
-        if key not in self._prefetched:
-            return False
-        self._prefetched.discard(key)
-        return True
-
     # ================================================================ the tier's keeping
     def keep_within_bound(self) -> None:
         """Evict the least recently used entries above the bound, never one this process
@@ -692,7 +428,7 @@ class TwoTierCache:
         with self._bound_lock:
             # What this process loaded, and what its prefetcher fetched for a first call
             # still to come (evicted now, that call would only fetch it again).
-            self._upkeep.keep_within_bound([*self._loaded, *self._prefetched.copy()])
+            self._upkeep.keep_within_bound([*self._loaded, *self._prefetch_look.prefetched.copy()])
 
     def wait_for_upkeep(self, timeout: float | None = None) -> bool:
         """Wait for the background pass this cache started when it opened (what killed
@@ -703,24 +439,3 @@ class TwoTierCache:
     def _record(self, event: Record) -> None:
         self.local_tier.record(event)
 
-
-T = TypeVar("T")
-
-
-def _in_background(fn: Callable[..., T], *args: Any) -> Future[T]:
-    """Run `fn(*args)` in a daemon thread; its outcome in the future. Daemon: a process that
-    exits (a server stopped during its cold start) does not wait for its queued compiles,
-    whose workers exit with it (they watch their parent) and whose staging `cache gc`
-    collects."""
-    future: Future[T] = Future()
-
-    def run() -> None:
-        if not future.set_running_or_notify_cancel():
-            return
-        try:
-            future.set_result(fn(*args))
-        except BaseException as exc:  # noqa: BLE001 - handed to whoever waits on it
-            future.set_exception(exc)
-
-    threading.Thread(target=run, daemon=True, name="vllm-neuron-compile").start()
-    return future

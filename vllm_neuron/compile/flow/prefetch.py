@@ -34,9 +34,13 @@ import threading
 import time
 from collections.abc import Callable
 
+from vllm_neuron.backends import LockTimeout, Store
+
+from ..entry.outcomes import CacheResult
+from ..tiers.local import LocalTier
 from .fleet import MAX_POLL_INTERVAL
 
-__all__ = ["Prefetcher"]
+__all__ = ["PrefetchLook", "Prefetcher"]
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -120,3 +124,59 @@ class Prefetcher:
                 continue
             self._wake.wait(pause)  # a new deferral cuts the pause short
             pause = min(pause * 1.5, MAX_POLL_INTERVAL)
+
+
+class PrefetchLook:
+    """One cache's look at a deferred key from the prefetcher's thread, and the keys it
+    fetched that no call has used yet (their first local hit is this fetch, not a second).
+
+    `remote()` is the remote store (None: set aside), `fetch(key)` the cache's fetch from it,
+    `grew()` keeps the tier within its bound after a fetch."""
+
+    def __init__(self, local: Store, local_tier: LocalTier, *, lease_duration: float,
+                 remote: Callable[[], Store | None],
+                 fetch: Callable[[str], CacheResult | None],
+                 grew: Callable[[], None]) -> None:  # fmt: skip
+        self.local = local
+        self.local_tier = local_tier
+        self.lease_duration = lease_duration
+        self._remote = remote
+        self._fetch = fetch
+        self._grew = grew
+        self.prefetched: set[str] = set()  # fetched by it, not yet looked up
+
+    def once(self, key: str) -> bool:
+        """One look for `key` on the remote from the prefetcher's thread (a request, no
+        lock), and once it is published, one fetch of it under the key's local lock, taken
+        without waiting. True when there is nothing more to do: fetched, found here, or a
+        fetch that failed (a full disk, a defective or untrusted entry, the remote gone),
+        whose first call owns the outcome; False to look again later (not published yet, or
+        the lock busy: a first call or another rank is on it)."""
+        remote = self._remote()
+        if remote is None:
+            return True  # no remote (set aside): the first call waits and says why
+        if remote.publication(key).state == "absent":
+            return False
+        lock = self.local.lock(key, lease_duration=self.lease_duration)
+        try:
+            lock.acquire(timeout=0)
+        except LockTimeout:
+            return False
+        try:
+            if self.local_tier.lookup(key) is not None:
+                return True
+            fetched = self._fetch(key) is not None
+        finally:
+            lock.release()
+        if fetched:
+            self.prefetched.add(key)  # its first call's local hit is this fetch, not a 2nd
+            self._grew()
+        return True
+
+    def first_use(self, key: str) -> bool:
+        """Whether `key` was fetched by the prefetcher and not used since: its first local
+        hit records no `hit` event (the fetch counted once, as a remote hit)."""
+        if key not in self.prefetched:
+            return False
+        self.prefetched.discard(key)
+        return True
