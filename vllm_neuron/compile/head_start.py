@@ -61,6 +61,8 @@ __all__ = ["PROBE_SAID", "fleet_knows", "likely_to_compile", "start_cpu_probe_if
 
 logger = logging.getLogger("vllm_neuron.compile")
 
+LOOK_SECONDS = 3.0
+"""The most one request of `fleet_knows`'s look at an S3 remote may take."""
 PROBE_SAID = 4000
 """How much of what a failed probe printed (its end: the traceback) is logged with it."""
 
@@ -87,7 +89,11 @@ def fleet_knows(settings: CompileCacheSettings, deployment: str | None, ranks: i
         from vllm_neuron.backends import open_store
         from vllm_neuron.backends.errors import ListingTooLarge
 
-        remote = open_store(settings.remote_cache, create=False)
+        # A guess must not hold a start up: on S3, a few seconds at most per request (a
+        # remote that is down costs this look, then the cache's own, as before).
+        quick = ({"request_timeout": LOOK_SECONDS, "connect_timeout": LOOK_SECONDS}
+                 if settings.remote_cache.startswith("s3://") else {})  # fmt: skip
+        remote = open_store(settings.remote_cache, create=False, **quick)
         if deployment is not None:
             return deployment_known(remote, deployment, ranks)
         try:

@@ -41,6 +41,22 @@ def remote(tmp_path: Path):
     return open_store(str(tmp_path / "remote"))
 
 
+@pytest.mark.parametrize("kind", ["s3", "posix"])
+def test_records_round_trip_on_every_backend_and_the_fleet_knows_them(request, tmp_path, kind):
+    if kind == "s3":
+        request.getfixturevalue("s3_env")
+        url = request.getfixturevalue("s3_store_url")
+    else:
+        url = str(tmp_path / "remote")
+    store = open_store(url)
+    settings = CompileCacheSettings(cache_root=str(tmp_path / "root"), remote_cache=url)
+    assert not fleet_knows(settings, None) and not fleet_knows(settings, DEPLOYMENT, 1)
+    assert remember_keys(store, DEPLOYMENT, 0, KEYS)
+    assert deployment_keys(store, DEPLOYMENT, 0) == sorted(KEYS)
+    assert fleet_knows(settings, None) and fleet_knows(settings, DEPLOYMENT, 1)
+    assert not fleet_knows(settings, DEPLOYMENT, 2)
+
+
 def test_a_ranks_keys_round_trip_sorted_and_are_written_only_when_they_change(remote):
     assert deployment_keys(remote, DEPLOYMENT, 0) is None
     assert remember_keys(remote, DEPLOYMENT, 0, [*KEYS, KEYS[0], "not a key"]) is True
