@@ -12,6 +12,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from vllm_neuron.assembly import get_runtime
+from vllm_neuron.compile.toolchains.torch_internals import resolve
 
 BACKEND_NAME = "vllm_neuron"
 
@@ -23,21 +24,28 @@ def vllm_neuron_backend(
     return get_runtime().compile_graph(gm, list(example_inputs))
 
 
-def register_backend() -> None:
-    """Register the backend with dynamo under `BACKEND_NAME` (idempotent).
+def register_backend() -> bool:
+    """Register the backend with dynamo under `BACKEND_NAME` (idempotent); False when
+    dynamo's registry is not laid out as expected (torch's private names, fenced: warned
+    once, naming the name; ``torch.compile(backend="vllm_neuron")`` then fails with
+    dynamo's unknown-backend error).
 
     Leaves it to dynamo when dynamo has discovered our entry point but not loaded it yet:
     that is also the state while dynamo itself is importing this module to resolve the
     entry point, and registering here would make dynamo's own registration, right after,
     fail with "duplicate name".
     """
-    # Lazy: torch is heavy and optional; only this path needs it.
-    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
-
-    current = _COMPILER_FNS.get(BACKEND_NAME)
+    registry = "torch._dynamo.backends.registry"
+    compiler_fns = resolve(f"{registry}._COMPILER_FNS")
+    backends = resolve(f"{registry}._BACKENDS")
+    register = resolve(f"{registry}.register_backend")
+    if compiler_fns is None or backends is None or register is None:
+        return False
+    current = compiler_fns.get(BACKEND_NAME)
     if current is vllm_neuron_backend:
-        return
-    if current is None and _BACKENDS.get(BACKEND_NAME) is not None:
-        return  # an entry point dynamo resolves (to this very function) on first lookup
-    _COMPILER_FNS.pop(BACKEND_NAME, None)
-    register_backend(compiler_fn=vllm_neuron_backend, name=BACKEND_NAME)
+        return True
+    if current is None and backends.get(BACKEND_NAME) is not None:
+        return True  # an entry point dynamo resolves (to this very function) on first lookup
+    compiler_fns.pop(BACKEND_NAME, None)
+    register(compiler_fn=vllm_neuron_backend, name=BACKEND_NAME)
+    return True

@@ -42,6 +42,7 @@ import msgspec
 from vllm_neuron.backends import Store, fault_point, join, local_path_of
 from vllm_neuron.backends.writable import unwritable_cause, why_unwritable
 from vllm_neuron.compile.entry.text import printable
+from vllm_neuron.compile.toolchains.base import require_torch
 
 from .capture_spec import CaptureSpec, SnapshotCaptureError
 from .collectives import collective_ops
@@ -143,9 +144,7 @@ def _tensor_spec(
 
 
 def _flatten_outputs(out: Any) -> list[Any]:
-    import torch.utils._pytree as pytree  # heavy and optional: only for a selected call
-
-    return list(pytree.tree_leaves(out))
+    return list(require_torch("torch.utils._pytree.tree_leaves")(out))
 
 
 class BundleWriter:

@@ -28,6 +28,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from vllm_neuron.compile.toolchains.base import require_torch
 from vllm_neuron.compile.toolchains.op_libraries import import_vllm_kernels
 
 from .bundles import ReplayError, load_bundle, open_snapshot_root
@@ -67,7 +68,8 @@ def join_group(tp_size: int, rank: int, init: str, ident: str) -> Any:
 def main(argv: list[str]) -> int:
     import torch
     import torch.distributed as dist
-    import torch.utils._pytree as pytree
+
+    tree_leaves = require_torch("torch.utils._pytree.tree_leaves")
 
     job = json.loads(Path(argv[0]).read_text())
     rank = int(argv[1])
@@ -110,7 +112,7 @@ def main(argv: list[str]) -> int:
         except Exception as exc:  # noqa: BLE001 - this bundle's report; the others still run
             results.append(item.report(problem=run_failed(item.runner, exc)))
             continue
-        actual = list(pytree.tree_leaves(result))
+        actual = list(tree_leaves(result))
         try:
             results.append(item.report(compare_outputs(
                 actual, item.expected, atol=job["atol"], rtol=job["rtol"],

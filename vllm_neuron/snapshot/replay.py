@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_neuron.backends import Store, join
+from vllm_neuron.compile.toolchains.base import require_torch
 
 from .bundles import Bundle, ReplayError, find_bundles, load_bundle
 from .collectives import needs_group
@@ -86,8 +87,8 @@ def replay_bundle(
     :func:`replay`, which runs every rank of the call together."""
     # Heavy optional dependency: imported only once a bundle is actually run.
     import torch
-    import torch.utils._pytree as pytree
 
+    tree_leaves = require_torch("torch.utils._pytree.tree_leaves")
     if needs_group(bundle.meta):
         meta = bundle.meta
         return report_of(bundle, runner, problem=(
@@ -106,7 +107,7 @@ def replay_bundle(
             result = prepared.fn(*prepared.inputs)
     except Exception as exc:  # noqa: BLE001 - this bundle's report; the others still run
         return prepared.report(problem=run_failed(prepared.runner, exc))
-    actual = list(pytree.tree_leaves(result))
+    actual = list(tree_leaves(result))
     try:
         return prepared.report(compare_outputs(actual, prepared.expected, atol=atol, rtol=rtol,
                                                reference=prepared.runner == "eager"))

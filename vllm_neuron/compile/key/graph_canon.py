@@ -38,6 +38,8 @@ from typing import Any
 import torch
 import torch.fx
 
+from vllm_neuron.compile.key.torch_ops import op_class, unreadable
+
 __all__ = [
     "KeyComputationError",
     "digest_json",
@@ -114,13 +116,19 @@ def _tensor_meta(t: torch.Tensor) -> list[Any]:
     ]
 
 
+def _is_a(obj: Any, *qualnames: str) -> bool:
+    """Whether `obj` is of one of the fenced ``torch._ops`` classes torch has now
+    (key/torch_ops.py)."""
+    return isinstance(obj, tuple(c for c in map(op_class, qualnames) if c is not None))
+
+
 def _callable_name(fn: Any) -> str:
     """A stable, address-free name for a call target."""
     if isinstance(fn, str):
         return fn
-    if isinstance(fn, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if _is_a(fn, "torch._ops.OpOverload", "torch._ops.OpOverloadPacket"):
         return f"torch.ops.{fn}"
-    if isinstance(fn, torch._ops.HigherOrderOperator):
+    if _is_a(fn, "torch._ops.HigherOrderOperator"):
         return f"torch.ops.higher_order.{fn.name()}"
     name: str | None = None
     try:
@@ -215,7 +223,7 @@ def _canon(obj: Any, strict: bool) -> Any:
         return int(obj)
     if isinstance(obj, numbers.Real):
         return float(obj)
-    if isinstance(obj, (torch._ops.OperatorBase, torch._ops.OpOverloadPacket)) or callable(obj):
+    if _is_a(obj, "torch._ops.OperatorBase", "torch._ops.OpOverloadPacket") or callable(obj):
         return ["callable", _callable_name(obj)]
     if strict:
         raise KeyComputationError(f"cannot fingerprint a graph argument of type {_type_name(obj)}")
@@ -297,7 +305,8 @@ class _GraphHasher:
             elif node.op == "call_module":
                 entry.append(self.attr(gm.get_submodule(node.target), node.target))
             nodes.append(entry)
-        digest = digest_json(["fx", _codegen_canon(gm), nodes])
+        unread = unreadable()  # a torch without a fenced class: a key of its own
+        digest = digest_json(["fx", _codegen_canon(gm), nodes, *([unread] if unread else [])])
         self._memo[id(gm)] = digest
         return digest
 

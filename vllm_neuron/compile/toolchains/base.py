@@ -15,12 +15,14 @@ were tagged reads as version 1).
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal, Protocol
 
 from vllm_neuron.backends.records import Record, RecordCodec, Untagged
+from vllm_neuron.compile.toolchains.torch_internals import FENCED, resolve
 
 __all__ = [
     "ARTIFACTS",
@@ -32,6 +34,7 @@ __all__ = [
     "ToolchainKind",
     "ToolchainUnavailable",
     "format_shape",
+    "require_torch",
     "restore_output_structure",
 ]
 
@@ -51,6 +54,16 @@ class CompilerKilled(ToolchainError):
 
 class ToolchainUnavailable(ToolchainError):
     """The toolchain's packages are not installed; the message says what to install."""
+
+
+def require_torch(qualname: str) -> Any:
+    """The fenced torch name `qualname` (toolchains/torch_internals.py), for a use torch
+    gives no fallback for: ToolchainUnavailable naming it when it is missing or changed."""
+    value = resolve(qualname)
+    if value is None:
+        raise ToolchainUnavailable(f"torch's private {qualname} is missing or changed (see "
+                                   f"the warning): {FENCED[qualname].without}")
+    return value
 
 
 class CompiledArtifact(Record, frozen=True, kw_only=True, tag=ARTIFACT_TAG):
@@ -103,16 +116,22 @@ def restore_output_structure(result: Any, out_spec: str, expected_leaves: int) -
     output); a torch.compile backend must return exactly what the graph returns. The
     leaves are flattened, counted against the compile-time arity, and re-packed.
     """
-    # Lazy: torch is heavy and optional; only this path needs it.
-    import torch.utils._pytree as pytree
-
-    spec = pytree.treespec_loads(out_spec)
-    leaves = pytree.tree_leaves(result)
+    treespec_loads, tree_leaves, tree_unflatten = _pytree()
+    spec = treespec_loads(out_spec)
+    leaves = tree_leaves(result)
     if len(leaves) != expected_leaves or spec.num_leaves != expected_leaves:
         raise ToolchainError(
             f"compiled graph returned {len(leaves)} outputs, expected {expected_leaves}"
         )
-    return pytree.tree_unflatten(leaves, spec)
+    return tree_unflatten(leaves, spec)
+
+
+@functools.cache
+def _pytree() -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., Any]]:
+    """torch's pytree functions a graph's every call uses (read once: a hot path)."""
+    return (require_torch("torch.utils._pytree.treespec_loads"),
+            require_torch("torch.utils._pytree.tree_leaves"),
+            require_torch("torch.utils._pytree.tree_unflatten"))  # fmt: skip
 
 
 class LoweredGraph(Protocol):

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from vllm_neuron.compile.toolchains.torch_internals import cpu_feature, resolve, unknown
+from vllm_neuron.compile.toolchains.torch_internals import cpu_feature, has, resolve, unknown
 
 __all__ = ["FEATURES", "ISA_FLAGS", "LEVELS", "UNSHOWN", "CpuInfo", "HostTarget",
            "compiler_identity", "compiling_for", "cpp_compiler", "host_target",
@@ -353,7 +353,7 @@ def _install() -> bool:
         current = resolve(_ARCH_CFLAGS)
         if getattr(current, _MARK, False):
             return True
-        if current is None or not hasattr(getattr(config, "cpp", None), "march"):
+        if current is None or not has("torch._inductor.config.cpp.march"):
             logger.debug("vllm_neuron: Inductor's architecture flags are not laid out as "
                          "expected; torch's own are used (and keyed)")  # fmt: skip
             return False

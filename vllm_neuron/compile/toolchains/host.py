@@ -36,6 +36,7 @@ from vllm_neuron.compile.toolchains.base import (
     ToolchainError,
     ToolchainKind,
     format_shape,
+    require_torch,
     restore_output_structure,
 )
 from vllm_neuron.compile.toolchains.cpu_target import (
@@ -54,7 +55,7 @@ from vllm_neuron.compile.toolchains.host_collectives import (
 )
 from vllm_neuron.compile.toolchains.node_files import torch_loader_scratch
 from vllm_neuron.compile.toolchains.op_libraries import load_for_missing_schema
-from vllm_neuron.compile.toolchains.torch_internals import cpu_feature, unreadable
+from vllm_neuron.compile.toolchains.torch_internals import cpu_feature, resolve, unreadable
 
 __all__ = ["HostToolchain", "cpp_compiler", "exportable_graph"]
 
@@ -136,9 +137,7 @@ class HostToolchain(Toolchain):
         return dict(self._inductor_configs)
 
     def compile(self, gm: Any, example_inputs: Sequence[Any], out_dir: str) -> CompiledArtifact:
-        # Lazy: torch is heavy and optional; only this path needs it.
-        import torch.utils._pytree as pytree
-
+        treespec_dumps = require_torch("torch.utils._pytree.treespec_dumps")
         inputs = tuple(example_inputs)
         plan, ep, out_spec, shapes = export_program(gm, inputs)
         os.makedirs(out_dir, exist_ok=True)
@@ -154,7 +153,7 @@ class HostToolchain(Toolchain):
             target=self.target,
             files=(ARTIFACT_NAME,),
             output_shapes=tuple(shapes),
-            out_spec=pytree.treespec_dumps(out_spec),
+            out_spec=treespec_dumps(out_spec),
             num_inputs=len(inputs),
             derived_inputs=plan.derived,
             requires=self.host_target().requires,
@@ -247,17 +246,15 @@ def export_program(gm: Any, inputs: tuple[Any, ...]) -> tuple[_ExportPlan, Any, 
 def _load_package(path: str) -> Any:
     """``aoti_load_package``, loading the kernel library the graph calls when it is missing
     (a graph traced inside vLLM calls vLLM's CPU kernels; see ``op_libraries``)."""
-    # Lazy: torch is heavy and optional; only this path needs it.
-    import torch
-
+    aoti_load_package = require_torch("torch._inductor.aoti_load_package")
     try:
         with torch_loader_scratch():  # its aotinductor_* copy unpacked in ours, removed
-            return torch._inductor.aoti_load_package(path)
+            return aoti_load_package(path)
     except Exception as exc:
         if not load_for_missing_schema(exc, f"the compiled graph {path}"):
             raise
     with torch_loader_scratch():
-        return torch._inductor.aoti_load_package(path)
+        return aoti_load_package(path)
 
 
 def _load_unpacked(directory: str) -> Callable[..., Any]:
@@ -268,8 +265,11 @@ def _load_unpacked(directory: str) -> Callable[..., Any]:
     # Lazy: torch is heavy and optional; only this path needs it.
     import torch
 
+    # Without it, ToolchainUnavailable: tiers/unpacked.py loads the package instead.
+    package_loader = require_torch("torch._C._aoti.AOTIModelPackageLoader")
+
     def open_loader() -> Any:
-        return torch._C._aoti.AOTIModelPackageLoader(directory, "model", False, 1, -1)
+        return package_loader(directory, "model", False, 1, -1)
 
     try:
         loader = open_loader()
@@ -323,12 +323,14 @@ def _export_plan(gm: Any, inputs: tuple[Any, ...]) -> _ExportPlan:
     """Concrete, exportable arguments for ``inputs``; unchanged when nothing is symbolic."""
     # Lazy: torch is heavy and optional; only this path needs it.
     import torch
-    from torch._subclasses.fake_tensor import FakeTensor
     from torch.export import Dim
+
+    # Without it, every tensor input is exported from a zero-filled real one (same program).
+    fake_tensor = resolve("torch._subclasses.fake_tensor.FakeTensor") or torch.Tensor
 
     def symbolic_tensor(x: Any) -> bool:
         return isinstance(x, torch.Tensor) and (
-            isinstance(x, FakeTensor) or any(_is_symbolic(d) for d in x.shape)
+            isinstance(x, fake_tensor) or any(_is_symbolic(d) for d in x.shape)
         )
 
     if not any(symbolic_tensor(x) or isinstance(x, torch.SymInt) for x in inputs):
@@ -417,10 +419,11 @@ def _derive_integer_inputs(gm: Any, derived: Mapping[int, tuple[int, int]]) -> A
         placeholders[i].replace_all_uses_with(size)
         graph.erase_node(placeholders[i])
     empty_to_zeros = {torch.empty: torch.zeros, torch.empty_like: torch.zeros_like}
+    get_data_attr = resolve("torch._C._autograd._get_data_attr")  # None: keyed as unknown
     for node in list(graph.nodes):
         if node.op != "call_function":
             continue
-        if node.target is torch._C._autograd._get_data_attr:  # type: ignore[attr-defined]
+        if get_data_attr is not None and node.target is get_data_attr:
             # `param.data` is the parameter itself in an inference graph; traced by
             # export it would become an untraceable fake constant.
             node.replace_all_uses_with(node.args[0])
@@ -443,10 +446,11 @@ def _derive_integer_inputs(gm: Any, derived: Mapping[int, tuple[int, int]]) -> A
 def _outside_tracing() -> Iterator[None]:
     """Leave the fake-tensor mode and tracing context of a caller that compiles while
     dynamo traces (vLLM compiles its pieces from inside the dynamo backend call)."""
-    # Lazy: torch is heavy and optional; only this path needs it.
-    from torch._guards import tracing
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
+    tracing = resolve("torch._guards.tracing")
+    unset_fake_temporarily = resolve("torch._subclasses.fake_tensor.unset_fake_temporarily")
+    if tracing is None or unset_fake_temporarily is None:  # warned: the caller's context
+        yield
+        return
     with unset_fake_temporarily(), tracing(None):
         yield
 

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_neuron.compile.toolchains.torch_internals import resolve
+
 __all__ = [
     "LIBRARY",
     "calls_functional_collectives",
@@ -103,13 +105,18 @@ def register_collective_ops() -> None:
 def _op_of(target: Any, namespace: str) -> str | None:
     """``all_reduce`` for ``torch.ops.<namespace>.all_reduce`` (the packet or an overload,
     as a traced graph may hold either), else None."""
-    # Lazy: torch is heavy and optional; only the host toolchain needs it.
-    from torch._ops import OpOverload, OpOverloadPacket
-
-    if not isinstance(target, OpOverload | OpOverloadPacket):
+    ops = _op_classes()
+    if not ops or not isinstance(target, ops):
         return None
     parts = str(target).split(".")
     return parts[1] if len(parts) >= 2 and parts[0] == namespace else None
+
+
+def _op_classes() -> tuple[type, ...]:
+    """torch's operator classes a traced graph's collectives are (``torch._ops``, fenced:
+    without them no collective is recognised, and the host key says unknown)."""
+    found = (resolve("torch._ops.OpOverload"), resolve("torch._ops.OpOverloadPacket"))
+    return tuple(c for c in found if c is not None)
 
 
 def _functional_name(target: Any) -> str | None:

@@ -19,7 +19,7 @@ from typing import Any
 import msgspec
 
 from vllm_neuron.compile.toolchains.aoti_wrapper import compile_and_package, prepare_runtime
-from vllm_neuron.compile.toolchains.base import CompiledArtifact, ToolchainError
+from vllm_neuron.compile.toolchains.base import CompiledArtifact, ToolchainError, require_torch
 from vllm_neuron.compile.toolchains.host import (
     ARTIFACT_NAME,
     HostToolchain,
@@ -59,8 +59,8 @@ def export_job(toolchain: HostToolchain, gm: Any, example_inputs: Sequence[Any],
     record."""
     # Lazy: torch is heavy and optional; only this path needs it.
     import torch
-    import torch.utils._pytree as pytree
 
+    treespec_dumps = require_torch("torch.utils._pytree.treespec_dumps")
     inputs = tuple(example_inputs)
     plan, ep, out_spec, shapes = export_program(gm, inputs)
     # Into memory, then written by Python: torch's own file writer aborts the whole process
@@ -71,7 +71,7 @@ def export_job(toolchain: HostToolchain, gm: Any, example_inputs: Sequence[Any],
     with open(os.path.join(job_dir, JOB_PROGRAM), "wb") as f:
         f.write(buffer.getbuffer())
     target = toolchain.host_target()
-    job = HostJob(inductor_configs=toolchain.inductor_configs, out_spec=pytree.treespec_dumps(
+    job = HostJob(inductor_configs=toolchain.inductor_configs, out_spec=treespec_dumps(
         out_spec), output_shapes=tuple(shapes), num_inputs=len(inputs),
         derived_inputs=plan.derived, namespaces=_op_namespaces(ep), cflags=target.cflags,
         requires=target.requires)  # fmt: skip

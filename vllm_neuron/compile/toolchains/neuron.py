@@ -38,6 +38,7 @@ from vllm_neuron.compile.toolchains.base import (
     ToolchainKind,
     ToolchainUnavailable,
     format_shape,
+    require_torch,
     restore_output_structure,
 )
 
@@ -328,7 +329,6 @@ class NeuronToolchain(Toolchain):
         `LoweredNeuronGraph.compile` runs ``neuronx-cc`` on them from any thread."""
         # Lazy: torch is heavy and optional; only this path needs it.
         import torch.fx
-        import torch.utils._pytree as pytree
 
         try:
             # Lazy: torch-neuronx is heavy and optional; only this path needs it.
@@ -338,7 +338,7 @@ class NeuronToolchain(Toolchain):
             raise _unavailable([f"a usable torch-neuronx ({exc})"]) from exc
 
         output_node = next(n for n in gm.graph.nodes if n.op == "output")
-        leaves, spec = pytree.tree_flatten(output_node.args[0])
+        leaves, spec = require_torch("torch.utils._pytree.tree_flatten")(output_node.args[0])
         if any(not isinstance(leaf, torch.fx.Node) for leaf in leaves):
             raise ToolchainError("graphs returning Python constants are not supported")
 
@@ -371,7 +371,7 @@ class NeuronToolchain(Toolchain):
             target=self.target,
             files=(NEFF_NAME, METANEFF_NAME),
             output_shapes=tuple(shapes),
-            out_spec=pytree.treespec_dumps(spec),
+            out_spec=require_torch("torch.utils._pytree.treespec_dumps")(spec),
             num_inputs=len(example_inputs),
             hlo_file=HLO_NAME,
         )

@@ -23,18 +23,24 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FENCED", "Fenced", "cpu_feature", "resolve", "unknown", "unreadable"]
+__all__ = ["FENCED", "Fenced", "cpu_feature", "has", "resolve", "unknown", "unreadable"]
 
 logger = logging.getLogger("vllm_neuron.compile")
 
 _CPP_BUILDER = "torch._inductor.cpp_builder"
 _VEC_ISA = "torch._inductor.cpu_vec_isa"
+_PYTREE = "torch.utils._pytree"
+_FAKE = "torch._subclasses.fake_tensor"
+_NO_PYTREE = ("the host toolchain is unavailable (ToolchainUnavailable naming it): torch has no "
+              "other way to flatten and restore a graph's outputs")
+_MISSING = object()
 
 
 @dataclass(frozen=True)
 class Fenced:
-    """One private name: `module`'s attribute `name`; `params`, the parameter names of the
-    callable we use (None: not called, only read: `kind` is then its type, if checked)."""
+    """One private name: `module`'s attribute `name` (dotted: an attribute's attribute, as
+    ``cpp.simdlen`` of Inductor's config); `params`, the parameter names of the callable we
+    use (None: not called, only read: `kind` is then its type, if checked)."""
 
     module: str
     name: str
@@ -43,6 +49,7 @@ class Fenced:
     without: str
     feeds_key: bool = False
     kind: type | None = None
+    setting: bool = False  # a configuration value: None is a value, not a missing name
 
     @property
     def qualname(self) -> str:
@@ -89,6 +96,70 @@ _ENTRIES = (
     _cpu_probe("_is_vnni_supported", "VNNI"),
     _cpu_probe("_is_amx_tile_supported", "AMX tiles"),
     _cpu_probe("_is_amx_fp16_supported", "AMX FP16"),
+    Fenced("torch._inductor.config", "cpp.simdlen", None,
+           "read: whether Inductor's ISA pick reads beyond its first valid candidate "
+           "(vector_isa.py)", "no first-valid shortcut: Inductor probes every ISA", setting=True),
+    Fenced("torch._inductor.config", "cpp.march", None,
+           "read: whether torch compiles for -march=native, the case an explicit target "
+           "replaces (cpu_target.py)", "torch's own flags (-march=native), keyed as they are",
+           setting=True),
+    Fenced("torch._inductor", "aoti_load_package", ("path", "run_single_threaded",
+           "device_index"), "torch's package loader: loads a host entry's .pt2 (host.py)",
+           "no host entry can be loaded: ToolchainUnavailable naming it (torch has no other "
+           "loader)"),
+    Fenced("torch._C._aoti", "AOTIModelPackageLoader", None,
+           "torch's loader given a package's members unpacked in the local tier (host.py, "
+           "tiers/unpacked.py): nothing is copied to $TMPDIR",
+           "the package is loaded by aoti_load_package instead (its copy in $TMPDIR, removed "
+           "once loaded)", kind=type),
+    Fenced("torch._guards", "tracing", ("context",),
+           "with unset_fake_temporarily: leave the tracing context of a caller that compiles "
+           "while dynamo traces (host.py)",
+           "compiles run in the caller's context: one called while dynamo traces (vLLM's "
+           "pieces) may fail in torch.export (ToolchainError); workers and the CLI are not "
+           "affected"),
+    Fenced(_FAKE, "unset_fake_temporarily", (),
+           "leave the fake-tensor mode of a caller that compiles while dynamo traces (host.py)",
+           "as for torch._guards.tracing"),
+    Fenced(_FAKE, "FakeTensor", None,
+           "tells a fake example input, exported from a zero-filled real tensor (host.py)",
+           "every tensor input is exported from a zero-filled real tensor of its shape "
+           "(same program)", kind=type),
+    Fenced("torch._C._autograd", "_get_data_attr", None,
+           "the target of param.data in a traced graph, rewritten to the parameter itself "
+           "(host.py; export cannot trace it)",
+           "param.data is not rewritten (export may refuse such a graph: ToolchainError), and "
+           "the key says unknown:<name> (the program differs)", feeds_key=True),
+    Fenced("torch._ops", "OpOverload", None,
+           "tells torch's functional collectives in a graph, routed GIL-free "
+           "(host_collectives.py)",
+           "collectives are not routed (the graph compiled as traced, or refused by export: "
+           "ToolchainError), and the key says unknown:<name> (the program differs)",
+           feeds_key=True, kind=type),
+    Fenced("torch._ops", "OpOverloadPacket", None, "as torch._ops.OpOverload",
+           "as torch._ops.OpOverload", feeds_key=True, kind=type),
+    Fenced("torch._dynamo.backends.registry", "register_backend",
+           ("compiler_fn", "name", "tags"),
+           "registers torch.compile(backend=\"vllm_neuron\") (dynamo_backend.py)",
+           "the backend is not registered (one warning): torch.compile(backend=\"vllm_neuron\") "
+           "fails with dynamo's unknown-backend error"),
+    Fenced("torch._dynamo.backends.registry", "_COMPILER_FNS", None,
+           "dynamo's registered backends: registering is idempotent (dynamo_backend.py)",
+           "as register_backend", kind=dict),
+    Fenced("torch._dynamo.backends.registry", "_BACKENDS", None,
+           "dynamo's entry-point backends not loaded yet: never registered twice "
+           "(dynamo_backend.py)", "as register_backend", kind=dict),
+    Fenced(_PYTREE, "treespec_dumps", ("treespec", "protocol"),
+           "a graph's output structure, stored in its entry (host.py, host_jobs.py, neuron.py)",
+           _NO_PYTREE),
+    Fenced(_PYTREE, "treespec_loads", ("serialized",),
+           "the stored output structure, restored on load (base.py)", _NO_PYTREE),
+    Fenced(_PYTREE, "tree_unflatten", ("leaves", "treespec"), "as treespec_loads", _NO_PYTREE),
+    Fenced(_PYTREE, "tree_leaves", ("tree", "is_leaf"),
+           "a result's tensors: restored output structure (base.py), a snapshot's outputs "
+           "(snapshot/*)", _NO_PYTREE + "; a snapshot cannot be written or replayed"),
+    Fenced(_PYTREE, "tree_flatten", ("tree", "is_leaf"),
+           "a graph's outputs, lowered for Neuron (neuron.py)", _NO_PYTREE),
 )
 
 FENCED: dict[str, Fenced] = {e.qualname: e for e in _ENTRIES}
@@ -106,22 +177,45 @@ def resolve(qualname: str) -> Any | None:
     entry = FENCED[qualname]
     problem = _problem(entry)
     if problem is None:
-        return getattr(importlib.import_module(entry.module), entry.name)
+        return _lookup(entry)
+    _warn(qualname, problem, entry)
+    return None
+
+
+def has(qualname: str) -> bool:
+    """Whether the fenced `qualname` is there as expected (a setting whose value may be None:
+    ``cpp.simdlen``); one warning per name and process when not."""
+    entry = FENCED[qualname]
+    problem = _problem(entry)
+    if problem is not None:
+        _warn(qualname, problem, entry)
+    return problem is None
+
+
+def _lookup(entry: Fenced) -> Any:
+    value: Any = importlib.import_module(entry.module)
+    for part in entry.name.split("."):
+        value = getattr(value, part, _MISSING)
+        if value is _MISSING:
+            break
+    return value
+
+
+def _warn(qualname: str, problem: str, entry: Fenced) -> None:
     with _lock:
         first = qualname not in _warned
         _warned.add(qualname)
     if first:
         logger.warning("vllm_neuron: torch's private %s %s; %s", qualname, problem,
                        entry.without)  # fmt: skip
-    return None
 
 
 def _problem(entry: Fenced) -> str | None:
     try:
-        value = getattr(importlib.import_module(entry.module), entry.name, None)
+        value = _lookup(entry)
     except ImportError as exc:
         return f"cannot be imported ({exc})"
-    if value is None:
+    if value is _MISSING or (value is None and not entry.setting):
         return "is missing"
     if entry.kind is not None and not isinstance(value, entry.kind):
         return f"is a {type(value).__name__}, not a {entry.kind.__name__}"

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from vllm_neuron.compile.toolchains.node_files import secure_inductor_dirs
-from vllm_neuron.compile.toolchains.torch_internals import resolve
+from vllm_neuron.compile.toolchains.torch_internals import has, resolve
 from vllm_neuron.envs import cold_start_without
 
 __all__ = ["ask_first_valid_only", "pick_vector_isa"]
@@ -82,7 +82,7 @@ def ask_first_valid_only() -> bool:
 def _laid_out_as_expected(config: Any) -> bool:
     return (resolve(f"{_VEC_ISA}.x86_isa_checker") is not None
             and resolve(f"{_VEC_ISA}.supported_vec_isa_list") is not None
-            and hasattr(getattr(config, "cpp", None), "simdlen"))  # fmt: skip
+            and has("torch._inductor.config.cpp.simdlen"))  # fmt: skip
 
 
 def _first_valid_only(inductors: Callable[[], list[Any]], cpu_vec_isa: Any,
