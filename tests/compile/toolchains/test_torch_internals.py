@@ -33,7 +33,10 @@ WORKER = Path(__file__).parents[1] / "helpers" / "fence_worker.py"
 RUN_CMD = "torch._inductor.cpp_builder._run_compile_cmd"
 ARCH = "torch._inductor.cpp_builder._get_cpu_arch_cflags"
 VEC = "torch._inductor.cpu_vec_isa"
-KEYED = sorted(q for q, e in FENCED.items() if e.feeds_key)
+# Keyed as the compiled program's: read (and warned) by a compile, not by the key's versions.
+PROGRAM_KEYED = ["torch._C._autograd._get_data_attr", "torch._ops.OpOverload",
+                 "torch._ops.OpOverloadPacket"]  # fmt: skip
+KEYED = sorted(q for q, e in FENCED.items() if e.feeds_key and q not in PROGRAM_KEYED)
 
 
 @pytest.fixture(autouse=True)
@@ -165,7 +168,7 @@ def test_a_key_feeding_name_that_is_missing_fails_closed(
 ) -> None:
     caplog.set_level(logging.WARNING, logger="vllm_neuron.compile")
     with monkeypatch.context() as absent:
-        if qualname not in (ARCH, "torch._inductor.cpp_builder.get_cpp_compiler"):
+        if qualname.startswith(("torch.cpu.", VEC)):
             _absent(absent, qualname)
             absent_versions = HostToolchain().versions()
         else:  # not a feature: nothing to be absent
@@ -214,3 +217,116 @@ def test_without_pick_vec_isa_the_probe_runs_nothing_ahead(monkeypatch: pytest.M
     _hide(monkeypatch, f"{VEC}.pick_vec_isa")
     assert pick_vector_isa() is None
     assert torch_internals.unreadable() == ""  # not in the key
+
+
+# ------------------------------------------- the names fenced later (no compile: unit tests)
+def test_the_graph_keys_operator_classes_are_there_and_fail_closed_when_hidden(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from vllm_neuron.compile.key import torch_ops
+    from vllm_neuron.compile.key.graph_canon import graph_digest
+
+    assert {q: torch_ops._problem(e) for q, e in torch_ops.FENCED.items()} == dict.fromkeys(
+        torch_ops.FENCED)  # the canary, at the pinned torch
+    caplog.set_level(logging.WARNING, logger="vllm_neuron.compile")
+    gm = torch.fx.symbolic_trace(_AddOne())
+    normal = graph_digest(gm)
+    for qualname, entry in torch_ops.FENCED.items():
+        torch_ops._forget()
+        with monkeypatch.context() as gone:
+            gone.setitem(torch_ops.FENCED, qualname, entry._replace(name=entry.name + "_gone"))
+            hidden, again = graph_digest(torch.fx.symbolic_trace(_AddOne())), graph_digest(
+                torch.fx.symbolic_trace(_AddOne()))
+            assert torch_ops.unreadable() == f"unknown:{qualname}"
+        assert hidden == again != normal, qualname  # a key of its own, stable
+        assert sum(qualname in r.getMessage() for r in caplog.records) <= 1
+    assert graph_digest(torch.fx.symbolic_trace(_AddOne())) == normal
+
+
+class _AddOne(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten.add.Tensor(x, 1)
+
+
+@pytest.mark.parametrize("qualname", PROGRAM_KEYED)
+def test_a_host_program_name_that_is_missing_is_keyed_unknown(
+    qualname: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _hide(monkeypatch, qualname)
+    assert resolve(qualname) is None
+    assert HostToolchain().versions()["torch_internals"] == f"unknown:{qualname}"
+
+
+def test_without_pytree_the_host_toolchain_is_unavailable_naming_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm_neuron.compile.toolchains import base
+
+    _hide(monkeypatch, "torch.utils._pytree.tree_leaves")
+    base._pytree.cache_clear()
+    try:
+        with pytest.raises(base.ToolchainUnavailable, match=r"_pytree\.tree_leaves"):
+            base.restore_output_structure([torch.ones(1)], "", 1)
+    finally:
+        base._pytree.cache_clear()
+
+
+def test_without_the_package_loader_class_the_package_is_loaded_instead(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+) -> None:
+    from vllm_neuron.compile.toolchains import base, host
+
+    _hide(monkeypatch, "torch._C._aoti.AOTIModelPackageLoader")
+    with pytest.raises(base.ToolchainUnavailable, match="AOTIModelPackageLoader"):
+        host._load_unpacked(str(tmp_path))  # tiers/unpacked.py: the package instead
+
+
+def test_without_fake_tensor_every_input_is_exported_from_a_real_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from vllm_neuron.compile.toolchains import host
+
+    gm = torch.fx.symbolic_trace(_AddOne())
+    x = torch.ones(2)
+    assert host._export_plan(gm, (x,)).gm is gm  # nothing fake, nothing symbolic: as is
+    _hide(monkeypatch, "torch._subclasses.fake_tensor.FakeTensor")
+    plan = host._export_plan(gm, (x,))
+    assert plan.gm is not gm and plan.args[0] is not x and plan.args[0].shape == x.shape
+    _hide(monkeypatch, "torch._guards.tracing")
+    with host._outside_tracing():  # the caller's context, warned
+        pass
+
+
+def test_without_the_inductor_settings_there_is_no_shortcut(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch._inductor import config
+
+    from vllm_neuron.compile.toolchains import vector_isa
+
+    assert torch_internals.has("torch._inductor.config.cpp.simdlen")
+    assert torch_internals.has("torch._inductor.config.cpp.march")
+    assert vector_isa._laid_out_as_expected(config)
+    _hide(monkeypatch, "torch._inductor.config.cpp.simdlen")
+    assert not torch_internals.has("torch._inductor.config.cpp.simdlen")
+    assert not vector_isa._laid_out_as_expected(config)
+
+
+def test_without_dynamos_registry_the_backend_is_not_registered_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    from torch._dynamo.backends.registry import _COMPILER_FNS
+
+    from vllm_neuron import dynamo_backend
+
+    caplog.set_level(logging.WARNING, logger="vllm_neuron.compile")
+    monkeypatch.delitem(_COMPILER_FNS, dynamo_backend.BACKEND_NAME, raising=False)
+    _hide(monkeypatch, "torch._dynamo.backends.registry.register_backend")
+    assert dynamo_backend.register_backend() is False
+    assert dynamo_backend.register_backend() is False
+    assert dynamo_backend.BACKEND_NAME not in _COMPILER_FNS
+    warned = [r.getMessage() for r in caplog.records if "register_backend" in r.getMessage()]
+    assert len(warned) == 1 and "not registered" in warned[0], warned
+    monkeypatch.undo()
+    assert dynamo_backend.register_backend() is True
+    assert _COMPILER_FNS.get(dynamo_backend.BACKEND_NAME) is dynamo_backend.vllm_neuron_backend
