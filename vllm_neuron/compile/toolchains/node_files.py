@@ -36,6 +36,7 @@ import functools
 import hashlib
 import logging
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -125,16 +126,30 @@ def group_dir() -> str:
     with _LOCK:
         owner = _identity()
         base = load_node_files_dir()
-        why = "no local tier named it" if base is None else make_private_dir(base)
+        why = "no local tier named it" if base is None else (_why_not_on_a_command_line(base)
+                                                             or make_private_dir(base))
         if why is None and base is not None:
             try:
                 return _register(base, _group_name(owner), owner)
             except OSError as exc:
                 why = str(exc)
         throwaway = _throwaway()
-        logger.info("vllm_neuron: precompiled headers and runtime objects are kept in %s, "
-                    "removed when this process exits (%s)", throwaway, why)  # fmt: skip
+        # A tier that was named but cannot keep them costs every process its headers: said.
+        logger.log(logging.INFO if base is None else logging.WARNING,
+                   "vllm_neuron: precompiled headers and runtime objects are kept in %s, "
+                   "removed when this process exits (%s)", throwaway,
+                   why if base is None else f"{base}: {why}")  # fmt: skip
         return _register(throwaway, "group", owner)
+
+
+def _why_not_on_a_command_line(path: str) -> str | None:
+    """Why torch could not compile with files under `path`, or None: torch writes a compile's
+    paths into one command line unquoted and splits it again (``shlex``), so a path with a
+    space, a quote or another character the shell treats specially would be cut in two."""
+    if shlex.quote(path) == path:
+        return None
+    return (f"its path {path!r} holds a character torch's compile command line cannot carry "
+            "(a space, a quote...)")
 
 
 def _register(base: str, name: str, owner: NodeFilesOwner) -> str:
