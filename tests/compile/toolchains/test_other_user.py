@@ -6,8 +6,9 @@ a real process compiling a model through ``torch.compile(backend="vllm_neuron")`
 (helpers/serve_worker.py), uses none of them: the cache is bypassed, Inductor's default
 directory is not even looked in (its cache and headers are in the node's own group of node
 files, node_files.py) and every other one is replaced by a private directory of its own,
-each said in exactly one warning, and nothing blocks on a planted FIFO (the node's run is bounded; no sleep). And the converse: a node
-running as uid 65534 facing directories root made (docs/trust.md, issue 39).
+each said in exactly one warning, and nothing blocks on a planted FIFO (the node's run is
+bounded; no sleep). And the converse: a node running as uid 65534 facing directories root
+made (docs/trust.md, issue 39).
 
 Nothing is given away with ``chown``: each directory belongs to whoever made it.
 """
