@@ -76,12 +76,18 @@ def main() -> int:
                     out = compiled(x)
                 matched = matched and bool(torch.allclose(out, model(x), rtol=1e-5, atol=1e-5))
     runtime = get_runtime()
+    from torch._inductor import codecache
+
     print(RESULT + json.dumps({
         "matched": matched,
         "sources": [graph.result.source for graph in runtime.history],
         "keys": [graph.key for graph in runtime.history],
         "local_dir": runtime.cache.local_dir,
         "warnings": warnings.messages,
+        # Where Inductor's cache and torch's precompiled headers were (node_files.py).
+        "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+        "headers": getattr(codecache, "_HEADER_DIR", None),
+        "header_files": sorted(os.listdir(codecache._HEADER_DIR)),
     }), flush=True)  # fmt: skip
     return 0
 

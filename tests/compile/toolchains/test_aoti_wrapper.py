@@ -3,8 +3,9 @@ aoti_runtime_store.py): real compiles.
 
 Each test compiles a graph of its own (a constant no other test uses), so neither Inductor's
 cache nor the dynamic loader hands back another test's build. The runtime objects are kept
-under a private temporary directory of this module; each test starts as a new process would
-(no split remembered as failed).
+in a group of node files of this module's own (node_files.py: the session's is shared with
+other processes, which keep objects of their own there); each test starts as a new process
+would (no split remembered as failed).
 """
 
 from __future__ import annotations
@@ -24,13 +25,14 @@ import pytest
 import torch
 import torch.fx
 
-from vllm_neuron.compile.toolchains import aoti_wrapper
-from vllm_neuron.compile.toolchains.aoti_runtime_store import FAILED
+from vllm_neuron.compile.toolchains import aoti_wrapper, node_files
+from vllm_neuron.compile.toolchains.aoti_runtime_store import FAILED, private_runtime_dir
 from vllm_neuron.compile.toolchains.aoti_wrapper import (
     runtime_objects_dir,
     split_wrapper_source,
 )
 from vllm_neuron.compile.toolchains.host import HostToolchain
+from vllm_neuron.compile.toolchains.private_dirs import why_not_private
 
 _scales = itertools.count(3)
 TWO_PARTS = "compiled in two parts"
@@ -49,13 +51,30 @@ class Scaled(torch.nn.Module):
         return h, torch.nn.functional.rms_norm(h, (8,))
 
 
+@contextlib.contextmanager
+def node_files_in(base: Path) -> Iterator[None]:
+    """This process's group of node files (its runtime objects) made anew under `base`, as a
+    process whose local tier's ``.node`` is `base` would; the process's own again after.
+    Torch's precompiled headers stay where this process first put them (moved once per
+    process, private_dirs.py: moving them again would only build them again)."""
+    node_files.secure_inductor_dirs()  # the headers' place fixed before the group changes
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("_VLLM_NEURON_NODE_FILES", str(base))
+        node_files.group_dir.cache_clear()
+        try:
+            yield
+        finally:
+            node_files.group_dir.cache_clear()
+
+
 @pytest.fixture(scope="module")
 def private_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     root = tmp_path_factory.mktemp("aoti-wrapper-tmp")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TMPDIR", str(root))
         mp.setattr(tempfile, "tempdir", str(root))
-        yield root
+        with node_files_in(root / "tier" / node_files.NODE_DIR):
+            yield root
 
 
 @pytest.fixture
@@ -203,14 +222,27 @@ def test_a_runtime_dir_under_a_directory_another_user_could_change_is_never_used
     runtime_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch, above: str,
 ) -> None:
-    """Another user who can write a directory above it could put another in its place."""
+    """Another user who can write a directory above it could put another in its place: a
+    local tier's node files there (and a temporary directory there) are never used; the
+    process's own throwaway group, in this user's private temporary root, keeps the
+    runtime objects instead (node_files.py), so the wrapper still splits (compiled once: a
+    Kubernetes emptyDir's world-writable, not sticky directory)."""
     loose = tmp_path / "loose"
     loose.mkdir()
     loose.chmod(0o775 if above == "group-writable" else 0o777)  # and not sticky
     monkeypatch.setattr(tempfile, "tempdir", str(loose))
-    split, _ = compile_graph(tmp_path, caplog)
-    assert not split
-    assert kept_objects(Path(runtime_objects_dir())) == []
+    with node_files_in(loose / "tier" / node_files.NODE_DIR):
+        used = Path(runtime_objects_dir())
+        assert private_runtime_dir() == str(used)
+        if above == "world-writable":
+            split, _ = compile_graph(tmp_path, caplog)
+            assert split and len(kept_objects(used)) == 1
+    assert loose not in used.parents and why_not_private(str(used)) is None, used
+    assert used.parent.parent.name.startswith(node_files.THROWAWAY_PREFIX), used
+    # Nothing of the node's in the loose directory: at most the tier's directories it made
+    # (0700, empty) before finding them not private.
+    assert all(p.is_dir() and not p.is_symlink() for p in loose.rglob("*")), sorted(
+        loose.rglob("*"))  # fmt: skip
 
 
 def test_a_runtime_dir_made_under_a_permissive_umask_is_private_and_used(

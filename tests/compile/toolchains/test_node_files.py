@@ -129,3 +129,21 @@ def test_without_a_tier_the_group_is_a_throwaway_removed_at_exit(tmp_path: Path)
                           text=True, check=True)  # fmt: skip
     assert Path(done.stdout.strip()).parent.name.startswith(node_files.THROWAWAY_PREFIX)
     assert not any(temp.iterdir()), sorted(temp.rglob("*"))
+
+
+def test_a_process_that_finds_its_group_again_keeps_it_in_the_tier(tmp_path, monkeypatch):
+    # A pytest process resets its group (group_dir.cache_clear) to find it anew: its own
+    # user lock, already held, is no reason to fall back to a throwaway group.
+    from vllm_neuron.compile.toolchains.node_files import group_dir, node_groups
+
+    local = tmp_path / "tier"
+    local.mkdir(mode=0o700)
+    monkeypatch.setenv("_VLLM_NEURON_NODE_FILES", str(local / NODE_DIR))
+    group_dir.cache_clear()
+    try:
+        first = group_dir()
+        group_dir.cache_clear()
+        assert group_dir() == first and Path(first).parent == local / NODE_DIR, first
+        assert [g.in_use for g in node_groups(str(local))] == [True]
+    finally:
+        group_dir.cache_clear()

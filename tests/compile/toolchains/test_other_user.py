@@ -3,10 +3,12 @@ run as root) makes the directories a node compiles through before the node start
 temporary directory or what is in it, the cache root, Inductor's cache directory, compile
 job directories - world-writable, with a FIFO and a symbolic link planted in each. A node,
 a real process compiling a model through ``torch.compile(backend="vllm_neuron")``
-(helpers/serve_worker.py), uses none of them: the cache is bypassed and every other one is
-replaced by a private directory of its own, each said in exactly one warning, and nothing
-blocks on a planted FIFO (the node's run is bounded; no sleep). And the converse: a node
-running as uid 65534 facing directories root made (docs/trust.md, issue 39).
+(helpers/serve_worker.py), uses none of them: the cache is bypassed, Inductor's default
+directory is not even looked in (its cache and headers are in the node's own group of node
+files, node_files.py) and every other one is replaced by a private directory of its own,
+each said in exactly one warning, and nothing blocks on a planted FIFO (the node's run is
+bounded; no sleep). And the converse: a node running as uid 65534 facing directories root
+made (docs/trust.md, issue 39).
 
 Nothing is given away with ``chown``: each directory belongs to whoever made it.
 """
@@ -25,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from vllm_neuron.compile.toolchains.node_files import THROWAWAY_PREFIX
 
 NOBODY = 65534
 HELPERS = Path(__file__).resolve().parents[1] / "helpers"
@@ -88,7 +92,8 @@ def run_node(uid: int | None, user: str, tmp: Path, cache_root: Path, home: Path
     strip = ("VLLM_CACHE_ROOT", "NEURON_LIBTORCH_REMOTE_CACHE", "TORCHINDUCTOR_CACHE_DIR",
              "VLLM_NEURON_DISABLE_WARMUP_COMPILE", "VLLM_NEURON_MANIFEST_DIR",
              "VLLM_NEURON_CACHE_SIGNING_KEY", "VLLM_NEURON_CACHE_TRUSTED_KEYS",
-             "VLLM_NEURON_CACHE_TRUST", "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE")  # fmt: skip
+             "VLLM_NEURON_CACHE_TRUST", "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE",
+             "_VLLM_NEURON_NODE_FILES")  # fmt: skip  (a node started anew: no tier named it)
     env = {k: v for k, v in os.environ.items() if k not in strip}
     env.update(VLLM_CACHE_ROOT=str(cache_root), TMPDIR=str(tmp), HOME=str(home),
                XDG_CACHE_HOME=str(home / ".cache"), USER=user, LOGNAME=user,
@@ -110,8 +115,8 @@ def naming(warnings: list[str], directory: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def root_home() -> Iterator[Path]:
-    """The root node's home, shared by this module's runs: its private Inductor cache made
-    by the first run makes the next one's compile faster (where it is, is what is checked)."""
+    """The root node's home, shared by this module's runs: where its private temporary
+    root is made when the temporary directory is another user's."""
     path = Path(tempfile.mkdtemp(prefix="vllm-neuron-root-home-"))
     try:
         yield path / "home"
@@ -128,11 +133,6 @@ def base() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
-
-
-def _private(path: Path) -> None:
-    st = path.lstat()
-    assert stat.S_ISDIR(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o700, path
 
 
 @pytest.mark.timeout(2 * BOUND)
@@ -165,26 +165,32 @@ def test_what_another_user_made_world_writable_is_never_used_and_nothing_blocks(
     assert result["matched"] and result["sources"], result
     assert set(result["sources"]) == {"uncached"}, result  # the cache bypassed, compiled
     assert snapshot(watched) == before  # nothing made, removed or opened away in theirs
-    if temp == "their temporary directory":
-        # Nothing of the node's but the runtime objects' directory it tried to make there,
-        # refused (their directory, not sticky) and left empty (aoti_runtime_store.py).
-        made = {p.name for p in tmp.iterdir()} - {"torchinductor_root", "cache", job.name,
-                                                  "fifo", "link"}  # fmt: skip
-        assert made <= {"vllm_neuron_aoti_runtime_0"}, made
-        assert all(list((tmp / name).iterdir()) == [] for name in made)
+    # Nothing of the node's is left in the temporary directory, sticky or theirs: with no
+    # writable tier (the cache bypassed) its node files were a throwaway group, removed at
+    # exit (node_files.py), and its jobs' directories went with their jobs.
+    made = {p.name for p in tmp.iterdir()} - {"torchinductor_root", "cache", job.name,
+                                              "fifo", "link"}  # fmt: skip
+    assert made == set(), made
     warnings = result["warnings"]
     bypassed = [w for w in warnings if "VLLM_CACHE_ROOT" in w]
     assert len(bypassed) == 1 and "bypassed" in bypassed[0], warnings
     assert "uid 65534" in bypassed[0] or "writable by group or others" in bypassed[0]
-    assert len(naming(warnings, inductor)) == 1, warnings
-    said = {w for w in warnings if naming([w], inductor) or w in bypassed}
+    said = set(bypassed)
     if temp == "their temporary directory":
         said |= set(naming(warnings, tmp))
         assert len(naming(warnings, tmp)) <= 1, warnings  # said once if a job was made
     assert said == set(warnings), warnings  # no other warning
-    private = home / ".cache" / "vllm" / "neuron" / "private" / "torchinductor-0"
-    _private(private)
-    assert list((private / "precompiled_headers").glob("*.gch"))  # built where private
+    # Their torchinductor_root (torch's default here) is not even looked in: Inductor's cache
+    # and torch's precompiled headers were in the node's own group, in the private temporary
+    # root (the sticky /tmp, or this user's own instead of theirs), built there.
+    group = Path(result["inductor"]).parent
+    assert result["inductor"] == str(group / "inductor") and group != inductor.parent
+    assert result["headers"] == str(group / "headers")
+    assert any(name.endswith(".gch") for name in result["header_files"]), result
+    temp_root = tmp if temp == "sticky /tmp" else (
+        home / ".cache" / "vllm" / "neuron" / "private" / "tmp-0")  # fmt: skip
+    assert group.parent.parent == temp_root and group.parent.name.startswith(THROWAWAY_PREFIX)
+    assert not group.parent.exists()  # removed at exit
 
 
 # What a node does first with each directory, without a compile (a compile as another uid
@@ -199,7 +205,8 @@ class Keep(logging.Handler):
 logging.getLogger("vllm_neuron").addHandler(Keep(logging.WARNING))
 import vllm_neuron
 from vllm_neuron.compile.tiers.location import resolve_local_tier
-from vllm_neuron.compile.toolchains.private_dirs import secure_inductor_dirs
+from vllm_neuron.compile.toolchains.node_files import secure_inductor_dirs
+from vllm_neuron.compile.toolchains.private_dirs import why_not_private
 from vllm_neuron.compile.workers import job_dirs
 from vllm_neuron.envs import compile_cache_settings
 local_dir, bypassed = resolve_local_tier(compile_cache_settings())
@@ -207,8 +214,11 @@ secure_inductor_dirs()
 job_dir, owner = job_dirs.owned_job_dir(keep_free=False)
 job_dirs.sweep_dead_jobs()
 import os
+from torch._inductor import codecache
+inductor = os.environ["TORCHINDUCTOR_CACHE_DIR"]
 print("SERVE_WORKER_RESULT " + json.dumps({"bypassed": bypassed, "job_dir": job_dir,
-      "inductor": os.environ["TORCHINDUCTOR_CACHE_DIR"], "warnings": warnings}))
+      "inductor": inductor, "headers": codecache._HEADER_DIR, "warnings": warnings,
+      "not_private": [why_not_private(d) for d in (inductor, codecache._HEADER_DIR)]}))
 """
 
 
@@ -237,11 +247,16 @@ def test_a_node_running_as_another_uid_uses_none_of_roots_directories(base: Path
     tier = cache_root / "neuron" / "compile_cache"
     assert made <= {tier.parent, tier} and not (tier.exists() and any(tier.iterdir())), made
     assert "not this user's own" in (result["bypassed"] or ""), result
-    private = home / ".cache" / "vllm" / "neuron" / "private"
-    assert result["inductor"] == str(private / f"torchinductor-{NOBODY}")
-    _private(private / f"torchinductor-{NOBODY}")
+    # Inductor's cache and torch's headers in its own throwaway group (no tier of its own),
+    # private, in the shared sticky temporary directory, removed at exit (node_files.py).
+    group = Path(result["inductor"]).parent
+    assert result["inductor"] == str(group / "inductor") and group != inductor.parent
+    assert result["headers"] == str(group / "headers")
+    assert result["not_private"] == [None, None], result
+    assert group.parent.parent == tmp and group.parent.name.startswith(THROWAWAY_PREFIX)
+    assert not group.parent.exists()
     assert Path(result["job_dir"]).parent == tmp  # root's sticky /tmp is fine for jobs
     warnings = result["warnings"]
-    assert len(naming(warnings, inductor)) == 1 and "belongs to uid 0" in naming(
-        warnings, inductor)[0], warnings  # fmt: skip
-    assert len(warnings) == 1, warnings  # the bypass is said by the runtime (above)
+    # Root's torchinductor_nobody (torch's default here) is not even looked in, so nothing
+    # is said of it; the bypass is said by the runtime (above).
+    assert warnings == [], warnings

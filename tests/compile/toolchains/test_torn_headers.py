@@ -16,13 +16,17 @@ from cache_workers import SAFETY
 from torch._inductor import codecache, exc
 
 from vllm_neuron.compile.toolchains import torn_headers
+from vllm_neuron.compile.toolchains.node_files import NODE_DIR
 from vllm_neuron.compile.toolchains.torn_headers import run_healing_torn_headers
 
 WORKER = Path(__file__).resolve().parents[1] / "helpers" / "torn_header_worker.py"
 
 
 def _compile(tmp: Path, name: str, scale: float, *extra: str) -> tuple[dict[str, Any], str]:
-    env = {**os.environ, "TMPDIR": str(tmp), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor")}
+    # One node's processes: its headers in its local tier's node files (node_files.py), this
+    # test's own - never the session's group, which other tests' processes read meanwhile.
+    env = {**os.environ, "TMPDIR": str(tmp), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
+           "_VLLM_NEURON_NODE_FILES": str(tmp / "tier" / NODE_DIR)}  # fmt: skip
     done = subprocess.run([sys.executable, str(WORKER), str(tmp / name), str(scale), *extra],
                           env=env, capture_output=True, text=True, timeout=4 * SAFETY,
                           check=False)  # fmt: skip
@@ -34,6 +38,7 @@ def _compile(tmp: Path, name: str, scale: float, *extra: str) -> tuple[dict[str,
 def test_a_node_whose_precompiled_headers_are_torn_still_compiles(tmp_path):
     built, _ = _compile(tmp_path, "first", 1.25, "--tear")
     assert built["sizes"], built  # torch built its headers; the worker then tore them
+    assert Path(built["header_dir"]).is_relative_to(tmp_path / "tier" / NODE_DIR), built
     # The heal waits on torch's own lock of each header: named as torch names it.
     assert {name.removesuffix(".h.gch") + ".lock" for name in built["sizes"]} <= set(
         built["locks"]), built

@@ -106,6 +106,10 @@ _ENTRY_POINTS = """
 import json, os, select, sys
 from vllm_neuron import plugin
 
+# This Python has no vLLM: its CPU platform taken as fenced (vllm_internals.py; the fence
+# itself is tested in vLLM's environment), as test_hooks.py does in-process.
+plugin.resolve = lambda qualname: object()
+
 # vLLM asks for its platform first (seconds before it loads the general plugins), more
 # than once, then runs the general plugin: the probe starts at the first ask, once.
 assert plugin.platform_plugin() == plugin.HOST_PLATFORM
@@ -174,6 +178,7 @@ def test_a_process_of_ours_that_loads_vllms_kernels_starts_no_probe(tmp_path, fi
     code = ("import os\n"
             "from vllm_neuron import plugin\n"
             "from vllm_neuron.compile.toolchains.op_libraries import import_vllm_kernels\n"
+            "plugin.resolve = lambda qualname: object()  # vLLM's CPU platform, as fenced\n"
             "try:\n"
             "    import_vllm_kernels()\n"
             "except ImportError:\n"

@@ -159,10 +159,11 @@ def _register(base: str, name: str, owner: NodeFilesOwner) -> str:
             why = make_private_dir(directory)
             if why is not None:
                 raise OSError(f"{directory}: {why}")
-        user = KernelLock(os.path.join(group, USERS, f"{os.getpid()}.lock"),
-                          name=f"node files {name} in use")  # fmt: skip
-        user.acquire(timeout=0)
-        _held.append(user)
+        mine = os.path.join(group, USERS, f"{os.getpid()}.lock")
+        if not any(held.path == mine and held.held for held in _held):  # once per group
+            user = KernelLock(mine, name=f"node files {name} in use")
+            user.acquire(timeout=0)
+            _held.append(user)
         open_store(group, create=False, profile="local").write(OWNER, encode(owner),
                                                                mode=PRIVATE_FILE)  # fmt: skip
     for sub in ("headers", "runtime", "inductor"):
