@@ -20,13 +20,17 @@ class _HfConfig:
 
 
 def _config(*, path: str = "/models/a", tp: int = 2, hidden: int = 128,
-            dtype: str = "float32", mode: int = 3) -> Any:  # fmt: skip
+            dtype: str = "float32", mode: int = 3, batched: int = 2048,
+            endpoints: list[int] | None = None, max_len: int = 512) -> Any:  # fmt: skip
     hf = _HfConfig(_name_or_path=path, hidden_size=hidden, architectures=["LlamaForCausalLM"],
                    transformers_version="4.0")  # fmt: skip
     return SimpleNamespace(
-        model_config=SimpleNamespace(hf_config=hf, dtype=dtype, max_model_len=512, model=path),
+        model_config=SimpleNamespace(hf_config=hf, dtype=dtype, max_model_len=max_len,
+                                     model=path),
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1),
-        compilation_config=SimpleNamespace(mode=mode, compile_sizes=[]),
+        scheduler_config=SimpleNamespace(max_num_batched_tokens=batched),
+        compilation_config=SimpleNamespace(mode=mode, compile_sizes=[],
+                                           compile_ranges_endpoints=endpoints),
     )
 
 
@@ -34,14 +38,20 @@ def test_pods_of_one_deployment_share_it_and_what_makes_graphs_changes_it():
     one = deployment_of(_config())
     assert one is not None and len(one) == 32 and int(one, 16) >= 0
     assert deployment_of(_config(path="/elsewhere/a-copy")) == one  # another pod's path
-    for change in ({"tp": 1}, {"hidden": 256}, {"dtype": "bfloat16"}, {"mode": 0}):
+    # vLLM fits the maximum length after the worker read it: not what shapes the graphs.
+    assert deployment_of(_config(max_len=4096)) == one
+    for change in ({"tp": 1}, {"hidden": 256}, {"dtype": "bfloat16"}, {"mode": 0},
+                   {"batched": 8192}, {"endpoints": [256]}):  # the compile ranges
         assert deployment_of(_config(**change)) != one, change
 
 
 def test_a_configuration_that_cannot_be_read_is_no_deployment():
-    broken = _config()
-    del broken.model_config.hf_config
-    assert deployment_of(broken) is None
+    for remove in ("model_config.hf_config", "scheduler_config.max_num_batched_tokens",
+                   "compilation_config.compile_ranges_endpoints"):  # a vLLM that moved it
+        broken = _config()
+        owner, name = remove.split(".")
+        delattr(getattr(broken, owner), name)
+        assert deployment_of(broken) is None, remove
     assert deployment_of(object()) is None
 
 

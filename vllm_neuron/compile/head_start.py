@@ -50,6 +50,7 @@ from vllm_neuron.envs import (
     ConfigError,
     cold_start_without,
     load_cpu_probe_marker,
+    load_trust_settings,
     mark_cpu_probe_started,
 )
 
@@ -85,6 +86,11 @@ def fleet_knows(settings: CompileCacheSettings, deployment: str | None, ranks: i
     read (a cold start's machinery is then started, as without this look)."""
     if not settings.remote_cache:
         return False
+    try:
+        if load_trust_settings().mode == "require":
+            return False  # a record is not signed: under require, none is believed
+    except ConfigError:
+        return False  # the cache's own start says it, naming the setting
     try:
         from vllm_neuron.backends import open_store
         from vllm_neuron.backends.errors import ListingTooLarge

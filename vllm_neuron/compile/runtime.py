@@ -116,16 +116,23 @@ class CompileRuntime:
                              pool: WorkerPool = POOL) -> str | None:  # fmt: skip
         """What this rank begins before the engine traces its model, once its device is set
         up (head_start.py): on a node whose local tier holds no entry, the graphs the remote
-        records for this rank of `deployment` (tiers/deployments.py) are fetched in the
-        background while the model loads, and no compile worker starts - they will be
+        records for this rank of `deployment` (tiers/deployments.py; not under trust mode
+        ``require``: a record is not signed) are fetched in the background while the model
+        loads, and no compile worker starts - they will be
         fetched, not compiled; without such a record, compile workers start early
         (`start_compile_worker_if_cold`). What it began, for the log: ``"fetch N"``,
         ``"workers"``, or None."""
         cache = self.cache
         if cache.disabled or holds_entries(cache.local_dir):
             return None
-        remote = cache.remote if deployment is not None else None
-        keys = None if remote is None else deployment_keys(remote, deployment or "", rank)
+        keys = None
+        if deployment is not None and not cache.trust.requires:
+            try:
+                remote = cache.remote
+                keys = None if remote is None else deployment_keys(remote, deployment, rank)
+            except Exception as exc:  # noqa: BLE001 - a guess: a cold start's machinery then
+                logger.info("vllm_neuron: the remote tier's record of this deployment could "
+                            "not be read (%s); taken for a cold start", exc)  # fmt: skip
         if keys:
             cache.prefetch(keys)
             return f"fetch {len(keys)}"
@@ -138,6 +145,9 @@ class CompileRuntime:
         tell a new node anything new); True when written. Never raises: the record is
         advice for the next new node, never a need."""
         cache = self.cache
+        # The start-up is over: what the records' prefetch has not fetched is not waited for,
+        # and what it fetched but this process never used is no longer kept from eviction.
+        cache.prefetch_done()
         if deployment is None or cache.disabled or not cache.writes_remote:
             return False
         if all(g.result.source in ("local", "memory", "baked") for g in self.history):

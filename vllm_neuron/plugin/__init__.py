@@ -46,6 +46,7 @@ from vllm_neuron.envs import (
     ConfigError,
     RedactingFilter,
     check_snapshot_root,
+    cold_start_without,
     compile_cache_settings,
     fault_settings,
     host_mode_settings,
@@ -156,6 +157,7 @@ def resolve_settings() -> None:
     manifest_settings()
     load_run_id()
     host_mode_settings()
+    cold_start_without("probe")  # _VLLM_NEURON_WITHOUT: a name that is no mechanism, now
     snapshots = snapshot_config()
     if snapshots.enabled:
         check_snapshot_root(snapshots.root)
@@ -205,6 +207,8 @@ def start_cpu_probe_for_engine(vllm_config: Any) -> None:
     call decided already, or the remote tier records this deployment (head_start.py)."""
     from .deployment import deployment_of, ranks_of
 
+    if getattr(vllm_config, "model_config", None) is None:
+        return  # a configuration built for something else than serving a model (a tool's)
     try:
         deployment, ranks = deployment_of(vllm_config), ranks_of(vllm_config)
     except Exception:  # noqa: BLE001 - no deployment: decided as without records

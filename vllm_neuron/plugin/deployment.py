@@ -5,9 +5,10 @@ A new node of a known deployment fetches its graphs instead of compiling them
 the fleet has started this deployment before. The deployment is a digest of what makes its
 graphs and can be read from vLLM's configuration before the model loads: the model's
 architecture (its Hugging Face configuration, without the names of where it was loaded
-from), dtype, maximum length, tensor- and pipeline-parallel sizes, vLLM's compilation
-settings, the versions of Python, torch, vLLM and this package, the machine and its CPU's
-feature flags, and the toolchain. What differs between the pods of one deployment - the
+from), dtype, the most tokens a batch holds (where the compile ranges end), tensor- and
+pipeline-parallel sizes, vLLM's compilation mode, sizes and range endpoints, the versions
+of Python, torch, vLLM and this package, the machine and its CPU's feature flags, and the
+toolchain. What differs between the pods of one deployment - the
 model's path, host name, port, served name, KV-cache size, cache roots - is not in it.
 
 It is a guess's input, not a key: two deployments with one digest would share a record (one
@@ -72,11 +73,13 @@ def _facts(vllm_config: Any) -> dict[str, Any]:
     return {
         "architecture": architecture,
         "dtype": str(model.dtype),
-        "max_model_len": model.max_model_len,
+        # What the compile ranges end at (read without defaults: a moved field is no
+        # deployment, never a digest that quietly lost what shapes the graphs).
+        "batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
         "ranks": [int(vllm_config.parallel_config.tensor_parallel_size),
                   int(vllm_config.parallel_config.pipeline_parallel_size)],
-        "compilation": [str(compilation.mode), str(getattr(compilation, "compile_sizes", None)),
-                        str(getattr(compilation, "compile_ranges_split_points", None))],
+        "compilation": [str(compilation.mode), str(compilation.compile_sizes),
+                        str(compilation.compile_ranges_endpoints)],
         "versions": [sys.version, torch.__version__, _version_of("vllm"), __version__,
                      platform.machine()],
         "cpu": sorted(cpu.flags) if cpu is not None else None,

@@ -280,18 +280,17 @@ class ArtifactWorkerHooks:
     def compile_or_warm_up_model(self) -> Any:
         result = super().compile_or_warm_up_model()  # type: ignore[misc]
         emit_manifest_after_warm_up(self.vllm_config, self.local_rank)
-        remember_deployment_after_warm_up(self.vllm_config, self.rank)
+        # The deployment as the worker read it before the model loaded (plugin/worker.py).
+        deployment, rank = getattr(self, "vllm_neuron_deployment", (None, self.rank))
+        remember_deployment_after_warm_up(deployment, rank)
         return result
 
 
-def remember_deployment_after_warm_up(vllm_config: Any, rank: int) -> bool:
-    """Record on the remote tier the keys this rank loaded, for the next new node of this
-    deployment (compile/tiers/deployments.py); best-effort, never raises."""
-    from .deployment import deployment_of, rank_in_deployment
-
+def remember_deployment_after_warm_up(deployment: str | None, rank: int) -> bool:
+    """Record on the remote tier the keys this rank of `deployment` loaded, for the next new
+    node of it (compile/tiers/deployments.py); best-effort, never raises."""
     try:
-        return get_runtime().remember_deployment(deployment_of(vllm_config),
-                                                 rank_in_deployment(vllm_config, rank))
+        return get_runtime().remember_deployment(deployment, rank)
     except Exception as exc:  # noqa: BLE001 - advice for later nodes, never a need
         logger.warning("vllm_neuron: this deployment's keys were not recorded: %s", exc)
         return False

@@ -52,32 +52,35 @@ class _HostWorker(ArtifactWorkerHooks, _base or object):  # type: ignore[misc]
 
     def init_device(self) -> None:
         super().init_device()
-        _begin_before_the_model_loads(self.vllm_config, self.rank)
+        # Read once, before vLLM changes its configuration any further (an auto-fitted
+        # maximum length...): the record written after warm-up is the one looked up here.
+        self.vllm_neuron_deployment = _begin_before_the_model_loads(self.vllm_config, self.rank)
 
 
 _HostWorker.__name__ = _HostWorker.__qualname__ = "NeuronHostWorker"
 NeuronHostWorker: Any = _HostWorker if _base is not None else _stock_worker()
 
 
-def _begin_before_the_model_loads(vllm_config: Any, rank: int) -> None:
+def _begin_before_the_model_loads(vllm_config: Any, rank: int) -> tuple[str | None, int]:
     """On a node whose local tier holds no entry: fetch this rank's graphs in the
     background when the remote records them for this deployment, else start the compile
-    workers early (`CompileRuntime.start_for_deployment`)."""
+    workers early (`CompileRuntime.start_for_deployment`). The deployment and this rank's
+    place in it."""
     # Lazy: the runtime's assembly reads every setting, once this process is a worker.
     from vllm_neuron.assembly import get_runtime
     from vllm_neuron.envs import ConfigError
 
     from .deployment import deployment_of, rank_in_deployment
 
+    deployment, rank = deployment_of(vllm_config), rank_in_deployment(vllm_config, rank)
+    logger.info("vllm_neuron: deployment %s, rank %d", deployment or "unknown", rank)
     try:
-        deployment, rank = deployment_of(vllm_config), rank_in_deployment(vllm_config, rank)
-        logger.info("vllm_neuron: deployment %s, rank %d", deployment or "unknown", rank)
         began = get_runtime().start_for_deployment(deployment, rank)
     except ConfigError:
-        return  # a malformed setting: the first compile says it, naming the variable
+        return deployment, rank  # a malformed setting: the first compile says it, naming it
     except Exception as exc:  # noqa: BLE001 - an early start is a head start, never a need
         logger.warning("vllm_neuron: nothing begun before the model loads: %s", exc)
-        return
+        return deployment, rank
     if began == "workers":
         logger.info("vllm_neuron: this node's local tier holds no entry: compile workers "
                     "start now, while the model loads")
@@ -85,6 +88,7 @@ def _begin_before_the_model_loads(vllm_config: Any, rank: int) -> None:
         logger.info("vllm_neuron: this node's local tier holds no entry, the remote tier "
                     "records this rank's %s graphs of this deployment: fetched while the "
                     "model loads, no compile worker started", began.split()[1])
+    return deployment, rank
 
 
 def _install_rank_independent_embedding() -> None:

@@ -222,3 +222,45 @@ def test_only_a_node_that_publishes_and_learnt_something_records_its_keys(
     runtime.history.append(_graph(KEYS[0], cache, compile_fn))
     assert runtime.remember_deployment(DEPLOYMENT, 0) is False
     assert deployment_keys(open_store(remote_dir), DEPLOYMENT, 0) is None
+
+
+def test_a_record_that_cannot_be_read_or_believed_starts_the_cold_machinery(
+        tmp_path, compile_fn, monkeypatch):  # fmt: skip
+    from vllm_neuron.compile import runtime as runtime_module
+
+    remote_dir = str(tmp_path / "remote")
+    remember_keys(open_store(remote_dir), DEPLOYMENT, 0, KEYS)
+    pool = WorkerPool(idle_seconds=3600.0)
+    # Under require a record is not believed (it is not signed): no fetch begun from it.
+    strict = CompileRuntime(TwoTierCache(str(tmp_path / "strict"), remote=remote_dir,
+                                         compile_workers=1, trust=TrustPolicy(mode="require")),
+                            HostToolchain())  # fmt: skip
+    assert strict.start_for_deployment(DEPLOYMENT, 0, pool) is None
+    assert strict.cache._prefetcher.pending == []
+
+    def down(*args, **kwargs):
+        raise OSError("the remote does not answer")
+
+    monkeypatch.setattr(runtime_module, "deployment_keys", down)
+    node = CompileRuntime(TwoTierCache(str(tmp_path / "node"), remote=remote_dir,
+                                       compile_workers=1), HostToolchain())  # fmt: skip
+    assert node.start_for_deployment(DEPLOYMENT, 0, pool) is None  # as a cold start: no raise
+    assert node.cache._prefetcher.pending == [] and pool.started == []
+
+
+def test_after_the_start_up_nothing_of_the_record_is_waited_for_or_kept(tmp_path, compile_fn):
+    remote_dir = str(tmp_path / "remote")
+    seed = TwoTierCache(str(tmp_path / "seed"), remote=remote_dir)
+    seed.get_or_compile(KEYS[0], compile_fn(KEYS[0]))
+    absent = "f" * 32  # named by the record, never published
+    remember_keys(open_store(remote_dir), DEPLOYMENT, 0, [KEYS[0], absent])
+    node = CompileRuntime(TwoTierCache(str(tmp_path / "node"), remote=remote_dir,
+                                       compile_workers=1), HostToolchain())  # fmt: skip
+    assert node.start_for_deployment(DEPLOYMENT, 0) == "fetch 2"
+    deadline = time.monotonic() + 60
+    while holds_entries(node.cache.local_dir) is False and time.monotonic() < deadline:
+        node.cache._prefetcher._wake.wait(0.05)
+    assert absent in node.cache._prefetcher.pending
+    assert node.remember_deployment(None, 0) is False  # the start-up is over
+    assert node.cache._prefetcher.pending == []
+    assert node.cache._prefetch_look.prefetched == set()  # no longer kept from eviction

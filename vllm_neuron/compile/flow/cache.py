@@ -412,6 +412,14 @@ class TwoTierCache:
             validate_hex(key, length=32, what="compile cache key")
             self._prefetcher.add(key)
 
+    def prefetch_done(self) -> None:
+        """The process's start-up is over (every graph it traced was called): keys still
+        pending in the prefetcher are dropped, and what it fetched that was never used is no
+        longer kept from eviction (a record may name graphs this process does not use)."""
+        for key in self._prefetcher.pending:
+            self._prefetcher.forget(key)
+        self._prefetch_look.prefetched.clear()
+
     @property
     def writes_remote(self) -> bool:
         """Whether this process writes the remote tier: one is set and answers, writable

@@ -378,17 +378,20 @@ class Evictor:
         return done
 
     def _node_files(self, entries: Sequence[EntryInfo]) -> int:
-        """The bytes of the tier's node files (toolchains/node_files.py), which count toward
-        the bound, after removing the groups no live process uses, least recently used
-        first, while the tier is above it: each is a few seconds' rebuild for an
-        interpreter not running now, where an entry is a compile."""
+        """The bytes of the tier's idle node files (toolchains/node_files.py: groups no live
+        process uses), which count toward the bound, after removing them, least recently
+        used first, while the tier is above it: each is a few seconds' rebuild for an
+        interpreter not running now, where an entry is a compile. A group in use is a live
+        process's working set, as the entries it loaded are: not counted (it could not be
+        removed, and counting it would only withdraw entries to pay for a running server's
+        Inductor cache); it counts once its processes are gone."""
         base = self.store.local_path(NODE_DIR)
         if base is None:
             return 0
-        groups = node_groups(os.path.dirname(base))
+        groups = [g for g in node_groups(os.path.dirname(base)) if not g.in_use]
         kept = sum(g.size for g in groups)
         total = sum(e.size for e in entries) + kept
-        for group in sorted((g for g in groups if not g.in_use), key=lambda g: g.last_used):
+        for group in sorted(groups, key=lambda g: g.last_used):
             if total <= self.max_size:
                 break
             if remove_group(os.path.dirname(base), group.name):
