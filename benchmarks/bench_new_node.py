@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     if smoke():
         python = vllm_python(build=False)
         print(f"smoke run: no server started; vLLM python: {python or 'not built'}")
-        print("P11 new node: setup checked (smoke run)")
+        print(f"P11 new node: setup checked (smoke run); target <= {TARGET:.2f}x")
         return 0
     python = vllm_python(build=True)
     assert python is not None

@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from vllm_neuron import envs
+from vllm_neuron.envs.compile_cache import load_node_files_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIXES = ("VLLM_NEURON_", "NEURON_")
@@ -223,6 +224,8 @@ def test_read_variables_are_exactly_what_the_groups_read() -> None:
     envs.check_snapshot_root("memory://reader", env)
     envs.load_host_mode_settings(env)
     envs.load_cpu_probe_marker(env)
+    envs.cold_start_without("probe", env)
+    load_node_files_dir(env)
     envs.load_profiling_settings(env)
     envs.load_identity_settings(env)
     envs.load_fault_settings(env)

@@ -5,8 +5,8 @@ A new node of a known deployment fetches its graphs instead of compiling them
 the fleet has started this deployment before. The deployment is a digest of what makes its
 graphs and can be read from vLLM's configuration before the model loads: the model's
 architecture (its Hugging Face configuration, without the names of where it was loaded
-from), dtype, the most tokens a batch holds (where the compile ranges end), tensor- and
-pipeline-parallel sizes, vLLM's compilation mode, sizes and range endpoints, the versions
+from), dtype, maximum length, tensor- and pipeline-parallel sizes, vLLM's compilation mode
+and sizes, the versions
 of Python, torch, vLLM and this package, the machine and its CPU's feature flags, and the
 toolchain. What differs between the pods of one deployment - the
 model's path, host name, port, served name, KV-cache size, cache roots - is not in it.
@@ -73,13 +73,13 @@ def _facts(vllm_config: Any) -> dict[str, Any]:
     return {
         "architecture": architecture,
         "dtype": str(model.dtype),
-        # What the compile ranges end at (read without defaults: a moved field is no
-        # deployment, never a digest that quietly lost what shapes the graphs).
-        "batched_tokens": vllm_config.scheduler_config.max_num_batched_tokens,
+        "max_model_len": model.max_model_len,
         "ranks": [int(vllm_config.parallel_config.tensor_parallel_size),
                   int(vllm_config.parallel_config.pipeline_parallel_size)],
-        "compilation": [str(compilation.mode), str(compilation.compile_sizes),
-                        str(compilation.compile_ranges_endpoints)],
+        # As the API server reads it when vLLM configures the platform and the workers read it
+        # before the model loads: the fields both see alike (the batched-token limit and the
+        # compile ranges' endpoints are not yet settled in the former).
+        "compilation": [str(compilation.mode), str(compilation.compile_sizes)],
         "versions": [sys.version, torch.__version__, _version_of("vllm"), __version__,
                      platform.machine()],
         "cpu": sorted(cpu.flags) if cpu is not None else None,
