@@ -87,7 +87,8 @@ def main() -> int:
         # Where Inductor's cache and torch's precompiled headers were (node_files.py).
         "inductor": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
         "headers": getattr(codecache, "_HEADER_DIR", None),
-        "header_files": sorted(os.listdir(codecache._HEADER_DIR)),
+        "header_files": (sorted(os.listdir(codecache._HEADER_DIR))
+                         if os.path.isdir(codecache._HEADER_DIR) else []),  # none built: a hit
     }), flush=True)  # fmt: skip
     return 0
 

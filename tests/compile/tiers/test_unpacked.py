@@ -79,7 +79,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
 def copy_of(built: tuple[Path, str], to: Path, *, with_copy: bool = True) -> Path:
     """``to`` becomes a copy of the built cache root (without its unpacked copies unless
     `with_copy`); returns its local tier."""
-    shutil.copytree(built[0], to, dirs_exist_ok=True)
+    # The tier's entries, not the builder's node files (headers: a node's own, ~150 MB each).
+    shutil.copytree(built[0], to, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".node"))
     if not with_copy:
         shutil.rmtree(tier_of(to) / UNPACKED_DIR)
     return tier_of(to)

@@ -127,6 +127,7 @@ def group_dir() -> str:
         owner = _identity()
         base = load_node_files_dir()
         why = "no local tier named it" if base is None else (_why_not_on_a_command_line(base)
+                                                             or _why_no_room(base)
                                                              or make_private_dir(base))
         if why is None and base is not None:
             try:
@@ -135,11 +136,34 @@ def group_dir() -> str:
                 why = str(exc)
         throwaway = _throwaway()
         # A tier that was named but cannot keep them costs every process its headers: said.
-        logger.log(logging.INFO if base is None else logging.WARNING,
+        # A tier without room is said where the tier fills (its writes warn): info here.
+        quiet = base is None or (why or "").startswith("its filesystem has")
+        logger.log(logging.INFO if quiet else logging.WARNING,
                    "vllm_neuron: precompiled headers and runtime objects are kept in %s, "
                    "removed when this process exits (%s)", throwaway,
                    why if base is None else f"{base}: {why}")  # fmt: skip
         return _register(throwaway, "group", owner)
+
+
+MIN_FREE = 1 << 30
+"""Free bytes a tier's filesystem must have for node files to go there: a precompiled header
+is 140-156 MB, and a header that cannot be written fails the compile that builds it (a full
+tier must cost a tier's write, never a compile)."""
+
+
+def _why_no_room(base: str) -> str | None:
+    """Why the filesystem of `base` (or of its nearest existing parent) has no room for node
+    files (`MIN_FREE`), or None."""
+    probe = base
+    while not os.path.exists(probe) and os.path.dirname(probe) != probe:
+        probe = os.path.dirname(probe)
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError as exc:
+        return f"its free space cannot be read ({exc.strerror})"
+    if free < MIN_FREE:
+        return f"its filesystem has {free} bytes free, under {MIN_FREE} (a header is ~150 MB)"
+    return None
 
 
 def _why_not_on_a_command_line(path: str) -> str | None:
