@@ -21,15 +21,13 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from vllm_neuron.envs import COLD_START_MECHANISMS
 
 from ._harness import machine, smoke
-from .bench_vllm_cold_start import ROOT, TINY_MODEL, TP2_ENV, Run, start, vllm_python
+from .bench_vllm_cold_start import TP2_ENV, Run, server_setup, start, vllm_python, work_dir
 
 PAYS = 0.03
 """A mechanism is kept when it saves at least this share of the plugin's cold start."""
@@ -112,14 +110,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cold-start A/B: setup checked (smoke run); a mechanism pays at {1 + PAYS:.2f}x "
               "(its side without it over the plugin's)")
         return 0
-    python = vllm_python(build=True)
-    assert python is not None
-    done = subprocess.run([python, str(ROOT / ".ci" / "tiny_model.py"), str(TINY_MODEL)],
-                          cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=600, check=True)
-    model = done.stdout.strip().splitlines()[-1]
-    if args.dir:
-        Path(args.dir).mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-cold-ab-", dir=args.dir))
+    python, model = server_setup()
+    workdir = work_dir("bench-cold-ab-", args.dir)
     lines: list[str] = []
     try:
         for tp in (int(t) for t in args.tp.split(",") if t):

@@ -30,13 +30,11 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from ._harness import machine, smoke
-from .bench_vllm_cold_start import ROOT, TINY_MODEL, TP2_ENV, Run, start, vllm_python
+from .bench_vllm_cold_start import TP2_ENV, Run, server_setup, start, vllm_python, work_dir
 
 TARGET = 1.05
 ROUNDS = 3
@@ -124,14 +122,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"smoke run: no server started; vLLM python: {python or 'not built'}")
         print(f"P11 new node: setup checked (smoke run); target <= {TARGET:.2f}x")
         return 0
-    python = vllm_python(build=True)
-    assert python is not None
-    done = subprocess.run([python, str(ROOT / ".ci" / "tiny_model.py"), str(TINY_MODEL)],
-                          cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=600, check=True)
-    model = done.stdout.strip().splitlines()[-1]
-    if args.dir:
-        Path(args.dir).mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-new-node-", dir=args.dir))
+    python, model = server_setup()
+    workdir = work_dir("bench-new-node-", args.dir)
     met = True
     try:
         for tp in (int(t) for t in args.tp.split(",") if t):

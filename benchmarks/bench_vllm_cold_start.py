@@ -163,6 +163,23 @@ def vllm_python(build: bool) -> str | None:
     return done.stdout.strip().splitlines()[-1]
 
 
+def server_setup() -> tuple[str, str]:
+    """The vLLM environment's python (built or reused) and the tiny model's path (built or
+    reused): what every benchmark that starts real servers needs first."""
+    python = vllm_python(build=True)
+    assert python is not None
+    done = subprocess.run([python, str(ROOT / ".ci" / "tiny_model.py"), str(TINY_MODEL)],
+                          cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=600, check=True)
+    return python, done.stdout.strip().splitlines()[-1]
+
+
+def work_dir(prefix: str, parent: str | None) -> Path:
+    """A fresh directory for a run's roots and logs, under `parent` (made) when given."""
+    if parent:
+        Path(parent).mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+
+
 def cache_counts(compile_cache: Path) -> dict[int, dict[str, int]]:
     """pid -> that process's compile-cache events by kind (its own segment of ``.events``)."""
     from vllm_neuron.backends import RecordCodec, open_store
@@ -328,17 +345,11 @@ def main(argv: list[str] | None = None) -> int:
     print(machine())
     if smoke():
         return smoke_check()
-    python = vllm_python(build=True)
-    assert python is not None
-    done = subprocess.run([python, str(ROOT / ".ci" / "tiny_model.py"), str(TINY_MODEL)],
-                          cwd=ROOT, stdout=subprocess.PIPE, text=True, timeout=600, check=True)
-    model = done.stdout.strip().splitlines()[-1]
+    python, model = server_setup()
     tps = [int(t) for t in args.tp.split(",") if t]
     print(f"vLLM python {python}; model {model}; TP {tps}; one start per run, "
           f"in the order {', '.join(DESIGNS)}", flush=True)
-    if args.dir:
-        Path(args.dir).mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="bench-vllm-cold-", dir=args.dir))
+    workdir = work_dir("bench-vllm-cold-", args.dir)
     try:
         runs = [r for tp in tps for r in run_tp(tp, python, model, workdir, args.ready_timeout)]
     finally:
