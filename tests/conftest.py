@@ -184,10 +184,11 @@ def pytest_configure(config: pytest.Config) -> None:
         _OWN_INDUCTOR_CACHE.append(shared)
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = shared
     # Likewise one group of node files (precompiled headers, kept runtime objects:
-    # compile/toolchains/node_files.py) for every process of the session that opens no local
-    # tier of its own, as a node's processes share their tier's: built once per interpreter,
-    # not once per process. A process that opens a tier (a server) keeps its own there.
-    os.environ["_VLLM_NEURON_NODE_FILES"] = os.path.join(shared, ".node")
+    # compile/toolchains/node_files.py) for every process of the session, whatever local
+    # tier, as a node's processes share their tier's: built once per interpreter, not once
+    # per process or per test tier (a precompiled header is ~150 MB and tens of seconds of
+    # g++). A test of where a tier keeps them removes the marker from its processes.
+    os.environ["_VLLM_NEURON_SHARED_NODE_FILES"] = os.path.join(shared, ".node")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -206,6 +206,7 @@ INTERNAL_MARKERS: tuple[str, ...] = (
     host_mode.VLLM_NEURON_WITHOUT,
     metrics.VLLM_NEURON_METRICS_DIR,
     compile_cache.VLLM_NEURON_NODE_FILES,
+    compile_cache.VLLM_NEURON_SHARED_NODE_FILES,
 )
 
 # Every variable this package reads: the documented ones, vLLM's VLLM_USE_AOT_COMPILE

@@ -60,6 +60,7 @@ __all__ = [
     "parse_size",
     "remote_cache_url",
     "VLLM_NEURON_NODE_FILES",
+    "VLLM_NEURON_SHARED_NODE_FILES",
     "load_node_files_dir",
     "set_node_files_dir",
 ]
@@ -84,6 +85,9 @@ VLLM_NEURON_DEFER_COMPILES = "VLLM_NEURON_DEFER_COMPILES"
 VLLM_NEURON_COMPILE_WORKERS = "VLLM_NEURON_COMPILE_WORKERS"
 # An internal marker, not a setting: named outside vLLM's ``VLLM_*`` namespace (host_mode).
 VLLM_NEURON_NODE_FILES = "_VLLM_NEURON_NODE_FILES"
+# Likewise: one directory of node files for every process of a tree whatever local tier each
+# opens (the test suite's processes are one node's: its headers built once, not per tier).
+VLLM_NEURON_SHARED_NODE_FILES = "_VLLM_NEURON_SHARED_NODE_FILES"
 
 COMPILE_MEMORY = 4 << 30
 """Memory one compile is assumed to need when the node's compile slots are sized from its
@@ -193,6 +197,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Where the node's toolchain files (precompiled headers, kept AOTInductor runtime "
         "objects, Inductor's cache) are kept: the local tier's .node directory "
         "(vllm_neuron/compile/toolchains/node_files.py). Not a setting: leave it unset.",
+    ),
+    EnvVar(
+        VLLM_NEURON_SHARED_NODE_FILES,
+        "(unset)",
+        "compile-cache",
+        "Tests only: one directory of node files for a whole process tree, whatever local "
+        "tier each process opens (the test suite's many tiers are one node's); wins over "
+        "_VLLM_NEURON_NODE_FILES. Not a setting: leave it unset.",
     ),
 )
 
@@ -450,8 +462,11 @@ def compile_cache_settings() -> CompileCacheSettings:
 def load_node_files_dir(environ: Mapping[str, str] | None = None) -> str | None:
     """_VLLM_NEURON_NODE_FILES: the local tier's directory of node files, as the process that
     opened the tier set it for the processes it starts; None when unset. Read at each use
-    (set while running); no setting of the user's, so never an error."""
-    return raw(environ_or_default(environ), VLLM_NEURON_NODE_FILES) or None
+    (set while running); no setting of the user's, so never an error.
+    _VLLM_NEURON_SHARED_NODE_FILES, when set, wins over it: one directory for a whole process
+    tree whatever tier each process opens (the test suite: one node, many tiers)."""
+    env = environ_or_default(environ)
+    return raw(env, VLLM_NEURON_SHARED_NODE_FILES) or raw(env, VLLM_NEURON_NODE_FILES) or None
 
 
 def set_node_files_dir(directory: str) -> None:

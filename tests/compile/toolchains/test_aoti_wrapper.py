@@ -60,6 +60,7 @@ def node_files_in(base: Path) -> Iterator[None]:
     node_files.secure_inductor_dirs()  # the headers' place fixed before the group changes
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("_VLLM_NEURON_NODE_FILES", str(base))
+        mp.delenv("_VLLM_NEURON_SHARED_NODE_FILES", raising=False)
         node_files.group_dir.cache_clear()
         try:
             yield

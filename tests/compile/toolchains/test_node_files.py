@@ -51,6 +51,7 @@ def live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     local = tmp_path / "tier"
     local.mkdir(mode=0o700)
     monkeypatch.setenv("_VLLM_NEURON_NODE_FILES", str(local / NODE_DIR))
+    monkeypatch.delenv("_VLLM_NEURON_SHARED_NODE_FILES", raising=False)
     monkeypatch.setenv("PYTHONPATH", os.getcwd())
     holder = subprocess.Popen([sys.executable, "-c", HOLD], stdin=subprocess.PIPE,
                               stdout=subprocess.PIPE, text=True)  # fmt: skip
@@ -125,6 +126,7 @@ def test_without_a_tier_the_group_is_a_throwaway_removed_at_exit(tmp_path: Path)
     temp.mkdir(mode=0o700)
     env = {**os.environ, "TMPDIR": str(temp), "PYTHONPATH": os.getcwd()}
     env.pop("_VLLM_NEURON_NODE_FILES", None)
+    env.pop("_VLLM_NEURON_SHARED_NODE_FILES", None)
     code = "from vllm_neuron.compile.toolchains import node_files; print(node_files.group_dir())"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                           text=True, check=True)  # fmt: skip
@@ -140,6 +142,7 @@ def test_a_process_that_finds_its_group_again_keeps_it_in_the_tier(tmp_path, mon
     local = tmp_path / "tier"
     local.mkdir(mode=0o700)
     monkeypatch.setenv("_VLLM_NEURON_NODE_FILES", str(local / NODE_DIR))
+    monkeypatch.delenv("_VLLM_NEURON_SHARED_NODE_FILES", raising=False)
     group_dir.cache_clear()
     try:
         first = group_dir()

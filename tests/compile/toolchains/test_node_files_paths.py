@@ -28,6 +28,7 @@ def test_a_tier_path_torch_would_cut_in_two_keeps_no_node_files(tmp_path: Path):
     temp.mkdir(mode=0o700)
     env = {**os.environ, "_VLLM_NEURON_NODE_FILES": str(local / NODE_DIR), "TMPDIR": str(temp),
            "PYTHONPATH": os.getcwd()}
+    env.pop("_VLLM_NEURON_SHARED_NODE_FILES", None)
     done = subprocess.run([sys.executable, "-c", SHOW], env=env, capture_output=True,
                           text=True, timeout=120, check=True)  # fmt: skip
     group = Path(done.stdout.strip())

@@ -111,7 +111,8 @@ def test_an_inductor_cache_another_user_could_change_is_not_compiled_in(
         os.chown(found, OTHER_UID, OTHER_UID)
     log = tmp_path / "log.txt"
     env = {k: v for k, v in os.environ.items()
-           if k not in ("TORCHINDUCTOR_CACHE_DIR", "_VLLM_NEURON_NODE_FILES")}  # fmt: skip
+           if k not in ("TORCHINDUCTOR_CACHE_DIR", "_VLLM_NEURON_NODE_FILES",
+                        "_VLLM_NEURON_SHARED_NODE_FILES")}  # fmt: skip
     env.update(TMPDIR=str(tmp), XDG_CACHE_HOME=str(tmp_path / "home-cache"))
     compiles = planted == "another user's"
     out = str(tmp_path / "out") if compiles else "check"

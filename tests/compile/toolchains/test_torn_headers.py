@@ -27,6 +27,7 @@ def _compile(tmp: Path, name: str, scale: float, *extra: str) -> tuple[dict[str,
     # test's own - never the session's group, which other tests' processes read meanwhile.
     env = {**os.environ, "TMPDIR": str(tmp), "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
            "_VLLM_NEURON_NODE_FILES": str(tmp / "tier" / NODE_DIR)}  # fmt: skip
+    env.pop("_VLLM_NEURON_SHARED_NODE_FILES", None)
     done = subprocess.run([sys.executable, str(WORKER), str(tmp / name), str(scale), *extra],
                           env=env, capture_output=True, text=True, timeout=4 * SAFETY,
                           check=False)  # fmt: skip

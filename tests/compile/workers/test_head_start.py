@@ -19,7 +19,7 @@ from vllm_neuron.compile.tiers.location import holds_entries
 from vllm_neuron.compile.toolchains.aoti_wrapper import RUNTIME_DIR
 from vllm_neuron.compile.toolchains.node_files import NODE_DIR
 from vllm_neuron.envs import CompileCacheSettings
-from vllm_neuron.envs.compile_cache import VLLM_NEURON_NODE_FILES
+from vllm_neuron.envs.compile_cache import VLLM_NEURON_NODE_FILES, VLLM_NEURON_SHARED_NODE_FILES
 from vllm_neuron.envs.host_mode import VLLM_NEURON_CPU_PROBE_STARTED
 
 
@@ -29,7 +29,8 @@ def first_process(monkeypatch, tmp_path):
     Inductor cache, and a fresh temporary directory as a Kubernetes ``emptyDir`` mounts it
     (world-writable, not sticky): what the probe keeps goes into the local tier's node
     files (toolchains/node_files.py), nothing into the temporary directory."""
-    for marker in (VLLM_NEURON_CPU_PROBE_STARTED, VLLM_NEURON_NODE_FILES):
+    for marker in (VLLM_NEURON_CPU_PROBE_STARTED, VLLM_NEURON_NODE_FILES,
+                   VLLM_NEURON_SHARED_NODE_FILES):
         monkeypatch.setenv(marker, "restored after the test")
         monkeypatch.delenv(marker)
     inductor = tmp_path / "inductor"
