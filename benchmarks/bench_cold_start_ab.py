@@ -6,7 +6,11 @@ model loads, the probe's compile of the wrapper's runtime part, the wrapper comp
 parts, the vector-ISA probe stopped at the first valid ISA, a share of one slot compiling in
 place, host compile workers at larger shares. Each can be turned off for one start with the
 internal marker ``_VLLM_NEURON_WITHOUT=<name>`` (envs/host_mode.py), which falls back to what
-torch and vLLM do alone. Each round starts, one after another and in a rotating order, stock
+torch and vLLM do alone; the ranks sharing out the pieces (a piece another rank holds is
+deferred, the next one taken) is turned off with its own setting,
+``VLLM_NEURON_DEFER_COMPILES=0`` (every rank waits for the piece another compiles). A
+mechanism a TP size cannot use on this host is not started there (`applies`): rank sharing
+at TP=1, in-place at a share above one slot, workers and early workers at a share of one. Each round starts, one after another and in a rotating order, stock
 vLLM, the plugin, and the plugin without each mechanism asked for: every start cold (fresh
 VLLM_CACHE_ROOT, temporary directory and Inductor cache, as on a new node). Reported per TP:
 the median ready time (spawn -> ``/v1/models``) and the CPU seconds every process of the
@@ -25,12 +29,31 @@ import sys
 from pathlib import Path
 
 from vllm_neuron.envs import COLD_START_MECHANISMS
+from vllm_neuron.envs.compile_cache import default_compile_workers
 
 from ._harness import machine, smoke
 from .bench_vllm_cold_start import TP2_ENV, Run, server_setup, start, vllm_python, work_dir
 
 PAYS = 0.03
 """A mechanism is kept when it saves at least this share of the plugin's cold start."""
+RANK_SHARING = "rank-sharing"
+MECHANISMS = (*COLD_START_MECHANISMS, RANK_SHARING)
+SETTING_OFF = {RANK_SHARING: {"VLLM_NEURON_DEFER_COMPILES": "0"}}
+"""Mechanisms turned off with a user's setting rather than `_VLLM_NEURON_WITHOUT`."""
+
+
+def applies(mechanism: str, tp: int) -> str | None:
+    """Why `mechanism` is never used by a TP=`tp` cold start on this host (a start without it
+    would be the plugin's start again), or None. A rank's share of the node's compile slots
+    (`ceil(slots / tp)`, docs/compile-cache.md) decides between workers and in place."""
+    share = -(-default_compile_workers() // tp)
+    if mechanism == RANK_SHARING and tp == 1:
+        return "one rank shares with no one"
+    if mechanism == "in-place" and share > 1:
+        return f"a share of {share} slots compiles in workers, not in place"
+    if mechanism in ("workers", "early-workers") and share == 1:
+        return "a share of one slot compiles in place, with no workers"
+    return None
 
 
 def run_round(tp: int, round_: int, sides: list[str], python: str, model: str, workdir: Path,
@@ -46,7 +69,8 @@ def run_round(tp: int, round_: int, sides: list[str], python: str, model: str, w
         if side != "stock":
             env["VLLM_NEURON_HOST_MODE"] = "1"
         if side.startswith("without "):
-            env["_VLLM_NEURON_WITHOUT"] = side.removeprefix("without ")
+            mechanism = side.removeprefix("without ")
+            env.update(SETTING_OFF.get(mechanism, {"_VLLM_NEURON_WITHOUT": mechanism}))
         design = "stock cold" if side == "stock" else f"plugin cold {side}".strip()
         cache = None if side == "stock" else root / "cache" / "neuron" / "compile_cache"
         run = start(Run(tp, design), python, model, workdir, env, cache, ready_timeout)
@@ -90,22 +114,28 @@ def main(argv: list[str] | None = None) -> int:
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--without", default="probe,early-workers",
-                        help=f"mechanisms, comma-separated, or 'all': {COLD_START_MECHANISMS}")
+                        help=f"mechanisms, comma-separated, or 'all': {MECHANISMS}")
     parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where the runs' roots and logs go")
     parser.add_argument("--keep", action="store_true", help="keep the server logs")
     parser.add_argument("--ready-timeout", type=float, default=1800.0)
     args = parser.parse_args([] if argv is None else argv)
-    wanted = (list(COLD_START_MECHANISMS) if args.without == "all"
+    wanted = (list(MECHANISMS) if args.without == "all"
               else [m for m in args.without.split(",") if m])  # fmt: skip
-    unknown = sorted(set(wanted) - set(COLD_START_MECHANISMS))
+    unknown = sorted(set(wanted) - set(MECHANISMS))
     if unknown:
-        parser.error(f"--without: {', '.join(unknown)} is not one of {COLD_START_MECHANISMS}")
+        parser.error(f"--without: {', '.join(unknown)} is not one of {MECHANISMS}")
     print(machine())
-    sides = ["stock", "", *(f"without {m}" for m in wanted)]
+    tps = [int(t) for t in args.tp.split(",") if t]
+    sides_of: dict[int, list[str]] = {}
+    for tp in tps:
+        for mechanism in wanted:
+            if (why := applies(mechanism, tp)) is not None:
+                print(f"TP={tp}: without {mechanism}: not started ({why})")
+        sides_of[tp] = ["stock", "", *(f"without {m}" for m in wanted if applies(m, tp) is None)]
     if smoke():
-        print(f"smoke run: no server started; sides {sides}; vLLM python: "
+        print(f"smoke run: no server started; sides {sides_of}; vLLM python: "
               f"{vllm_python(build=False) or 'not built'}")
         print(f"cold-start A/B: setup checked (smoke run); a mechanism pays at {1 + PAYS:.2f}x "
               "(its side without it over the plugin's)")
@@ -114,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     workdir = work_dir("bench-cold-ab-", args.dir)
     lines: list[str] = []
     try:
-        for tp in (int(t) for t in args.tp.split(",") if t):
+        for tp in tps:
+            sides = sides_of[tp]
             runs = []
             for round_ in range(args.rounds):
                 print(f"TP={tp} round {round_ + 1} of {args.rounds}", flush=True)
