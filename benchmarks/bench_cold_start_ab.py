@@ -9,13 +9,14 @@ internal marker ``_VLLM_NEURON_WITHOUT=<name>`` (envs/host_mode.py), which falls
 torch and vLLM do alone; the ranks sharing out the pieces (a piece another rank holds is
 deferred, the next one taken) is turned off with its own setting,
 ``VLLM_NEURON_DEFER_COMPILES=0`` (every rank waits for the piece another compiles). A
-mechanism a TP size cannot use on this host is not started there (`applies`): rank sharing
-at TP=1, in-place at a share above one slot, workers and early workers at a share of one. Each round starts, one after another and in a rotating order, stock
-vLLM, the plugin, and the plugin without each mechanism asked for: every start cold (fresh
-VLLM_CACHE_ROOT, temporary directory and Inductor cache, as on a new node). Reported per TP:
-the median ready time (spawn -> ``/v1/models``) and the CPU seconds every process of the
-server had used by then, per side; for each mechanism, what it saves (its side without it,
-over the plugin's); a mechanism that saves under 3 % of the plugin's cold start does not pay.
+mechanism a TP size cannot use on this host is not started there (`applies`): rank sharing at
+TP=1, in-place at a share above one slot, workers and early workers at a share of one. Each
+round starts, one after another and in a rotating order, stock vLLM, the plugin, and the
+plugin without each mechanism asked for: every start cold (fresh VLLM_CACHE_ROOT, temporary
+directory and Inductor cache, as on a new node). Reported per TP: the median ready time (spawn
+-> ``/v1/models``) and the CPU seconds every process of the server had used by then, per side;
+for each mechanism, what it saves (its side without it, over the plugin's); a mechanism that
+saves under 3 % of the plugin's cold start does not pay.
 
 ``--smoke`` starts no server.
 """
