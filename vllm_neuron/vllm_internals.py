@@ -36,6 +36,9 @@ logger = logging.getLogger("vllm_neuron")
 _VOCAB = "vllm.model_executor.layers.vocab_parallel_embedding"
 _NO_SHARED_EMBEDDING = ("the vocab-parallel embedding stays vLLM's (its piece compiles once per "
                         "tensor-parallel rank)")
+_REGISTRY = "vllm.model_executor.models.registry"
+_NO_MODEL_INFO = ("a new node's vLLM inspects its model class in a subprocess of its own, as "
+                  "without this package (10-15 s on 2 cores)")
 _NO_HOOKS = ("tensor-parallel ranks are read from torch.distributed and the launcher's "
              "variables (RANK, VLLM_DP_RANK)")
 
@@ -120,6 +123,13 @@ _ENTRIES = (
     VllmName(_VOCAB, "VocabParallelEmbeddingShardIndices", kind=type,
              purpose="the shard bounds the embedding moves into a buffer",
              without=_NO_SHARED_EMBEDDING),
+    VllmName(_REGISTRY, "_LazyRegisteredModel", kind=type, methods={"_get_cache_dir": ()},
+             purpose="where vLLM keeps what it learned of each model class "
+                     "($VLLM_CACHE_ROOT/modelinfos), carried to a deployment's new nodes "
+                     "(plugin/model_info.py)", without=_NO_MODEL_INFO),
+    VllmName(_REGISTRY, "_ModelInfo", kind=type,
+             purpose="the fields of vLLM's model information: a carried file must have "
+                     "exactly these (plugin/model_info.py)", without=_NO_MODEL_INFO),
     VllmName(_VOCAB, "get_masked_input_and_mask",
              params=("input_", "org_vocab_start_index", "org_vocab_end_index",
                      "num_org_vocab_padding", "added_vocab_start_index",

@@ -45,8 +45,13 @@ def _degraded(qualname: str, baseline: dict[str, object]) -> dict[str, object]:
         out["worker"] = None  # as vLLM's CPU platform, which names that path
     elif qualname == "vllm.envs.environment_variables":
         out["registered"] = 0
+        out["model_info"] = [False, False]  # vLLM's VLLM_CACHE_ROOT cannot be read either
     elif qualname.startswith(EMBEDDING):
         out["embedding"] = False
+    elif qualname.endswith("._LazyRegisteredModel"):
+        out["model_info"] = [False, False]  # nothing carried: vLLM inspects on its own
+    elif qualname.endswith("._ModelInfo"):
+        out["model_info"] = [True, True]  # no carried file is believed
     return out
 
 
@@ -63,7 +68,8 @@ def test_every_fenced_vllm_name_is_there_and_each_missing_one_degrades(
     assert report["feeds_key"] == []
     baseline = report["baseline"]
     assert baseline == {"platform": HOST, "backend": ADAPTOR, "worker": WORKER,
-                        "embedding": True, "registered": len(OWN_SETTINGS), "ranks": [0, 1]}
+                        "embedding": True, "registered": len(OWN_SETTINGS), "ranks": [0, 1],
+                        "model_info": [True, False]}
     assert report["baseline_warnings"] == 0
     assert sorted(report["missing"]) == sorted(FENCED)
     for qualname, outcome in report["missing"].items():

@@ -284,6 +284,7 @@ def node_b(vllm_python: Path, tiny_model: str, work: Path, shared_folder: Path) 
                      requests=REQUESTS, pod=pod)
     run.extra["stats"] = delta(node.stats(), CacheStats())
     run.extra["pod"] = pod
+    run.extra["node"] = node
     record(run, run.extra["stats"])
     return run
 
@@ -383,6 +384,9 @@ def test_second_node_fetches_everything_from_a_shared_folder(
     assert stats["verification_failures"] == 0
 
 
+MODEL_INFO_FILE = "vllm-model_executor-models-llama-LlamaForCausalLM.json"
+
+
 def test_a_node_that_fetched_its_graphs_records_them_for_the_next_new_node(
     cold: ServerRun, node_b: ServerRun, shared_folder: Path
 ) -> None:
@@ -399,6 +403,12 @@ def test_a_node_that_fetched_its_graphs_records_them_for_the_next_new_node(
     assert deployment == logged_deployments(cold.log())  # the same deployment as node A
     keys = deployment_keys(open_store(str(shared_folder)), deployment[0], 0)
     assert keys == sorted({c[1] for c in adaptor_calls(log)})
+    # With its record, vLLM's model information (plugin/model_info.py), as vLLM wrote it:
+    # the remote had none, so node B's vLLM inspected the class itself.
+    assert "model class(es) copied from the remote tier" not in log
+    own = node_b.extra["node"].cache_root / "modelinfos" / MODEL_INFO_FILE
+    carried = list((shared_folder / ".modelinfos").glob(f"*/{MODEL_INFO_FILE}"))
+    assert len(carried) == 1 and carried[0].read_bytes() == own.read_bytes()
 
 
 def test_another_pod_of_the_deployment_shares_every_key(

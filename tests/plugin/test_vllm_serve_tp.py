@@ -215,11 +215,20 @@ def node_b(vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
     for rank, pieces in pieces_by_rank(cold).items():
         assert remember_keys(open_store(str(remote)), deployments[rank], rank,
                              sorted(set(pieces.values())))  # fmt: skip
+    # ... and vLLM's model information, which rank 0 publishes with its record
+    # (plugin/model_info.py), under this vLLM's version.
+    version_dir = subprocess.run(
+        [str(vllm_python), "-c", "from vllm_neuron.plugin.model_info import _version_dir; "
+         "print(_version_dir())"], capture_output=True, text=True, check=True,
+        cwd=vllm_python.parent).stdout.strip()  # fmt: skip
+    carried = remote / version_dir / MODEL_INFO_FILE
+    carried.parent.mkdir(parents=True)
+    shutil.copyfile(node_a.cache_root / "modelinfos" / MODEL_INFO_FILE, carried)
     node = Node(work / "node-b")
     pod = Pod.beside(node.root, tiny_model)
     env = node.env("node-b", NEURON_LIBTORCH_REMOTE_CACHE=str(remote))
     run = start("node-b", vllm_python, tiny_model, work, env, node, pod=pod)
-    run.extra["pod"] = pod
+    run.extra.update(pod=pod, node=node, carried=carried)
     return run
 
 
@@ -328,6 +337,9 @@ def test_new_node_fetches_every_piece_and_compiles_none(cold: ServerRun, node_b:
     assert "compiled" not in {c[2] for c in adaptor_calls(node_b.log())}
 
 
+MODEL_INFO_FILE = "vllm-model_executor-models-llama-LlamaForCausalLM.json"
+
+
 def test_a_new_node_of_a_known_deployment_fetches_while_the_model_loads(
     cold: ServerRun, node_b: ServerRun
 ) -> None:
@@ -338,6 +350,12 @@ def test_a_new_node_of_a_known_deployment_fetches_while_the_model_loads(
     assert log.count("fetched while the model loads, no compile worker started") == len(RANKS)
     assert "no CPU probe ahead" in log
     assert "CPU probe runs ahead" not in log and "compile workers start now" not in log
+    # vLLM's model information copied before vLLM built its configuration, in its first
+    # process only: vLLM read it, and inspected no class in a subprocess of its own.
+    assert log.count("model class(es) copied from the remote tier") == 1
+    node: Node = node_b.extra["node"]
+    own = node.cache_root / "modelinfos" / MODEL_INFO_FILE
+    assert own.read_bytes() == node_b.extra["carried"].read_bytes()
 
 
 def test_another_pod_of_the_deployment_shares_every_key_at_tp2(

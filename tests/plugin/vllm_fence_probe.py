@@ -70,6 +70,9 @@ def _outcome() -> dict[str, Any]:
     from vllm_neuron.identity import detect_ranks, tensor_parallel_size
 
     out["ranks"] = [detect_ranks().tp_rank, tensor_parallel_size()]
+    model_info = importlib.import_module("vllm_neuron.plugin.model_info")
+    out["model_info"] = [model_info.local_model_info_dir() is not None,
+                         (model_info.problem("a-B.json", b"{}") or "").startswith("this vLLM")]
     return out
 
 

@@ -43,7 +43,7 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
 from vllm_neuron.envs import (
     CompileCacheSettings,
@@ -56,9 +56,13 @@ from vllm_neuron.envs import (
 
 from .tiers.deployments import DEPLOYMENTS_DIR, deployment_known
 from .tiers.location import get_neuron_compile_cache_dir, holds_entries
+
+if TYPE_CHECKING:
+    from vllm_neuron.backends import Store
 from .toolchains.node_files import use_tier
 
-__all__ = ["PROBE_SAID", "fleet_knows", "likely_to_compile", "start_cpu_probe_if_cold"]
+__all__ = ["PROBE_SAID", "fleet_knows", "likely_to_compile", "quick_remote",
+           "start_cpu_probe_if_cold"]  # fmt: skip
 
 logger = logging.getLogger("vllm_neuron.compile")
 
@@ -66,6 +70,17 @@ LOOK_SECONDS = 3.0
 """The most one request of `fleet_knows`'s look at an S3 remote may take."""
 PROBE_SAID = 4000
 """How much of what a failed probe printed (its end: the traceback) is logged with it."""
+
+
+def quick_remote(url: str) -> Store:
+    """The remote tier at `url`, opened for a look at start-up: a guess must not hold a
+    start up, so on S3 a few seconds at most per request (`LOOK_SECONDS`; a remote that is
+    down costs this look, then the cache's own, as before). Makes no request."""
+    from vllm_neuron.backends import open_store
+
+    quick = ({"request_timeout": LOOK_SECONDS, "connect_timeout": LOOK_SECONDS}
+             if url.startswith("s3://") else {})  # fmt: skip
+    return open_store(url, create=False, **quick)
 
 
 def likely_to_compile(settings: CompileCacheSettings, local_dir: str, toolchain: str) -> bool:
@@ -92,14 +107,9 @@ def fleet_knows(settings: CompileCacheSettings, deployment: str | None, ranks: i
     except ConfigError:
         return False  # the cache's own start says it, naming the setting
     try:
-        from vllm_neuron.backends import open_store
         from vllm_neuron.backends.errors import ListingTooLarge
 
-        # A guess must not hold a start up: on S3, a few seconds at most per request (a
-        # remote that is down costs this look, then the cache's own, as before).
-        quick = ({"request_timeout": LOOK_SECONDS, "connect_timeout": LOOK_SECONDS}
-                 if settings.remote_cache.startswith("s3://") else {})  # fmt: skip
-        remote = open_store(settings.remote_cache, create=False, **quick)
+        remote = quick_remote(settings.remote_cache)
         if deployment is not None:
             return deployment_known(remote, deployment, ranks)
         try:

@@ -61,6 +61,7 @@ from vllm_neuron.metrics import install_in_vllm
 from vllm_neuron.snapshot.config import snapshot_config
 from vllm_neuron.vllm_internals import resolve
 
+from .model_info import restore_for_start as restore_model_info
 from .vllm_env import register_settings_with_vllm
 from .vllm_version import check_vllm_version
 
@@ -258,6 +259,9 @@ def register() -> None:
         # In vLLM's first process this runs before any engine process exists, so the engine
         # core and its workers inherit the id; in those it is the inherited one.
         run_id()
+    # Before vLLM builds its configuration, which inspects the model's class: on a new node,
+    # vLLM's answers of the deployment's other nodes (model_info.py).
+    restore_model_info()
     host_mode = host_mode_settings()
     if host_mode.enabled:
         # vLLM's own AOT artifact (on by default with torch >= 2.10) restores compiled

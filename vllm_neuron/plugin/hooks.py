@@ -34,6 +34,8 @@ from vllm_neuron.snapshot.context import (
 from vllm_neuron.snapshot.kernel_handles import track_vllm_onednn_handles
 from vllm_neuron.vllm_internals import resolve
 
+from .model_info import publish as publish_model_info
+
 __all__ = [
     "COMPILER_ADAPTOR",
     "ArtifactWorkerHooks",
@@ -288,9 +290,15 @@ class ArtifactWorkerHooks:
 
 def remember_deployment_after_warm_up(deployment: str | None, rank: int) -> bool:
     """Record on the remote tier the keys this rank of `deployment` loaded, for the next new
-    node of it (compile/tiers/deployments.py); best-effort, never raises."""
+    node of it (compile/tiers/deployments.py), and with rank 0's record vLLM's model
+    information (model_info.py); best-effort, never raises."""
     try:
-        return get_runtime().remember_deployment(deployment, rank)
+        runtime = get_runtime()
+        written = runtime.remember_deployment(deployment, rank)
+        remote = runtime.cache.remote if written and rank == 0 else None
+        if remote is not None:  # vLLM's model information too, for its new nodes
+            publish_model_info(remote)
+        return written
     except Exception as exc:  # noqa: BLE001 - advice for later nodes, never a need
         logger.warning("vllm_neuron: this deployment's keys were not recorded: %s", exc)
         return False

@@ -93,7 +93,8 @@ def run_node(uid: int | None, user: str, tmp: Path, cache_root: Path, home: Path
              "VLLM_NEURON_DISABLE_WARMUP_COMPILE", "VLLM_NEURON_MANIFEST_DIR",
              "VLLM_NEURON_CACHE_SIGNING_KEY", "VLLM_NEURON_CACHE_TRUSTED_KEYS",
              "VLLM_NEURON_CACHE_TRUST", "NEURON_LIBTORCH_DISABLE_COMPILE_CACHE",
-             "_VLLM_NEURON_NODE_FILES", "_VLLM_NEURON_SHARED_NODE_FILES")  # fmt: skip  (a node started anew: no tier named it)
+             # A node started anew: no tier named its node files.
+             "_VLLM_NEURON_NODE_FILES", "_VLLM_NEURON_SHARED_NODE_FILES")  # fmt: skip
     env = {k: v for k, v in os.environ.items() if k not in strip}
     env.update(VLLM_CACHE_ROOT=str(cache_root), TMPDIR=str(tmp), HOME=str(home),
                XDG_CACHE_HOME=str(home / ".cache"), USER=user, LOGNAME=user,

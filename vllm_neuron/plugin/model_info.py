@@ -1,0 +1,211 @@
+"""vLLM's model information, carried to a deployment's new nodes through the remote tier.
+
+Before vLLM builds its configuration it asks what the model's class supports (text
+generation, pooling, pipeline parallelism, ...). It learns that by importing the class in a
+fresh interpreter (``_run_in_subprocess``: 10-15 s on 2 cores, on the critical path of every
+start) and keeps the answer in ``$VLLM_CACHE_ROOT/modelinfos/<module>-<class>.json`` with a
+hash of the module's source, which it checks on the next start. A warm restart reads the
+file; a new node - a new pod, its cache empty - pays the subprocess again: once every graph
+is fetched from the remote tier instead of compiled, that subprocess is most of what a new
+node spends beyond a warm restart (benchmarks/RESULTS.md, P11).
+
+So a process that records its deployment on the remote (compile/tiers/deployments.py) also
+leaves there vLLM's model information files (`publish`): ``.modelinfos/<vLLM version>/
+<file>``, vLLM's bytes as it wrote them. vLLM's first process on a node whose model
+information directory holds no file (`restore`, from the plugin's registration, before vLLM
+builds its configuration) copies them in, and vLLM finds them as on a warm restart.
+
+Whoever can write the remote can write these files, and vLLM believes what they say:
+
+* they are read only where the remote's entries are loaded unsigned anyway (trust ``off`` or
+  ``warn``: whoever writes the remote can already have this node run code of theirs); under
+  ``require`` none is read, as no deployment record is (they are not signed);
+* each is read bounded (`MAX_BYTES`, regular files only), at most `MAX_FILES` of them; a name
+  is vLLM's (`NAME_RE`), the content exactly vLLM's layout (`problem`: the fields of vLLM's
+  ``_ModelInfo``, each a string, a boolean or a list of strings; the class the name says);
+  anything else is ignored, with one warning;
+* a file is never written over one of vLLM's (create-only), and only into a directory that
+  holds none: vLLM's own answers are never replaced. vLLM still checks each file's hash
+  against its module's source, and inspects the class itself when it differs.
+
+Where vLLM keeps them is vLLM's private layout, read through the fence
+(vllm_internals.py); without it nothing is carried and vLLM inspects as it does alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+from typing import Any
+
+from vllm_neuron.backends import Store, open_store
+from vllm_neuron.backends.errors import ListingTooLarge, RecordError
+from vllm_neuron.compile.head_start import quick_remote
+from vllm_neuron.envs import ConfigError, load_compile_cache_settings, load_trust_settings
+from vllm_neuron.vllm_internals import resolve
+
+__all__ = ["MAX_BYTES", "MAX_FILES", "MODEL_INFO_DIR", "local_model_info_dir", "problem",
+           "publish", "restore", "restore_for_start"]  # fmt: skip
+
+logger = logging.getLogger("vllm_neuron")
+
+MODEL_INFO_DIR = ".modelinfos"
+"""On the remote tier: ``<dir>/<vLLM version>/<vLLM's file name>``."""
+MAX_FILES = 64
+"""The most files carried either way (a deployment needs one per model class it serves)."""
+MAX_BYTES = 64 << 10
+"""The largest file read (vLLM's are about 1 KB)."""
+NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,200}\.json\Z")
+"""vLLM's names: ``<module>-<class>.json``, dots made dashes."""
+_REGISTRY = "vllm.model_executor.models.registry"
+
+_WARNED: set[str] = set()
+
+
+def local_model_info_dir() -> str | None:
+    """vLLM's model information directory for this process, or None when vLLM keeps it
+    otherwise than this package knows (the fence says so once)."""
+    lazy = resolve(f"{_REGISTRY}._LazyRegisteredModel")
+    if lazy is None:
+        return None
+    try:
+        return str(lazy._get_cache_dir())
+    except Exception as exc:  # noqa: BLE001 - vLLM's settings broke (its own start says so)
+        _warn_once("vLLM's model information directory", f"it cannot be read ({exc})")
+        return None
+
+
+def _fields() -> set[str] | None:
+    info = resolve(f"{_REGISTRY}._ModelInfo")
+    if info is None or not dataclasses.is_dataclass(info):
+        return None
+    return {f.name for f in dataclasses.fields(info)}
+
+
+def problem(name: str, data: bytes) -> str | None:
+    """Why `data`, named `name`, is not a model information file of this vLLM, or None."""
+    if not NAME_RE.fullmatch(name):
+        return "not a name vLLM gives its files"
+    fields = _fields()
+    if fields is None:
+        return "this vLLM's model information is not as vllm_neuron knows it"
+    try:
+        found = json.loads(data)
+    except (UnicodeDecodeError, ValueError) as exc:
+        return f"not JSON ({exc})"
+    if not isinstance(found, dict) or set(found) != {"hash", "modelinfo"}:
+        return "not vLLM's layout (an object of 'hash' and 'modelinfo')"
+    digest, info = found["hash"], found["modelinfo"]
+    if not isinstance(digest, str) or not re.fullmatch(r"[0-9a-f]{16,128}", digest):
+        return "its hash is not a hex digest"
+    if not isinstance(info, dict) or set(info) != fields:
+        return "its fields are not this vLLM's"
+    if not all(_plain(v) for v in info.values()):
+        return "a field is not a string, a boolean or a list of strings"
+    if not name.endswith(f"-{info['architecture']}.json"):
+        return f"it describes {str(info['architecture'])[:80]!r}, not the class its name says"
+    return None
+
+
+def _plain(value: Any) -> bool:
+    if isinstance(value, list):
+        return all(isinstance(v, str) for v in value)
+    return isinstance(value, str | bool)
+
+
+def _version_dir() -> str:
+    import vllm
+
+    version = re.sub(r"[^A-Za-z0-9._+-]", "_", str(getattr(vllm, "__version__", "unknown")))
+    return f"{MODEL_INFO_DIR}/{version}"
+
+
+def _warn_once(where: str, why: str) -> None:
+    if where not in _WARNED:
+        _WARNED.add(where)
+        logger.warning("vllm_neuron: %s is ignored: %s", where, why)
+
+
+def _read(store: Store, key: str) -> bytes | None:
+    """`key`'s bytes, bounded and regular, or None (said once when it is not)."""
+    try:
+        return store.read(key, max_size=MAX_BYTES)
+    except RecordError as exc:  # too large, or not a regular file
+        _warn_once(f"{store.url}/{key}", str(exc))
+        return None
+
+
+def _names(store: Store, prefix: str) -> list[str]:
+    try:
+        names = store.list_dir(prefix, max_names=MAX_FILES)
+    except ListingTooLarge:
+        _warn_once(f"{store.url}/{prefix}", f"more than {MAX_FILES} files: none is carried")
+        return []
+    return [n for n in names if NAME_RE.fullmatch(n)]
+
+
+def publish(remote: Store) -> int:
+    """Copy this node's model information files to `remote` where it lacks them or holds
+    other bytes; how many were written. The caller has checked it may write there; a store
+    that refuses raises."""
+    local_dir = local_model_info_dir()
+    if local_dir is None:
+        return 0
+    local = open_store(local_dir, create=False)
+    version_dir, written = _version_dir(), 0
+    for name in _names(local, ""):
+        data = _read(local, name)
+        if data is None or problem(name, data) is not None:
+            continue  # vLLM's own, as vLLM wrote it: a file it would not read is not carried
+        key = f"{version_dir}/{name}"
+        if _read(remote, key) != data:
+            remote.write(key, data)
+            written += 1
+    return written
+
+
+def restore(remote: Store) -> int:
+    """Copy the remote's model information files for this vLLM into this node's directory
+    when it holds none; how many were copied (said at info)."""
+    local_dir = local_model_info_dir()
+    if local_dir is None:
+        return 0
+    local = open_store(local_dir, create=True)
+    if any(NAME_RE.fullmatch(n) for n in local.list_dir("")):
+        return 0  # vLLM has run here: its own answers stand
+    version_dir, copied = _version_dir(), 0
+    for name in _names(remote, version_dir):
+        data = _read(remote, f"{version_dir}/{name}")
+        if data is None:
+            continue
+        why = problem(name, data)
+        if why is not None:
+            _warn_once(f"{remote.url}/{version_dir}/{name}", why)
+            continue
+        copied += local.create(name, data)
+    if copied:
+        logger.info("vllm_neuron: vLLM's model information for %d model class(es) copied "
+                    "from the remote tier into %s (vLLM inspects no class in a subprocess)",
+                    copied, local_dir)  # fmt: skip
+    return copied
+
+
+def restore_for_start() -> int:
+    """`restore` from this process's remote tier, before vLLM builds its configuration (the
+    plugin's registration): when a remote is set, the cache is on and trust is not
+    ``require``. Never raises: vLLM then inspects the class itself."""
+    try:
+        settings = load_compile_cache_settings()
+        if not settings.remote_cache or settings.disable_compile_cache:
+            return 0
+        if load_trust_settings().mode == "require":
+            return 0  # unsigned, like a deployment record: not believed under require
+        return restore(quick_remote(settings.remote_cache))
+    except ConfigError:
+        return 0  # the cache's own start says it, naming the setting
+    except Exception as exc:  # noqa: BLE001 - a head start, never a need
+        logger.info("vllm_neuron: vLLM's model information was not copied from the remote "
+                    "tier (%s); vLLM inspects the model class itself", exc)  # fmt: skip
+        return 0
