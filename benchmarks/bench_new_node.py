@@ -8,18 +8,14 @@ by then), on medians of three starts per side, alternating, at TP=1 and TP=2.
 
 Per TP, with the tiny Llama of ``.ci/tiny_model.py`` in host mode and a folder remote:
 
-* the builder's cold start (not judged): compiles every piece and publishes it to the remote;
+* the builder's cold start (not judged): compiles every piece and publishes it to the
+  remote, with its deployment's records and vLLM's model information (without which a new
+  node's API server inspects the model's class in a subprocess of its own, 12-15 s on 2
+  cores, that a restart does not: docs/compile-cache.md);
 * then, three rounds, alternating: the builder restarted (its VLLM_CACHE_ROOT, temporary
   directory and Inductor cache kept, as a restarted process finds them: vLLM's own
-  ``torch_compile_cache`` included, so vLLM calls our ``load()``), a new node (all of
-  those fresh, the same remote: vLLM calls ``compile()``, which fetches), and a new node
-  given vLLM's own ``modelinfos`` cache from the builder.
-
-Why the third: a new node pays one cost of vLLM's own that a restart does not - its API
-server inspects the model's architecture in a subprocess of its own (importing torch and
-vLLM again: about 12 s on 2 cores) and caches the answer in ``$VLLM_CACHE_ROOT/modelinfos``;
-stock vLLM pays it on a new node too. With that cache given, what is left between a new
-node and a restart is this package's.
+  ``torch_compile_cache`` included, so vLLM calls our ``load()``), and a new node (all of
+  those fresh, the same remote: vLLM calls ``compile()``, which fetches).
 
 Every start must answer one chat request with the builder's text, and the new node must
 compile nothing. ``--smoke`` starts no server: it checks the vLLM python resolves.
@@ -41,9 +37,9 @@ ROUNDS = 3
 
 
 def run_tp(tp: int, python: str, model: str, workdir: Path, rounds: int,
-           ready_timeout: float) -> tuple[list[Run], list[Run], list[Run]]:
+           ready_timeout: float) -> tuple[list[Run], list[Run]]:
     """The builder's cold start, then `rounds` alternating rounds of (warm restart, new
-    node, new node given vLLM's modelinfos)."""
+    node)."""
     extra = TP2_ENV if tp == 2 else {}
     remote = workdir / f"remote-tp{tp}"
     remote.mkdir(parents=True)
@@ -57,9 +53,10 @@ def run_tp(tp: int, python: str, model: str, workdir: Path, rounds: int,
                  builder / "cache" / "neuron" / "compile_cache", ready_timeout)
     if not cold.cache.get("compiles"):
         raise RuntimeError(f"tp{tp}: the builder's cold start compiled nothing ({cold.cache})")
+    if not any((remote / ".modelinfos").glob("*/*.json")):
+        raise RuntimeError(f"tp{tp}: the builder left no model information on the remote")
     warm: list[Run] = []
     new: list[Run] = []
-    told: list[Run] = []  # new nodes given vLLM's modelinfos
     for round_ in range(rounds):
         warm.append(start(Run(tp, f"plugin warm restart {round_ + 1}"), python, model, workdir,
                           builder_env, builder / "cache" / "neuron" / "compile_cache",
@@ -74,24 +71,13 @@ def run_tp(tp: int, python: str, model: str, workdir: Path, rounds: int,
             raise RuntimeError(f"{run.name} compiled {run.cache['compiles']} graphs: the "
                                "remote should have held every one")
         new.append(run)
-        node = workdir / f"told-tp{tp}-{round_ + 1}"
-        (node / "tmp").mkdir(parents=True)
-        shutil.copytree(builder / "cache" / "modelinfos", node / "cache" / "modelinfos")
-        node_env = {**builder_env, "VLLM_CACHE_ROOT": str(node / "cache"),
-                    "TMPDIR": str(node / "tmp"), "TORCHINDUCTOR_CACHE_DIR": str(node / "inductor")}
-        run = start(Run(tp, f"plugin new node given vLLM's modelinfos {round_ + 1}"), python,
-                    model, workdir, node_env, node / "cache" / "neuron" / "compile_cache",
-                    ready_timeout)  # fmt: skip
-        if run.cache.get("compiles"):
-            raise RuntimeError(f"{run.name} compiled {run.cache['compiles']} graphs")
-        told.append(run)
-    answers = {r.answer for r in (cold, *warm, *new, *told)}
+    answers = {r.answer for r in (cold, *warm, *new)}
     if len(answers) != 1:
         raise RuntimeError(f"tp{tp}: the starts answered differently: {answers}")
-    return warm, new, told
+    return warm, new
 
 
-def verdict(tp: int, warm: list[Run], new: list[Run], which: str = "new node") -> bool:
+def verdict(tp: int, warm: list[Run], new: list[Run]) -> bool:
     met = True
     for what in ("ready", "cpu"):
         ours = statistics.median(getattr(r, what) for r in new)
@@ -100,7 +86,7 @@ def verdict(tp: int, warm: list[Run], new: list[Run], which: str = "new node") -
         ok = ratio <= TARGET
         met &= ok
         unit = "wall" if what == "ready" else "CPU"
-        print(f"  TP={tp} {which} / warm restart, {unit}: {ratio:.2f}x (medians {ours:.1f} s / "
+        print(f"  TP={tp} new node / warm restart, {unit}: {ratio:.2f}x (medians {ours:.1f} s / "
               f"{base:.1f} s; new {[round(getattr(r, what), 1) for r in new]}, warm "
               f"{[round(getattr(r, what), 1) for r in warm]}); target <= {TARGET:.2f}x: "
               f"{'met' if ok else 'NOT MET'}")
@@ -128,11 +114,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for tp in (int(t) for t in args.tp.split(",") if t):
             print(f"TP={tp}: the builder's cold start, then {args.rounds} rounds of (warm "
-                  "restart, new node, new node given vLLM's modelinfos)", flush=True)
-            warm, new, told = run_tp(tp, python, model, workdir, args.rounds,
-                                     args.ready_timeout)  # fmt: skip
+                  "restart, new node)", flush=True)
+            warm, new = run_tp(tp, python, model, workdir, args.rounds, args.ready_timeout)
             met &= verdict(tp, warm, new)
-            verdict(tp, warm, told, "new node given vLLM's modelinfos")  # not judged: a share
     finally:
         if args.keep:
             print(f"roots and logs kept in {workdir}")
