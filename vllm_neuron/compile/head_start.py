@@ -43,7 +43,8 @@ import subprocess
 import sys
 import tempfile
 import threading
-from typing import IO, TYPE_CHECKING
+from collections.abc import Callable
+from typing import IO, TYPE_CHECKING, TypeVar
 
 from vllm_neuron.envs import (
     CompileCacheSettings,
@@ -61,13 +62,17 @@ if TYPE_CHECKING:
     from vllm_neuron.backends import Store
 from .toolchains.node_files import use_tier
 
-__all__ = ["PROBE_SAID", "fleet_knows", "likely_to_compile", "quick_remote",
+__all__ = ["PROBE_SAID", "fleet_knows", "likely_to_compile", "look_within", "quick_remote",
            "start_cpu_probe_if_cold"]  # fmt: skip
 
 logger = logging.getLogger("vllm_neuron.compile")
+T = TypeVar("T")
 
 LOOK_SECONDS = 3.0
 """The most one request of `fleet_knows`'s look at an S3 remote may take."""
+LOOK_DEADLINE = 10.0
+"""The most a whole look at the remote at start-up may take (`look_within`), whatever the
+remote: an NFS server that went away blocks its callers with no timeout at all."""
 PROBE_SAID = 4000
 """How much of what a failed probe printed (its end: the traceback) is logged with it."""
 
@@ -81,6 +86,33 @@ def quick_remote(url: str) -> Store:
     quick = ({"request_timeout": LOOK_SECONDS, "connect_timeout": LOOK_SECONDS}
              if url.startswith("s3://") else {})  # fmt: skip
     return open_store(url, create=False, **quick)
+
+
+def look_within(look: Callable[[], T], default: T, what: str,
+                deadline: float = LOOK_DEADLINE) -> T:
+    """`look()`, run in a thread of its own and given `deadline` seconds; `default` (said
+    once, naming `what`) when it has not answered by then. A start-up's look at the remote
+    is a guess that must never hold the start up: a call into a hung NFS mount never
+    returns, and the thread left blocked in it holds nothing (a daemon: it ends with the
+    process)."""
+    answer: list[T] = []
+
+    def run() -> None:
+        try:
+            answer.append(look())
+        except Exception as exc:  # noqa: BLE001 - a guess: the default, said
+            logger.info("vllm_neuron: the remote tier's answer to %s failed (%s); this start "
+                        "goes on without it", what, exc)  # fmt: skip
+
+    look_thread = threading.Thread(target=run, daemon=True, name="vllm-neuron-remote-look")
+    look_thread.start()
+    look_thread.join(deadline)
+    if answer:
+        return answer[0]
+    if look_thread.is_alive():
+        logger.warning("vllm_neuron: the remote tier did not answer %s within %.0f s; this "
+                       "start goes on without it", what, deadline)  # fmt: skip
+    return default
 
 
 def likely_to_compile(settings: CompileCacheSettings, local_dir: str, toolchain: str) -> bool:
@@ -98,9 +130,16 @@ def fleet_knows(settings: CompileCacheSettings, deployment: str | None, ranks: i
     """Whether the remote tier says this start will fetch rather than compile: with a
     `deployment`, every one of its `ranks` ranks is recorded (tiers/deployments.py); without
     one (not known yet), any deployment is. False without a remote, or when it cannot be
-    read (a cold start's machinery is then started, as without this look)."""
+    read within `LOOK_DEADLINE` (a cold start's machinery is then started, as without this
+    look)."""
     if not settings.remote_cache:
         return False
+    return look_within(lambda: _fleet_knows(settings, deployment, ranks), False,
+                       "a look at its deployment records")
+
+
+def _fleet_knows(settings: CompileCacheSettings, deployment: str | None, ranks: int) -> bool:
+    assert settings.remote_cache
     try:
         if load_trust_settings().mode == "require":
             return False  # a record is not signed: under require, none is believed

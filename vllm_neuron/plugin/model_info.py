@@ -42,7 +42,7 @@ from typing import Any
 
 from vllm_neuron.backends import Store, open_store
 from vllm_neuron.backends.errors import ListingTooLarge, RecordError
-from vllm_neuron.compile.head_start import quick_remote
+from vllm_neuron.compile.head_start import look_within, quick_remote
 from vllm_neuron.envs import ConfigError, load_compile_cache_settings, load_trust_settings
 from vllm_neuron.vllm_internals import resolve
 
@@ -166,6 +166,11 @@ def publish(remote: Store) -> int:
     return written
 
 
+def _vllm_has_run(local: Store) -> bool:
+    """Whether vLLM's directory holds a file of vLLM's: its own answers stand."""
+    return any(NAME_RE.fullmatch(n) for n in local.list_dir(""))
+
+
 def restore(remote: Store) -> int:
     """Copy the remote's model information files for this vLLM into this node's directory
     when it holds none; how many were copied (said at info)."""
@@ -173,8 +178,8 @@ def restore(remote: Store) -> int:
     if local_dir is None:
         return 0
     local = open_store(local_dir, create=True)
-    if any(NAME_RE.fullmatch(n) for n in local.list_dir("")):
-        return 0  # vLLM has run here: its own answers stand
+    if _vllm_has_run(local):
+        return 0
     version_dir, copied = _version_dir(), 0
     for name in _names(remote, version_dir):
         data = _read(remote, f"{version_dir}/{name}")
@@ -194,18 +199,37 @@ def restore(remote: Store) -> int:
 
 def restore_for_start() -> int:
     """`restore` from this process's remote tier, before vLLM builds its configuration (the
-    plugin's registration): when a remote is set, the cache is on and trust is not
-    ``require``. Never raises: vLLM then inspects the class itself."""
+    plugin's registration): when a remote is set, the cache is on, trust is not ``require``
+    and vLLM's directory holds no file (decided here, without a remote request: every later
+    process of the start finds the file vLLM's first one wrote); the remote's part within
+    `look_within`'s deadline (a hung remote must not hold vLLM's start). Never raises: vLLM
+    then inspects the class itself."""
     try:
         settings = load_compile_cache_settings()
         if not settings.remote_cache or settings.disable_compile_cache:
             return 0
         if load_trust_settings().mode == "require":
             return 0  # unsigned, like a deployment record: not believed under require
-        return restore(quick_remote(settings.remote_cache))
+        local_dir = local_model_info_dir()  # vLLM's module imported here, not in the look
+        if local_dir is None or _vllm_has_run(open_store(local_dir, create=False)):
+            return 0
     except ConfigError:
         return 0  # the cache's own start says it, naming the setting
     except Exception as exc:  # noqa: BLE001 - a head start, never a need
-        logger.info("vllm_neuron: vLLM's model information was not copied from the remote "
-                    "tier (%s); vLLM inspects the model class itself", exc)  # fmt: skip
-        return 0
+        return _not_copied(exc)
+    remote_url = settings.remote_cache
+    return look_within(lambda: _restore_quietly(remote_url), 0,
+                       "a copy of vLLM's model information")
+
+
+def _restore_quietly(remote_url: str) -> int:
+    try:
+        return restore(quick_remote(remote_url))
+    except Exception as exc:  # noqa: BLE001 - a head start, never a need
+        return _not_copied(exc)
+
+
+def _not_copied(exc: Exception) -> int:
+    logger.info("vllm_neuron: vLLM's model information was not copied from the remote tier "
+                "(%s); vLLM inspects the model class itself", exc)
+    return 0

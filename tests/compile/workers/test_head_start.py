@@ -8,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from cache_workers import SAFETY, worker_env
 
 from vllm_neuron.compile.flow.cache import TwoTierCache
-from vllm_neuron.compile.head_start import start_cpu_probe_if_cold
+from vllm_neuron.compile.head_start import look_within, start_cpu_probe_if_cold
 from vllm_neuron.compile.tiers.location import holds_entries
 from vllm_neuron.compile.toolchains.aoti_wrapper import RUNTIME_DIR
 from vllm_neuron.compile.toolchains.node_files import NODE_DIR
@@ -192,3 +193,30 @@ def test_a_process_of_ours_that_loads_vllms_kernels_starts_no_probe(tmp_path, fi
     assert done.returncode == 0, done.stderr
     assert "CPU probe runs ahead" not in done.stderr
     assert not first_process.exists() and not any((tmp_path / "tmp").iterdir())
+
+
+def test_a_remote_look_that_never_answers_does_not_hold_the_start(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A call into a hung NFS mount never returns: the start-up's look gives up at its
+    deadline with its default, said once naming the look; the blocked thread holds nothing."""
+    release = threading.Event()
+
+    def hung() -> str:
+        release.wait()  # released after the assertions: nothing else ends it
+        return "late"
+
+    with caplog.at_level("INFO", logger="vllm_neuron.compile"):
+        assert look_within(hung, "default", "a look at a hung mount", deadline=0.2) == "default"
+    assert [r.levelname for r in caplog.records if "a look at a hung mount" in r.message] == [
+        "WARNING"]
+    release.set()
+    caplog.clear()
+    with caplog.at_level("INFO", logger="vllm_neuron.compile"):
+        assert look_within(lambda: "answer", "default", "a quick look") == "answer"
+
+        def broken() -> str:
+            raise OSError("stale file handle")
+
+        assert look_within(broken, "default", "a broken look") == "default"
+    said = [r.message for r in caplog.records]
+    assert len(said) == 1 and "a broken look" in said[0] and "stale file handle" in said[0]
