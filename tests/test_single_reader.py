@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from vllm_neuron import envs
-from vllm_neuron.envs.compile_cache import load_node_files_dir
+from vllm_neuron.envs.compile_cache import load_model_info_looked, load_node_files_dir
 
 ROOT = Path(__file__).resolve().parent.parent
 PREFIXES = ("VLLM_NEURON_", "NEURON_")
@@ -226,6 +226,7 @@ def test_read_variables_are_exactly_what_the_groups_read() -> None:
     envs.load_cpu_probe_marker(env)
     envs.cold_start_without("probe", env)
     load_node_files_dir(env)
+    load_model_info_looked(env)
     envs.load_profiling_settings(env)
     envs.load_identity_settings(env)
     envs.load_fault_settings(env)

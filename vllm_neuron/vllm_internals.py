@@ -38,7 +38,7 @@ _NO_SHARED_EMBEDDING = ("the vocab-parallel embedding stays vLLM's (its piece co
                         "tensor-parallel rank)")
 _REGISTRY = "vllm.model_executor.models.registry"
 _NO_MODEL_INFO = ("a new node's vLLM inspects its model class in a subprocess of its own, as "
-                  "without this package (10-15 s on 2 cores)")
+                  "without this package (12-15 s on 2 cores)")
 _NO_HOOKS = ("tensor-parallel ranks are read from torch.distributed and the launcher's "
              "variables (RANK, VLLM_DP_RANK)")
 
@@ -128,8 +128,15 @@ _ENTRIES = (
                      "($VLLM_CACHE_ROOT/modelinfos), carried to a deployment's new nodes "
                      "(plugin/model_info.py)", without=_NO_MODEL_INFO),
     VllmName(_REGISTRY, "_ModelInfo", kind=type,
-             purpose="the fields of vLLM's model information: a carried file must have "
-                     "exactly these (plugin/model_info.py)", without=_NO_MODEL_INFO),
+             purpose="the fields of vLLM's model information and their types: a carried file "
+                     "must have exactly these (plugin/model_info.py)", without=_NO_MODEL_INFO),
+    VllmName("vllm.config.model", "AttnTypeStr",
+             purpose="the choices of _ModelInfo.attn_type (declared under TYPE_CHECKING there)",
+             without=_NO_MODEL_INFO),
+    VllmName("vllm.config.pooler", "SequencePoolingType",
+             purpose="the choices of _ModelInfo.default_seq_pooling_type", without=_NO_MODEL_INFO),
+    VllmName("vllm.config.pooler", "TokenPoolingType",
+             purpose="the choices of _ModelInfo.default_tok_pooling_type", without=_NO_MODEL_INFO),
     VllmName(_VOCAB, "get_masked_input_and_mask",
              params=("input_", "org_vocab_start_index", "org_vocab_end_index",
                      "num_org_vocab_padding", "added_vocab_start_index",

@@ -87,8 +87,17 @@ def main(workdir: Path) -> None:
     nested = dict(good["modelinfo"], supports_pp={"yes": True})
     plant("nested-LlamaForCausalLM.json",
           json.dumps({"hash": good["hash"], "modelinfo": nested}).encode())
+    for field, value in (("is_attention_free", "false"), ("supports_pp", []),
+                         ("attn_type", "nonsense"), ("default_seq_pooling_type", "ZZ"),
+                         ("score_type", "x"), ("supported_video_pruning_methods", [1])):
+        plant(f"type-{field.replace('_', '-')}-LlamaForCausalLM.json", json.dumps(
+            {"hash": good["hash"], "modelinfo": dict(good["modelinfo"], **{field: value})}
+        ).encode())
+    plant("arch-not-str-True.json", json.dumps(
+        {"hash": good["hash"], "modelinfo": dict(good["modelinfo"], architecture=True)}).encode())
     plant("large-LlamaForCausalLM.json", b" " * (model_info.MAX_BYTES + 1))
     os.mkfifo(remote_dir / "fifo-LlamaForCausalLM.json")
+    os.symlink(a_dir / names[0], remote_dir / "link-LlamaForCausalLM.json")
     plant("not.a.vllm.name.json", json.dumps(good).encode())
     c_dir = node("c")
     handler.messages.clear()
@@ -103,16 +112,27 @@ def main(workdir: Path) -> None:
     out["d_restored"] = model_info.restore(remote)
     out["d_files"] = sorted(p.name for p in d_dir.iterdir())
 
-    # The plugin's registration: with the remote set (trust off), and under require.
+    # The plugin's registration: with the remote set (trust off), once per start (the
+    # marker its processes inherit), and under warn (said per file) and require (none).
     os.environ["NEURON_LIBTORCH_REMOTE_CACHE"] = str(workdir / "remote")
     node("e")
     out["e_restored"] = model_info.restore_for_start()
-    node("f")
-    keys = workdir / "keys"
+    node("e2")
+    out["e2_restored_in_the_same_start"] = model_info.restore_for_start()
+    del os.environ["_VLLM_NEURON_MODEL_INFO_LOOKED"]
     from vllm_neuron.compile.trust.signing import generate_key_pair
 
+    keys = workdir / "keys"
     _, public, _ = generate_key_pair(str(keys), "builder")
-    os.environ.update(VLLM_NEURON_CACHE_TRUST="require", VLLM_NEURON_CACHE_TRUSTED_KEYS=public)
+    os.environ.update(VLLM_NEURON_CACHE_TRUST="warn", VLLM_NEURON_CACHE_TRUSTED_KEYS=public)
+    node("w")
+    handler.messages.clear()
+    out["w_restored"] = model_info.restore_for_start()
+    out["w_warnings"] = [m for m in handler.messages
+                         if m.startswith("WARNING") and "is not signed" in m]
+    del os.environ["_VLLM_NEURON_MODEL_INFO_LOOKED"]
+    node("f")
+    os.environ.update(VLLM_NEURON_CACHE_TRUST="require")
     out["f_restored"] = model_info.restore_for_start()
     out["f_exists"] = (workdir / "f" / "modelinfos").exists()
     print("MODELINFO " + json.dumps(out), flush=True)

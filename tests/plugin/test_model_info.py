@@ -41,7 +41,10 @@ def test_a_new_node_gets_vllms_model_information_and_nothing_planted(
     assert out["c_restored"] == 1
     assert out["c_files"] == [FILE]
     planted = ["junk-Junk", "wrong-fields-", "extra-field-", "other-class-", "nested-",
-               "large-", "fifo-"]
+               "type-is-attention-free-", "type-supports-pp-", "type-attn-type-",
+               "type-default-seq-pooling-type-", "type-score-type-",
+               "type-supported-video-pruning-methods-", "arch-not-str-", "large-", "fifo-",
+               "link-"]
     assert len(out["c_warnings"]) == len(planted), out["c_warnings"]
     for name in planted:
         assert sum(name in w for w in out["c_warnings"]) == 1, (name, out["c_warnings"])
@@ -49,7 +52,11 @@ def test_a_new_node_gets_vllms_model_information_and_nothing_planted(
     # A node where vLLM has run keeps its own answers.
     assert out["d_restored"] == 0
     assert out["d_files"] == ["vllm-model_executor-models-opt-OPTForCausalLM.json"]
-    # The registration's restore: from the remote set; none under trust require.
+    # The registration's restore: from the remote set, once per start; said per file under
+    # trust warn; none under require.
     assert out["e_restored"] == 1
+    assert out["e2_restored_in_the_same_start"] == 0
+    assert out["w_restored"] == 1
+    assert len(out["w_warnings"]) == 1 and FILE in out["w_warnings"][0], out["w_warnings"]
     assert out["f_restored"] == 0
     assert not out["f_exists"]

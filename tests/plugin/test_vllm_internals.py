@@ -50,7 +50,7 @@ def _degraded(qualname: str, baseline: dict[str, object]) -> dict[str, object]:
         out["embedding"] = False
     elif qualname.endswith("._LazyRegisteredModel"):
         out["model_info"] = [False, False]  # nothing carried: vLLM inspects on its own
-    elif qualname.endswith("._ModelInfo"):
+    elif qualname.endswith(("._ModelInfo", ".AttnTypeStr", "PoolingType")):
         out["model_info"] = [True, True]  # no carried file is believed
     return out
 

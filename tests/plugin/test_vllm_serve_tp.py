@@ -223,7 +223,9 @@ def node_b(vllm_python: Path, tiny_model: str, work: Path, node_a: Node,
         cwd=vllm_python.parent).stdout.strip()  # fmt: skip
     carried = remote / version_dir / MODEL_INFO_FILE
     carried.parent.mkdir(parents=True)
-    shutil.copyfile(node_a.cache_root / "modelinfos" / MODEL_INFO_FILE, carried)
+    # Compact, where vLLM writes it indented: node B's copy proves which wrote its file.
+    info = json.loads((node_a.cache_root / "modelinfos" / MODEL_INFO_FILE).read_bytes())
+    carried.write_text(json.dumps(info, separators=(",", ":")))
     node = Node(work / "node-b")
     pod = Pod.beside(node.root, tiny_model)
     env = node.env("node-b", NEURON_LIBTORCH_REMOTE_CACHE=str(remote))
@@ -351,11 +353,13 @@ def test_a_new_node_of_a_known_deployment_fetches_while_the_model_loads(
     assert "no CPU probe ahead" in log
     assert "CPU probe runs ahead" not in log and "compile workers start now" not in log
     # vLLM's model information copied before vLLM built its configuration, in its first
-    # process only: vLLM read it, and inspected no class in a subprocess of its own.
+    # process only; vLLM read it and inspected no class itself (it would have written its
+    # own answer over it, indented: the carried one is compact).
     assert log.count("model class(es) copied from the remote tier") == 1
     node: Node = node_b.extra["node"]
     own = node.cache_root / "modelinfos" / MODEL_INFO_FILE
     assert own.read_bytes() == node_b.extra["carried"].read_bytes()
+    assert b"\n" not in own.read_bytes()
 
 
 def test_another_pod_of_the_deployment_shares_every_key_at_tp2(

@@ -57,10 +57,10 @@ from vllm_neuron.envs import (
 
 from .tiers.deployments import DEPLOYMENTS_DIR, deployment_known
 from .tiers.location import get_neuron_compile_cache_dir, holds_entries
+from .toolchains.node_files import use_tier
 
 if TYPE_CHECKING:
     from vllm_neuron.backends import Store
-from .toolchains.node_files import use_tier
 
 __all__ = ["PROBE_SAID", "fleet_knows", "likely_to_compile", "look_within", "quick_remote",
            "start_cpu_probe_if_cold"]  # fmt: skip
@@ -88,28 +88,34 @@ def quick_remote(url: str) -> Store:
     return open_store(url, create=False, **quick)
 
 
-def look_within(look: Callable[[], T], default: T, what: str,
+def look_within(look: Callable[[threading.Event], T], default: T, what: str,
                 deadline: float = LOOK_DEADLINE) -> T:
-    """`look()`, run in a thread of its own and given `deadline` seconds; `default` (said
-    once, naming `what`) when it has not answered by then. A start-up's look at the remote
-    is a guess that must never hold the start up: a call into a hung NFS mount never
-    returns, and the thread left blocked in it holds nothing (a daemon: it ends with the
-    process)."""
+    """`look(gave_up)`, run in a thread of its own and given `deadline` seconds; `default`
+    (said, naming `what`) when it has not answered by then, or failed. A start-up's look at
+    the remote is a guess that must never hold the start up: a call into a hung NFS mount
+    never returns. The thread left blocked holds nothing (a daemon: it ends with the
+    process), and `gave_up` is set for it: a look that writes stops there."""
     answer: list[T] = []
+    gave_up = threading.Event()
 
     def run() -> None:
         try:
-            answer.append(look())
+            answer.append(look(gave_up))
         except Exception as exc:  # noqa: BLE001 - a guess: the default, said
             logger.info("vllm_neuron: the remote tier's answer to %s failed (%s); this start "
                         "goes on without it", what, exc)  # fmt: skip
 
-    look_thread = threading.Thread(target=run, daemon=True, name="vllm-neuron-remote-look")
-    look_thread.start()
+    try:
+        look_thread = threading.Thread(target=run, daemon=True, name="vllm-neuron-remote-look")
+        look_thread.start()
+    except RuntimeError as exc:  # no thread left: no look either
+        logger.info("vllm_neuron: %s was not made (%s)", what, exc)
+        return default
     look_thread.join(deadline)
     if answer:
         return answer[0]
     if look_thread.is_alive():
+        gave_up.set()
         logger.warning("vllm_neuron: the remote tier did not answer %s within %.0f s; this "
                        "start goes on without it", what, deadline)  # fmt: skip
     return default
@@ -134,7 +140,7 @@ def fleet_knows(settings: CompileCacheSettings, deployment: str | None, ranks: i
     look)."""
     if not settings.remote_cache:
         return False
-    return look_within(lambda: _fleet_knows(settings, deployment, ranks), False,
+    return look_within(lambda _gave_up: _fleet_knows(settings, deployment, ranks), False,
                        "a look at its deployment records")
 
 

@@ -138,6 +138,16 @@ class CompileRuntime:
             return f"fetch {len(keys)}"
         return "workers" if self.start_compile_worker_if_cold(pool) else None
 
+    def may_record_deployment(self) -> bool:
+        """Whether this process, its start-up over, may tell the remote about its
+        deployment: it may write there, and something it loaded came from a compile or the
+        remote (a start served wholly by its local tier cannot tell a new node anything
+        new, and reads nothing of the remote for it)."""
+        cache = self.cache
+        if cache.disabled or not cache.writes_remote:
+            return False
+        return not all(g.result.source in ("local", "memory", "baked") for g in self.history)
+
     def remember_deployment(self, deployment: str | None, rank: int) -> bool:
         """Record on the remote the keys this rank of `deployment` loaded, once its start-up
         is over (every graph loaded), when it may write there and any came from a compile or
@@ -148,9 +158,7 @@ class CompileRuntime:
         # The start-up is over: what the records' prefetch has not fetched is not waited for,
         # and what it fetched but this process never used is no longer kept from eviction.
         cache.prefetch_done()
-        if deployment is None or cache.disabled or not cache.writes_remote:
-            return False
-        if all(g.result.source in ("local", "memory", "baked") for g in self.history):
+        if deployment is None or not self.may_record_deployment():
             return False
         remote = cache.remote
         if remote is None:

@@ -207,6 +207,7 @@ INTERNAL_MARKERS: tuple[str, ...] = (
     metrics.VLLM_NEURON_METRICS_DIR,
     compile_cache.VLLM_NEURON_NODE_FILES,
     compile_cache.VLLM_NEURON_SHARED_NODE_FILES,
+    compile_cache.VLLM_NEURON_MODEL_INFO_LOOKED,
 )
 
 # Every variable this package reads: the documented ones, vLLM's VLLM_USE_AOT_COMPILE

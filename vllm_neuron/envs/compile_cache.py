@@ -61,6 +61,9 @@ __all__ = [
     "remote_cache_url",
     "VLLM_NEURON_NODE_FILES",
     "VLLM_NEURON_SHARED_NODE_FILES",
+    "VLLM_NEURON_MODEL_INFO_LOOKED",
+    "load_model_info_looked",
+    "mark_model_info_looked",
     "load_node_files_dir",
     "set_node_files_dir",
 ]
@@ -88,6 +91,10 @@ VLLM_NEURON_NODE_FILES = "_VLLM_NEURON_NODE_FILES"
 # Likewise: one directory of node files for every process of a tree whatever local tier each
 # opens (the test suite's processes are one node's: its headers built once, not per tier).
 VLLM_NEURON_SHARED_NODE_FILES = "_VLLM_NEURON_SHARED_NODE_FILES"
+# Likewise: vLLM's first process has looked for vLLM's model information on the remote
+# (plugin/model_info.py); the processes it starts (vLLM's inspection subprocess, the engine's)
+# do not look again.
+VLLM_NEURON_MODEL_INFO_LOOKED = "_VLLM_NEURON_MODEL_INFO_LOOKED"
 
 COMPILE_MEMORY = 4 << 30
 """Memory one compile is assumed to need when the node's compile slots are sized from its
@@ -205,6 +212,14 @@ VARIABLES: tuple[EnvVar, ...] = (
         "Tests only: one directory of node files for a whole process tree, whatever local "
         "tier each process opens (the test suite's many tiers are one node's); wins over "
         "_VLLM_NEURON_NODE_FILES. Not a setting: leave it unset.",
+    ),
+    EnvVar(
+        VLLM_NEURON_MODEL_INFO_LOOKED,
+        "(set by vLLM's first process, inherited by the processes it starts)",
+        "compile-cache",
+        "1: this start has looked on the remote tier for vLLM's model information "
+        "(vllm_neuron/plugin/model_info.py); its later processes do not look again. Not a "
+        "setting: leave it unset.",
     ),
 )
 
@@ -467,6 +482,17 @@ def load_node_files_dir(environ: Mapping[str, str] | None = None) -> str | None:
     tree whatever tier each process opens (the test suite: one node, many tiers)."""
     env = environ_or_default(environ)
     return raw(env, VLLM_NEURON_SHARED_NODE_FILES) or raw(env, VLLM_NEURON_NODE_FILES) or None
+
+
+def load_model_info_looked(environ: Mapping[str, str] | None = None) -> bool:
+    """_VLLM_NEURON_MODEL_INFO_LOOKED: whether this start looked for vLLM's model information
+    already (an ancestor of this process did). Any value but empty is yes; never an error."""
+    return bool(raw(environ_or_default(environ), VLLM_NEURON_MODEL_INFO_LOOKED))
+
+
+def mark_model_info_looked() -> None:
+    """Set _VLLM_NEURON_MODEL_INFO_LOOKED for this process and the processes it starts."""
+    os.environ[VLLM_NEURON_MODEL_INFO_LOOKED] = "1"
 
 
 def set_node_files_dir(directory: str) -> None:

@@ -259,9 +259,6 @@ def register() -> None:
         # In vLLM's first process this runs before any engine process exists, so the engine
         # core and its workers inherit the id; in those it is the inherited one.
         run_id()
-    # Before vLLM builds its configuration, which inspects the model's class: on a new node,
-    # vLLM's answers of the deployment's other nodes (model_info.py).
-    restore_model_info()
     host_mode = host_mode_settings()
     if host_mode.enabled:
         # vLLM's own AOT artifact (on by default with torch >= 2.10) restores compiled
@@ -278,6 +275,10 @@ def register() -> None:
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         # Before vLLM starts any engine process, if the platform plugin did not already.
         _start_cpu_probe_ahead()
+    # Before vLLM builds its configuration, which inspects the model's class: on a new node,
+    # vLLM's answers of the deployment's other nodes (model_info.py); after the probe's
+    # start, which this look must not delay.
+    restore_model_info()
     try:
         register_backend()
     except ImportError as exc:  # torch missing: vLLM itself cannot run either

@@ -295,10 +295,18 @@ def remember_deployment_after_warm_up(deployment: str | None, rank: int) -> bool
     try:
         runtime = get_runtime()
         written = runtime.remember_deployment(deployment, rank)
-        remote = runtime.cache.remote if written and rank == 0 else None
-        if remote is not None:  # vLLM's model information too, for its new nodes
-            publish_model_info(remote)
-        return written
     except Exception as exc:  # noqa: BLE001 - advice for later nodes, never a need
         logger.warning("vllm_neuron: this deployment's keys were not recorded: %s", exc)
         return False
+    try:
+        # vLLM's model information too, whenever the record could be written (publish
+        # writes only what the remote lacks): a record left by an earlier start, or a
+        # publish that failed once, does not keep the next new nodes from it.
+        if rank == 0 and runtime.may_record_deployment():
+            remote = runtime.cache.remote
+            if remote is not None:
+                publish_model_info(remote)
+    except Exception as exc:  # noqa: BLE001 - advice for later nodes, never a need
+        logger.warning("vllm_neuron: vLLM's model information was not left on the remote "
+                       "tier: %s", exc)  # fmt: skip
+    return written

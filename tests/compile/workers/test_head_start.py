@@ -114,27 +114,33 @@ plugin.resolve = lambda qualname: object()
 
 # vLLM asks for its platform first (seconds before it loads the general plugins), more
 # than once, then runs the general plugin: the probe starts at the first ask, once.
+def probes_running():
+    found = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().split(b"\\0")
+            if parent == os.getpid() and b"--probe" in command:
+                found[int(pid)] = os.pidfd_open(int(pid))  # held: its number is not reused
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
 assert plugin.platform_plugin() == plugin.HOST_PLATFORM
 assert os.environ["_VLLM_NEURON_CPU_PROBE_STARTED"] == str(os.getpid())
+# Looked for at once and again after the general plugin (a probe lives for seconds: it
+# starts an interpreter and imports torch), so a loaded host finishing it early loses none.
+probes = probes_running()
 assert plugin.platform_plugin() == plugin.HOST_PLATFORM
 plugin.register()
-probes = []
-for pid in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            parent = int(f.read().rsplit(b")", 1)[1].split()[1])
-        with open(f"/proc/{pid}/cmdline", "rb") as f:
-            command = f.read().split(b"\\0")
-    except (OSError, IndexError, ValueError):
-        continue
-    if parent == os.getpid() and b"--probe" in command:
-        probes.append(int(pid))
-for pid in probes:  # its work done, it exits: waited on through a pidfd, bounded
-    fd = os.pidfd_open(pid)
+probes.update((pid, fd) for pid, fd in probes_running().items() if pid not in probes)
+for fd in probes.values():  # its work done, it exits: waited on through a pidfd, bounded
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     assert poller.poll(float(os.environ["PROBE_PATIENCE"]) * 1000), "the probe did not finish"
-print(json.dumps(probes))
+print(json.dumps(sorted(probes)))
 """
 
 
@@ -200,8 +206,10 @@ def test_a_remote_look_that_never_answers_does_not_hold_the_start(
     """A call into a hung NFS mount never returns: the start-up's look gives up at its
     deadline with its default, said once naming the look; the blocked thread holds nothing."""
     release = threading.Event()
+    told: list[threading.Event] = []
 
-    def hung() -> str:
+    def hung(gave_up: threading.Event) -> str:
+        told.append(gave_up)
         release.wait()  # released after the assertions: nothing else ends it
         return "late"
 
@@ -209,12 +217,13 @@ def test_a_remote_look_that_never_answers_does_not_hold_the_start(
         assert look_within(hung, "default", "a look at a hung mount", deadline=0.2) == "default"
     assert [r.levelname for r in caplog.records if "a look at a hung mount" in r.message] == [
         "WARNING"]
+    assert told[0].is_set()  # a look that writes stops there
     release.set()
     caplog.clear()
     with caplog.at_level("INFO", logger="vllm_neuron.compile"):
-        assert look_within(lambda: "answer", "default", "a quick look") == "answer"
+        assert look_within(lambda _: "answer", "default", "a quick look") == "answer"
 
-        def broken() -> str:
+        def broken(_: threading.Event) -> str:
             raise OSError("stale file handle")
 
         assert look_within(broken, "default", "a broken look") == "default"
