@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     from vllm_neuron.backends import Store
 
 __all__ = ["PROBE_SAID", "fleet_knows", "likely_to_compile", "look_within", "quick_remote",
-           "start_cpu_probe_if_cold"]  # fmt: skip
+           "start_cpu_probe_if_cold", "started_by_an_ancestor"]  # fmt: skip
 
 logger = logging.getLogger("vllm_neuron.compile")
 T = TypeVar("T")
@@ -177,7 +177,7 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings, *, configured: bool 
     it could not be read) with `ranks` ranks; before that, a remote that records any
     deployment leaves the decision to the call that is configured (nothing is marked). The
     probe's process when it was started (reaped by a thread of this process)."""
-    if _started_by_an_ancestor(load_cpu_probe_marker()):
+    if started_by_an_ancestor(load_cpu_probe_marker()):
         return None
     if cold_start_without("probe"):  # the A/B benchmark's other side
         mark_cpu_probe_started()
@@ -229,10 +229,11 @@ def start_cpu_probe_if_cold(settings: CompileCacheSettings, *, configured: bool 
     return probe
 
 
-def _started_by_an_ancestor(marker: int | None) -> bool:
-    """Whether _VLLM_NEURON_CPU_PROBE_STARTED names this process or one it descends from: a
-    value inherited from anything else (a launcher that loaded vLLM's plugins itself, then
-    started servers) does not stop this start's probe."""
+def started_by_an_ancestor(marker: int | None) -> bool:
+    """Whether a start's marker (_VLLM_NEURON_CPU_PROBE_STARTED, _VLLM_NEURON_MODEL_INFO_LOOKED:
+    a process id) names this process or one it descends from: a value inherited from
+    anything else (a launcher that loaded vLLM's plugins itself, then started servers) does
+    not stop this start's own."""
     if marker is None:
         return False
     pid = os.getpid()

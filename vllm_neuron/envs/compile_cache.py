@@ -217,9 +217,9 @@ VARIABLES: tuple[EnvVar, ...] = (
         VLLM_NEURON_MODEL_INFO_LOOKED,
         "(set by vLLM's first process, inherited by the processes it starts)",
         "compile-cache",
-        "1: this start has looked on the remote tier for vLLM's model information "
-        "(vllm_neuron/plugin/model_info.py); its later processes do not look again. Not a "
-        "setting: leave it unset.",
+        "The process id of the process of this start that looked on the remote tier for "
+        "vLLM's model information (vllm_neuron/plugin/model_info.py); its descendants do not "
+        "look again. Not a setting: leave it unset.",
     ),
 )
 
@@ -484,15 +484,17 @@ def load_node_files_dir(environ: Mapping[str, str] | None = None) -> str | None:
     return raw(env, VLLM_NEURON_SHARED_NODE_FILES) or raw(env, VLLM_NEURON_NODE_FILES) or None
 
 
-def load_model_info_looked(environ: Mapping[str, str] | None = None) -> bool:
-    """_VLLM_NEURON_MODEL_INFO_LOOKED: whether this start looked for vLLM's model information
-    already (an ancestor of this process did). Any value but empty is yes; never an error."""
-    return bool(raw(environ_or_default(environ), VLLM_NEURON_MODEL_INFO_LOOKED))
+def load_model_info_looked(environ: Mapping[str, str] | None = None) -> int | None:
+    """_VLLM_NEURON_MODEL_INFO_LOOKED: the process id of the process of this start that looked
+    for vLLM's model information on the remote, or None when unset; a value that is no
+    process id is no marker (None), never an error: it is no setting of the user's."""
+    value = raw(environ_or_default(environ), VLLM_NEURON_MODEL_INFO_LOOKED)
+    return int(value) if value is not None and value.isdigit() else None
 
 
 def mark_model_info_looked() -> None:
-    """Set _VLLM_NEURON_MODEL_INFO_LOOKED for this process and the processes it starts."""
-    os.environ[VLLM_NEURON_MODEL_INFO_LOOKED] = "1"
+    """Set _VLLM_NEURON_MODEL_INFO_LOOKED to this process's id, for the processes it starts."""
+    os.environ[VLLM_NEURON_MODEL_INFO_LOOKED] = str(os.getpid())
 
 
 def set_node_files_dir(directory: str) -> None:

@@ -51,7 +51,7 @@ from typing import Any
 
 from vllm_neuron.backends import Store, open_store
 from vllm_neuron.backends.errors import ListingTooLarge, RecordError
-from vllm_neuron.compile.head_start import look_within, quick_remote
+from vllm_neuron.compile.head_start import look_within, quick_remote, started_by_an_ancestor
 from vllm_neuron.envs import ConfigError, load_compile_cache_settings, load_trust_settings
 from vllm_neuron.envs.compile_cache import load_model_info_looked, mark_model_info_looked
 from vllm_neuron.vllm_internals import resolve
@@ -253,7 +253,7 @@ def restore_for_start() -> int:
     ``require`` and vLLM's directory holds no file (decided without a remote request); the
     remote's part within `look_within`'s deadline (a hung remote must not hold vLLM's
     start). Never raises: vLLM then inspects the class itself."""
-    if load_model_info_looked():
+    if started_by_an_ancestor(load_model_info_looked()):
         return 0
     mark_model_info_looked()
     try:
