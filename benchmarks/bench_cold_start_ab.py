@@ -6,9 +6,8 @@ model loads, the probe's compile of the wrapper's runtime part, the wrapper comp
 parts, the vector-ISA probe stopped at the first valid ISA, a share of one slot compiling in
 place, host compile workers at larger shares. Each can be turned off for one start with the
 internal marker ``_VLLM_NEURON_WITHOUT=<name>`` (envs/host_mode.py), which falls back to what
-torch and vLLM do alone; the ranks sharing out the pieces (a piece another rank holds is
-deferred, the next one taken) is turned off with its own setting,
-``VLLM_NEURON_DEFER_COMPILES=0`` (every rank waits for the piece another compiles). A
+torch and vLLM do alone (``rank-sharing``: every rank waits for the piece another compiles,
+as with ``VLLM_NEURON_DEFER_COMPILES=0``, which would also stop the head start). A
 mechanism a TP size cannot use on this host is not started there (`applies`): rank sharing at
 TP=1, in-place at a share above one slot, workers and early workers at a share of one. Each
 round starts, one after another and in a rotating order, stock vLLM, the plugin, and the
@@ -29,26 +28,22 @@ import statistics
 import sys
 from pathlib import Path
 
-from vllm_neuron.envs import COLD_START_MECHANISMS
-from vllm_neuron.envs.compile_cache import default_compile_workers
+from vllm_neuron.envs import COLD_START_MECHANISMS, load_compile_cache_settings
 
 from ._harness import machine, smoke
 from .bench_vllm_cold_start import TP2_ENV, Run, server_setup, start, vllm_python, work_dir
 
 PAYS = 0.03
 """A mechanism is kept when it saves at least this share of the plugin's cold start."""
-RANK_SHARING = "rank-sharing"
-MECHANISMS = (*COLD_START_MECHANISMS, RANK_SHARING)
-SETTING_OFF = {RANK_SHARING: {"VLLM_NEURON_DEFER_COMPILES": "0"}}
-"""Mechanisms turned off with a user's setting rather than `_VLLM_NEURON_WITHOUT`."""
+MECHANISMS = COLD_START_MECHANISMS
 
 
 def applies(mechanism: str, tp: int) -> str | None:
     """Why `mechanism` is never used by a TP=`tp` cold start on this host (a start without it
     would be the plugin's start again), or None. A rank's share of the node's compile slots
     (`ceil(slots / tp)`, docs/compile-cache.md) decides between workers and in place."""
-    share = -(-default_compile_workers() // tp)
-    if mechanism == RANK_SHARING and tp == 1:
+    share = -(-load_compile_cache_settings().compile_workers // tp)
+    if mechanism == "rank-sharing" and tp == 1:
         return "one rank shares with no one"
     if mechanism == "in-place" and share > 1:
         return f"a share of {share} slots compiles in workers, not in place"
@@ -70,8 +65,7 @@ def run_round(tp: int, round_: int, sides: list[str], python: str, model: str, w
         if side != "stock":
             env["VLLM_NEURON_HOST_MODE"] = "1"
         if side.startswith("without "):
-            mechanism = side.removeprefix("without ")
-            env.update(SETTING_OFF.get(mechanism, {"_VLLM_NEURON_WITHOUT": mechanism}))
+            env["_VLLM_NEURON_WITHOUT"] = side.removeprefix("without ")
         design = "stock cold" if side == "stock" else f"plugin cold {side}".strip()
         cache = None if side == "stock" else root / "cache" / "neuron" / "compile_cache"
         run = start(Run(tp, design), python, model, workdir, env, cache, ready_timeout)

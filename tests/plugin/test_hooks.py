@@ -38,6 +38,9 @@ def clean_settings(monkeypatch: pytest.MonkeyPatch) -> Any:
     # register() in host mode would start Inductor's CPU probe for this process's default
     # cache root (head_start.py): this process has looked already.
     monkeypatch.setenv("_VLLM_NEURON_CPU_PROBE_STARTED", str(os.getpid()))
+    # ... and it would look for vLLM's model information (model_info.py), marking this
+    # process for the ones it starts: restored after the test, as the probe's marker.
+    monkeypatch.setenv("_VLLM_NEURON_MODEL_INFO_LOOKED", str(os.getpid()))
     # register() would give the package logger a stderr handler (not propagating): keep
     # this session's logging as pytest set it up.
     monkeypatch.setattr(plugin_mod, "_show_logs", lambda: None)

@@ -112,9 +112,10 @@ def look_within(look: Callable[[threading.Event], T], default: T, what: str,
         logger.info("vllm_neuron: %s was not made (%s)", what, exc)
         return default
     look_thread.join(deadline)
+    alive = look_thread.is_alive()  # before the answer: one given meanwhile is then taken
     if answer:
         return answer[0]
-    if look_thread.is_alive():
+    if alive:
         gave_up.set()
         logger.warning("vllm_neuron: the remote tier did not answer %s within %.0f s; this "
                        "start goes on without it", what, deadline)  # fmt: skip

@@ -489,7 +489,7 @@ def load_model_info_looked(environ: Mapping[str, str] | None = None) -> int | No
     for vLLM's model information on the remote, or None when unset; a value that is no
     process id is no marker (None), never an error: it is no setting of the user's."""
     value = raw(environ_or_default(environ), VLLM_NEURON_MODEL_INFO_LOOKED)
-    return int(value) if value is not None and value.isdigit() else None
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
 
 
 def mark_model_info_looked() -> None:

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from vllm_neuron.assembly import get_runtime
+from vllm_neuron.compile.head_start import look_within
 from vllm_neuron.envs import manifest_settings
 from vllm_neuron.manifest.config import config_from_vllm
 from vllm_neuron.manifest.emit import emit_for_this_engine
@@ -304,8 +305,9 @@ def remember_deployment_after_warm_up(deployment: str | None, rank: int) -> bool
         # publish that failed once, does not keep the next new nodes from it.
         if rank == 0 and runtime.may_record_deployment():
             remote = runtime.cache.remote
-            if remote is not None:
-                publish_model_info(remote)
+            if remote is not None:  # on the way to ready: a hung remote must not hold it
+                look_within(lambda _gave_up: publish_model_info(remote), 0,
+                            "a copy of vLLM's model information")
     except Exception as exc:  # noqa: BLE001 - advice for later nodes, never a need
         logger.warning("vllm_neuron: vLLM's model information was not left on the remote "
                        "tier: %s", exc)  # fmt: skip

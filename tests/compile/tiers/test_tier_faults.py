@@ -75,7 +75,9 @@ def test_a_full_cache_root_serves_the_graph_with_one_warning_and_caches_once_the
 ) -> None:
     remount(tmpfs, "size=256k")  # room for the tier's small files, not for a compile
     cache_dir = tmpfs / "neuron" / "compile_cache"
-    code, result, err = serve(tmpfs)
+    # Its node files where this tier would keep them (not the session's shared ones): a tier
+    # without room for a precompiled header must keep none, or the compile fails.
+    code, result, err = serve(tmpfs, _VLLM_NEURON_SHARED_NODE_FILES="")
     assert code == 0 and result is not None, err[-3000:]  # no C++ abort, no traceback
     assert result["matched"] and result["sources"] == ["uncached"], result
     said = [w for w in result["warnings"] if "no space left" in w]

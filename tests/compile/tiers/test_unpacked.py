@@ -148,7 +148,9 @@ def test_a_full_tier_loads_the_package_with_one_warning(
     remount(tmpfs, f"size={shutil.disk_usage(tmpfs).used // 1024 + 512}k")
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()
-    code, result, err = serve_worker.serve(tmpfs, INDUCTOR, TMPDIR=str(tmpdir))
+    # Its node files where this full tier would keep them, not the session's shared ones.
+    code, result, err = serve_worker.serve(tmpfs, INDUCTOR, TMPDIR=str(tmpdir),
+                                           _VLLM_NEURON_SHARED_NODE_FILES="")  # fmt: skip
     assert code == 0 and result is not None, err[-3000:]
     assert result["matched"] and result["sources"] == ["local"], result
     (said,) = result["warnings"]

@@ -60,6 +60,7 @@ from vllm_neuron.backends import (
     open_store,
     validate_hex,
 )
+from vllm_neuron.envs import cold_start_without
 from vllm_neuron.identity import tensor_parallel_size
 
 from ..entry.events import CacheHit, CacheMiss, LockWaited
@@ -224,7 +225,9 @@ class TwoTierCache:
         at the first call. With VLLM_NEURON_DEFER_COMPILES=0 (`defer_compiles`) this is
         `get_or_compile`."""
         components = components or {}
-        if not self.defer_compiles:
+        # The A/B benchmark's side without rank sharing (benchmarks/bench_cold_start_ab.py):
+        # as VLLM_NEURON_DEFER_COMPILES=0 here, but the start's head start unchanged.
+        if not self.defer_compiles or cold_start_without("rank-sharing"):
             return self.get_or_compile(key, compile_fn, components=components, piece=piece)
         return self._deferral.begin(key, compile_fn, components, piece, worker)
 
