@@ -89,9 +89,10 @@ def report(tp: int, sides: list[str], runs: list[Run]) -> list[str]:
         lines.append(f"  TP={tp} {side or 'plugin':<28} ready {ready:6.1f} s, CPU {cpu:6.1f} s "
                      f"(medians of {len(by_side[side])}; each ready/CPU: {each})")
     base_ready, base_cpu = medians[""]
-    stock_ready, stock_cpu = medians["stock"]
-    lines.append(f"  TP={tp} plugin / stock: {base_ready / stock_ready:.2f}x wall, "
-                 f"{base_cpu / stock_cpu:.2f}x CPU")
+    if "stock" in medians:
+        stock_ready, stock_cpu = medians["stock"]
+        lines.append(f"  TP={tp} plugin / stock: {base_ready / stock_ready:.2f}x wall, "
+                     f"{base_cpu / stock_cpu:.2f}x CPU")
     for side in sides:
         if not side.startswith("without "):
             continue
@@ -112,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"mechanisms, comma-separated, or 'all': {MECHANISMS}")
     parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes, comma-separated")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--no-stock", action="store_true",
+                        help="no stock vLLM side (a mechanism's A/B alone)")
     parser.add_argument("--dir", default=None, help="where the runs' roots and logs go")
     parser.add_argument("--keep", action="store_true", help="keep the server logs")
     parser.add_argument("--ready-timeout", type=float, default=1800.0)
@@ -128,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
         for mechanism in wanted:
             if (why := applies(mechanism, tp)) is not None:
                 print(f"TP={tp}: without {mechanism}: not started ({why})")
-        sides_of[tp] = ["stock", "", *(f"without {m}" for m in wanted if applies(m, tp) is None)]
+        sides_of[tp] = [*([] if args.no_stock else ["stock"]), "",
+                        *(f"without {m}" for m in wanted if applies(m, tp) is None)]
     if smoke():
         print(f"smoke run: no server started; sides {sides_of}; vLLM python: "
               f"{vllm_python(build=False) or 'not built'}")
