@@ -81,6 +81,13 @@ def raw(environ: Mapping[str, str], name: str) -> str | None:
     return value or None
 
 
+def pid_marker(environ: Mapping[str, str], name: str) -> int | None:
+    """An internal marker naming a process (its id), or None when unset; a value that is
+    no ASCII number is no marker (None), never an error: it is no setting of the user's."""
+    value = raw(environ, name)
+    return int(value) if value is not None and value.isascii() and value.isdigit() else None
+
+
 def parse_bool(name: str, raw_value: str) -> bool:
     """Parse a boolean setting strictly: a typo must not silently mean False."""
     lowered = raw_value.strip().lower()

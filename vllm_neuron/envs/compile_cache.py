@@ -23,6 +23,7 @@ from ._parse import (
     normalize_location_var,
     parse_positive_float,
     parsed_once,
+    pid_marker,
     raw,
     remote_location_var,
     require_directory,
@@ -488,8 +489,7 @@ def load_model_info_looked(environ: Mapping[str, str] | None = None) -> int | No
     """_VLLM_NEURON_MODEL_INFO_LOOKED: the process id of the process of this start that looked
     for vLLM's model information on the remote, or None when unset; a value that is no
     process id is no marker (None), never an error: it is no setting of the user's."""
-    value = raw(environ_or_default(environ), VLLM_NEURON_MODEL_INFO_LOOKED)
-    return int(value) if value is not None and value.isascii() and value.isdigit() else None
+    return pid_marker(environ_or_default(environ), VLLM_NEURON_MODEL_INFO_LOOKED)
 
 
 def mark_model_info_looked() -> None:

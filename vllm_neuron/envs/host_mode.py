@@ -6,7 +6,15 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from ._parse import ConfigError, EnvVar, bool_var, environ_or_default, parsed_once, raw
+from ._parse import (
+    ConfigError,
+    EnvVar,
+    bool_var,
+    environ_or_default,
+    parsed_once,
+    pid_marker,
+    raw,
+)
 from .compile_cache import VLLM_NEURON_TOOLCHAIN
 
 __all__ = [
@@ -133,8 +141,7 @@ def load_cpu_probe_marker(environ: Mapping[str, str] | None = None) -> int | Non
     at whether to run Inductor's CPU probe ahead (vllm_neuron/compile/head_start.py), or None
     when unset. Read at each use (the first process sets it while running); a value that is
     no process id is no marker (None), never an error: it is no setting of the user's."""
-    value = raw(environ_or_default(environ), VLLM_NEURON_CPU_PROBE_STARTED)
-    return int(value) if value is not None and value.isascii() and value.isdigit() else None
+    return pid_marker(environ_or_default(environ), VLLM_NEURON_CPU_PROBE_STARTED)
 
 
 def mark_cpu_probe_started() -> None:
