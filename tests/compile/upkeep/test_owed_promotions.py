@@ -99,6 +99,44 @@ def test_caches_opening_one_tier_settle_a_note_once(tmp_path, compile_fn):
     assert owed_keys(open_store(node)) == []
 
 
+def test_a_pass_killed_holding_the_upkeep_lease_is_taken_over(
+    tmp_path, compile_fn, monkeypatch
+):
+    """On a tier without kernel locks (NFS) a process killed mid-pass leaves the tier's
+    upkeep lock held by its lease for up to one period: the next start's pass takes it
+    over and pays what was owed, rather than leaving it to a start weeks later (the crash
+    matrix's ``compile.published`` on NFS met this when its killed process was mid-pass)."""
+    from vllm_neuron.backends import router
+    from vllm_neuron.compile.upkeep.background import UPKEEP_LOCK
+
+    node, remote = str(tmp_path / "node"), str(tmp_path / "remote")
+    real_profile_for = router.profile_for
+
+    def nfs_node(path: str, mounts_text: str | None = None) -> tuple[str, bool]:
+        inside = os.path.abspath(path).startswith(node)
+        return ("nfs", False) if inside else real_profile_for(path, mounts_text)
+
+    monkeypatch.setattr(router, "profile_for", nfs_node)
+    period = 0.5
+    down = TwoTierCache(node, remote=remote, remote_options=READER, lease_duration=period)
+    assert down.get_or_compile(KEY, compile_fn(KEY)).source == "compiled"  # owed
+    assert down.wait_for_upkeep(HANG)
+    local = open_store(node)
+    assert not local.capabilities.kernel_locks  # the tier under test takes leases
+    dead = local.lock(UPKEEP_LOCK, lease_duration=period)
+    dead.acquire(timeout=0)
+    dead._stop.set()  # type: ignore[attr-defined] - its heartbeat dies with its process
+    os.mkdir(remote)
+
+    restarted = TwoTierCache(node, remote=remote, remote_options=READER,
+                             lease_duration=period)  # fmt: skip
+    assert restarted.get_or_compile(KEY, compile_fn(KEY, fail="must not compile")).source == (
+        "local")
+    assert restarted.wait_for_upkeep(HANG)
+    assert open_store(remote).published(KEY) is not None
+    assert owed_keys(local) == []
+
+
 def test_a_note_without_its_entry_is_dropped_and_promotes_nothing(tmp_path):
     node, remote = str(tmp_path / "node"), str(tmp_path / "remote")
     owe_promotion(open_store(node), KEY, remote)  # a compile killed before it published

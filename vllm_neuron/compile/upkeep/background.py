@@ -9,9 +9,11 @@ Three jobs, none on the hot path and none allowed to stop the cache from serving
   bounds: staging, temp files, dead leases and expired notes; never an entry; and their
   compile job directories in the temporary directory, `job_dirs.py`) and settles
   the promotions an earlier process owed the remote (`owed.py`). One process per tier
-  runs it at a time (the tier's ``upkeep`` lock, taken without waiting): the ranks of a
-  TP=32 engine opening one tier walk it once, not 32 times. It stops between items when
-  the interpreter exits; what an exit cuts short is crash-safe (the next pass finishes it);
+  runs it at a time (the tier's ``upkeep`` lock; a pass that finds it held waits, then
+  settles only, or leaves the work to a holder still at it: `_take_upkeep_lock`): the
+  ranks of a TP=32 engine opening one tier walk it once, not 32 times. It stops between
+  items when the interpreter exits; what an exit cuts short is crash-safe (the next pass
+  finishes it);
 - after each publish: evict least recently used entries above the bound (`eviction.py`);
 - around a compile for the fleet: note the promotion owed, forget it once promoted.
 """
@@ -23,7 +25,7 @@ import logging
 import threading
 from collections.abc import Callable, Collection
 
-from vllm_neuron.backends import LockTimeout, Record, Store
+from vllm_neuron.backends import Lock, LockTimeout, Record, Store
 
 from ..tiers.remote import RemoteTier
 from ..trust.policy import TrustPolicy
@@ -94,20 +96,42 @@ class TierUpkeep:
     def _background_pass(self) -> None:
         lock = self.local.lock(UPKEEP_LOCK, lease_duration=self._lock_lease)
         try:
-            lock.acquire(timeout=0)
+            whole = self._take_upkeep_lock(lock)
         except LockTimeout:
-            return  # another process of the tier is at it
+            return  # another process's pass is at it
         except Exception as exc:  # noqa: BLE001 - hygiene never stops the cache
             logger.debug("compile cache: upkeep of %s not started: %s", self.local.url, exc)
             return
         try:
-            self._collect()
-            sweep_dead_jobs()  # never raises; a warm restart prepares no job to sweep them
+            if whole:
+                self._collect()
+                sweep_dead_jobs()  # never raises; a warm restart prepares no job to sweep them
             self._settle()
         except Exception as exc:  # noqa: BLE001 - a background pass never kills the process
             logger.warning("compile cache: the upkeep of %s stopped: %s", self.local.url, exc)
         finally:
             lock.release()
+
+    def _take_upkeep_lock(self, lock: Lock) -> bool:
+        """Take the tier's upkeep lock; True: this pass does all of it, False: only the
+        settling; `LockTimeout`: another process's pass is at it.
+
+        Held at the first try: by a live pass, or - on a tier without kernel locks - by the
+        lease of a process killed mid-pass, which stays held for up to one lease period.
+        Skipping then would leave that process's work (its owed promotion above all) to the
+        next start, which may be weeks away, so the pass waits (in the background) for up
+        to two periods. A lease taken over from a dead holder (`took_over_from`): the whole
+        pass is this one's. A lock released meanwhile: a live pass has just collected the
+        tier, but what it could settle depended on its own view of the remote (down for it,
+        or a process that may not publish), so this one settles what is still owed - one
+        listing when nothing is. A live pass still at it after two periods keeps the work.
+        """
+        try:
+            lock.acquire(timeout=0)
+            return True
+        except LockTimeout:
+            lock.acquire(timeout=2 * self._lock_lease)
+        return lock.took_over_from is not None
 
     def _settle(self) -> None:
         """Promote what this tier owes the remote (`owed.py`), if this process may write."""
