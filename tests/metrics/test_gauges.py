@@ -63,3 +63,21 @@ def test_without_a_remote_there_is_no_remote_series(tmp_path: Path) -> None:
     found = first_process({"VLLM_CACHE_ROOT": str(tmp_path / "root"),
                            "NEURON_LIBTORCH_REMOTE_CACHE": ""})
     assert REMOTE_UP not in found and SIZE in found
+
+
+def test_a_sample_cut_short_by_the_exit_says_nothing(tmp_path: Path, caplog) -> None:
+    """At exit the first process removes the metrics directory while the sampler may be
+    mid-sample (a short-lived process exits right after its first one): once stopped, its
+    failing write is no warning; before, the same failure warns once."""
+    from vllm_neuron.metrics import TierSampler
+
+    env = {"VLLM_CACHE_ROOT": str(tmp_path / "root"), "NEURON_LIBTORCH_REMOTE_CACHE": ""}
+    gone = tmp_path / "removed-metrics-dir"  # never made: the write fails
+    live = TierSampler(str(gone), env)
+    live.sample()
+    assert [r.getMessage() for r in caplog.records if "not sampled" in r.getMessage()]
+    caplog.clear()
+    exiting = TierSampler(str(gone), env)
+    exiting.stop()  # what the exit does first (registered by start())
+    exiting.sample()
+    assert not [r for r in caplog.records if "not sampled" in r.getMessage()]

@@ -19,6 +19,7 @@ engine processes report such settings themselves.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import threading
@@ -82,6 +83,9 @@ class TierSampler:
         self._warned: set[str] = set()
 
     def start(self) -> None:
+        # Stopped at exit before the metrics directory goes (atexit runs the handlers
+        # registered later first): a sample cut short by the exit says nothing.
+        atexit.register(self.stop)
         threading.Thread(target=self._loop, name="vllm-neuron-gauges", daemon=True).start()
 
     def stop(self) -> None:
@@ -110,7 +114,8 @@ class TierSampler:
                     else 0.0
             self._write(values)
         except Exception as exc:  # noqa: BLE001 - metrics never break a vLLM
-            self._warn_once("sample", f"vllm_neuron: cache gauges not sampled: {exc}")
+            if not self._stop.is_set():  # at exit its directory may be gone: no news
+                self._warn_once("sample", f"vllm_neuron: cache gauges not sampled: {exc}")
         finally:
             self.sampled.set()
         return values
