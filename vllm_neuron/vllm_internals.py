@@ -127,6 +127,14 @@ _ENTRIES = (
              purpose="where vLLM keeps what it learned of each model class "
                      "($VLLM_CACHE_ROOT/modelinfos), carried to a deployment's new nodes "
                      "(plugin/model_info.py)", without=_NO_MODEL_INFO),
+    VllmName(_REGISTRY, "_run_in_subprocess", params=("fn",),
+             purpose="vLLM's inspection of a model class in a fresh interpreter (to keep CUDA "
+                     "out of its first process): in host mode, where there is no CUDA, "
+                     "replaced by the same call in the process that asks "
+                     "(plugin/model_inspection.py); vLLM's registry is its only caller (the "
+                     "canary scans vLLM's source)",
+             without="vLLM inspects each model class new to the node in its subprocess (8-15 s "
+                     "on 2 cores), as without this package"),
     VllmName(_REGISTRY, "_ModelInfo", kind=type,
              purpose="the fields of vLLM's model information and their types: a carried file "
                      "must have exactly these (plugin/model_info.py)", without=_NO_MODEL_INFO),

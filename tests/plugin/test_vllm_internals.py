@@ -52,6 +52,8 @@ def _degraded(qualname: str, baseline: dict[str, object]) -> dict[str, object]:
         out["model_info"] = [False, False]  # nothing carried: vLLM inspects on its own
     elif qualname.endswith(("._ModelInfo", ".AttnTypeStr", "PoolingType")):
         out["model_info"] = [True, True]  # no carried file is believed
+    elif qualname.endswith("._run_in_subprocess"):
+        out["inspects_in_process"] = False  # vLLM's subprocess inspects
     return out
 
 
@@ -66,10 +68,13 @@ def test_every_fenced_vllm_name_is_there_and_each_missing_one_degrades(
     # The canary: every name as fenced at the pinned vLLM, and none feeds a cache key.
     assert report["canary"] == {q: None for q in FENCED}
     assert report["feeds_key"] == []
+    # What the plugin replaces has one caller in vLLM, the one it was written for.
+    assert report["callers"] == {
+        "_run_in_subprocess": ["model_executor/models/registry.py:inspect_model_cls"]}
     baseline = report["baseline"]
     assert baseline == {"platform": HOST, "backend": ADAPTOR, "worker": WORKER,
                         "embedding": True, "registered": len(OWN_SETTINGS), "ranks": [0, 1],
-                        "model_info": [True, False]}
+                        "model_info": [True, False], "inspects_in_process": True}
     assert report["baseline_warnings"] == 0
     assert sorted(report["missing"]) == sorted(FENCED)
     for qualname, outcome in report["missing"].items():

@@ -20,6 +20,7 @@ from typing import Any
 
 os.environ["VLLM_NEURON_HOST_MODE"] = "1"
 
+import vllm  # noqa: E402 - where vLLM's source is (the canary's scan)
 import vllm.config  # noqa: E402,F401 - vLLM loaded as in a server, before the plugin
 import vllm.distributed.parallel_state  # noqa: E402,F401
 import vllm.envs  # noqa: E402
@@ -73,7 +74,55 @@ def _outcome() -> dict[str, Any]:
     model_info = importlib.import_module("vllm_neuron.plugin.model_info")
     out["model_info"] = [model_info.local_model_info_dir() is not None,
                          (model_info.problem("a-B.json", b"{}") or "").startswith("this vLLM")]
+    inspection = importlib.import_module("vllm_neuron.plugin.model_inspection")
+    out["inspects_in_process"] = inspection.inspect_in_process()
+    registry = sys.modules.get("vllm.model_executor.models.registry")
+    runner = getattr(registry, "_run_in_subprocess", None)
+    if hasattr(runner, "subprocess_runner"):  # vLLM's own back, for the next run
+        registry._run_in_subprocess = runner.subprocess_runner  # type: ignore[union-attr]
     return out
+
+
+def _callers(name: str) -> list[str]:
+    """Where vLLM's source reads `name` (a bare name or an attribute), as
+    ``<file under vllm>:<innermost enclosing function, or <module>>``: the canary's scan that
+    what the plugin replaces has no reader beside the one it was written for."""
+    import ast
+
+    class Reads(ast.NodeVisitor):
+        def __init__(self) -> None:
+            self.scopes = ["<module>"]
+            self.where: set[str] = set()
+
+        def visit_FunctionDef(self, node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
+            self.scopes.append(node.name)
+            self.generic_visit(node)
+            self.scopes.pop()
+
+        visit_AsyncFunctionDef = visit_FunctionDef
+
+        def visit_Name(self, node: ast.Name) -> None:
+            if node.id == name:
+                self.where.add(self.scopes[-1])
+
+        def visit_Attribute(self, node: ast.Attribute) -> None:
+            if node.attr == name:
+                self.where.add(self.scopes[-1])
+            self.generic_visit(node)
+
+    root = os.path.dirname(vllm.__file__)
+    found = []
+    for folder, _, files in os.walk(root):
+        for file in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, file)
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text = f.read()
+            if name not in text:
+                continue
+            reads = Reads()
+            reads.visit(ast.parse(text))
+            found += [f"{os.path.relpath(path, root)}:{scope}" for scope in reads.where]
+    return sorted(found)
 
 
 def main() -> None:
@@ -82,6 +131,7 @@ def main() -> None:
     report: dict[str, Any] = {
         "canary": {q: vllm_internals.problem(q) for q in vllm_internals.FENCED},
         "feeds_key": [q for q, e in vllm_internals.FENCED.items() if e.feeds_key],
+        "callers": {"_run_in_subprocess": _callers("_run_in_subprocess")},
         "baseline": _outcome(),
         "missing": {},
     }

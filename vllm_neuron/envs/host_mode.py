@@ -43,14 +43,16 @@ VLLM_NEURON_CPU_PROBE_STARTED = "_VLLM_NEURON_CPU_PROBE_STARTED"
 VLLM_NEURON_WITHOUT = "_VLLM_NEURON_WITHOUT"
 COLD_START_MECHANISMS: tuple[str, ...] = (
     "probe", "early-workers", "prepare-runtime", "wrapper-split", "first-valid-isa",
-    "in-place", "workers", "rank-sharing")  # fmt: skip
+    "in-place", "workers", "rank-sharing", "in-process-inspection")  # fmt: skip
 """What `VLLM_NEURON_WITHOUT` may name: the CPU probe ahead (head_start.py), compile workers
 started before the model loads, the probe's compile of the wrapper's runtime part, the
 wrapper compiled in two parts (aoti_wrapper.py), the vector-ISA probe stopped at the first
 valid ISA (vector_isa.py), a share of one slot compiling in place (in workers instead),
 host compile workers at larger shares (in place instead), and the ranks sharing out the pieces
 (deferred compiles: without it every process waits for a piece another compiles, as with
-VLLM_NEURON_DEFER_COMPILES=0 but with the head start unchanged)."""
+VLLM_NEURON_DEFER_COMPILES=0 but with the head start unchanged), and vLLM's inspection of
+the model's class in the process that asks (plugin/model_inspection.py; without it, in vLLM's
+subprocess)."""
 # vLLM's own variable; read here because host mode must turn it off (see the plugin).
 VLLM_USE_AOT_COMPILE = "VLLM_USE_AOT_COMPILE"
 

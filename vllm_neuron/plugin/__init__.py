@@ -11,7 +11,8 @@ vLLM discovers this package through two entry-point groups (pyproject.toml):
     fixes the engine run's id for the manifest ledger before any engine process is started;
     registers the ``vllm_neuron`` torch.compile backend; installs the compile cache's
     counters for vLLM's ``/metrics`` (:mod:`vllm_neuron.metrics`); makes this package's log
-    lines visible.
+    lines visible. In host mode it has vLLM inspect the model's class in its own process
+    rather than a second interpreter (:mod:`.model_inspection`).
 ``vllm.platform_plugins`` -> :func:`platform_plugin`
     Returns the host platform when ``VLLM_NEURON_HOST_MODE=1``, otherwise ``None``: vLLM
     then picks its platform as if this package were not installed. In host mode, in a vLLM
@@ -62,6 +63,7 @@ from vllm_neuron.snapshot.config import snapshot_config
 from vllm_neuron.vllm_internals import resolve
 
 from .model_info import restore_for_start as restore_model_info
+from .model_inspection import inspect_in_process
 from .vllm_env import register_settings_with_vllm
 from .vllm_version import check_vllm_version
 
@@ -275,6 +277,9 @@ def register() -> None:
         os.environ.setdefault("VLLM_USE_AOT_COMPILE", "0")
         # Before vLLM starts any engine process, if the platform plugin did not already.
         _start_cpu_probe_ahead()
+        # Before vLLM builds its configuration: it inspects the model's class here, not in
+        # a second interpreter (model_inspection.py).
+        inspect_in_process()
     # Before vLLM builds its configuration, which inspects the model's class: on a new node,
     # vLLM's answers of the deployment's other nodes (model_info.py); after the probe's
     # start, which this look must not delay.
