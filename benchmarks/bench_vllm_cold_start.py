@@ -218,6 +218,8 @@ def start(run: Run, python: str, model: str, workdir: Path, env: dict[str, str],
 
     log_path = workdir / "logs" / f"{run.name.replace(' ', '-')}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    # The server appends to its log: a design started again (`--rounds`) reads its own start.
+    log_start = log_path.stat().st_size if log_path.exists() else 0
     before = cache_counts(compile_cache) if compile_cache else {}
     port = free_port()
     run.load = machine().rsplit(", ", 1)[-1]
@@ -235,7 +237,7 @@ def start(run: Run, python: str, model: str, workdir: Path, env: dict[str, str],
         raise RuntimeError(f"{run.name}: {exc}\n{server.log_tail(8000)}") from exc
     finally:
         server.teardown(grace=30.0)
-    log = log_path.read_text(errors="replace")
+    log = log_path.read_bytes()[log_start:].decode(errors="replace")
     host_mode = "host mode on" if "plugin" in run.design else "host mode off"
     if host_mode not in log:
         raise RuntimeError(f"{run.name}: the log does not say {host_mode!r} ({log_path})")
