@@ -81,3 +81,26 @@ def test_a_sample_cut_short_by_the_exit_says_nothing(tmp_path: Path, caplog) -> 
     exiting.stop()  # what the exit does first (registered by start())
     exiting.sample()
     assert not [r for r in caplog.records if "not sampled" in r.getMessage()]
+
+
+def test_a_stopped_sampler_makes_no_file_and_leaves_no_sample_running(tmp_path: Path) -> None:
+    """At exit the sampler is stopped, then the first process removes the metrics directory:
+    a sample in progress is waited for, and no sample after the stop makes the gauge file
+    (one made while the directory goes would keep it in $TMPDIR)."""
+    from vllm_neuron.metrics import TierSampler
+
+    env = {"VLLM_CACHE_ROOT": str(tmp_path / "root"), "NEURON_LIBTORCH_REMOTE_CACHE": ""}
+    running_dir, exiting_dir = tmp_path / "running", tmp_path / "exiting"
+    running_dir.mkdir()
+    exiting_dir.mkdir()
+    running = TierSampler(str(running_dir), env, interval=3600.0)
+    running.start()
+    assert running.sampled.wait(60)
+    running.stop()
+    assert running._thread is not None and not running._thread.is_alive()
+    assert len(list(running_dir.iterdir())) == 1  # its gauge file, made before the stop
+
+    exiting = TierSampler(str(exiting_dir), env)
+    exiting.stop()
+    assert exiting.sample()  # measured all the same, for a caller that asks
+    assert list(exiting_dir.iterdir()) == []

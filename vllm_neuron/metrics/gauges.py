@@ -41,6 +41,9 @@ GAUGE_FILE_PREFIX = "gauge_mostrecent_vllm-neuron-"  # type, then mode: the coll
 SAMPLE_SECONDS = 30.0
 """How often the sampler measures: about a scrape interval, and a listing of the local tier
 (one record read per entry) costs little at that rate."""
+# How long stopping waits for a sample in progress (an exit waits this at most; a remote's
+# probe is bounded by the store's own timeouts, longer than this on a hung mount).
+STOP_WAIT_SECONDS = 2.0
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,15 +84,24 @@ class TierSampler:
         self._file: Any = None
         self._remote: Store | None = None
         self._warned: set[str] = set()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         # Stopped at exit before the metrics directory goes (atexit runs the handlers
         # registered later first): a sample cut short by the exit says nothing.
         atexit.register(self.stop)
-        threading.Thread(target=self._loop, name="vllm-neuron-gauges", daemon=True).start()
+        self._thread = threading.Thread(target=self._loop, name="vllm-neuron-gauges",
+                                        daemon=True)  # fmt: skip
+        self._thread.start()
 
     def stop(self) -> None:
+        """No sample after this one makes the gauge file, and one in progress is waited
+        for (up to `STOP_WAIT_SECONDS`: a probe of a remote that hangs is not): at exit the
+        metrics directory is removed next, and a file made while it goes would keep it."""
         self._stop.set()
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=STOP_WAIT_SECONDS)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -136,6 +148,8 @@ class TierSampler:
         from prometheus_client.mmap_dict import MmapedDict, mmap_key
 
         if self._file is None:
+            if self._stop.is_set():  # stopped: the directory may be going (see stop)
+                return
             path = os.path.join(self.directory, f"{GAUGE_FILE_PREFIX}{os.getpid()}.db")
             self._file = MmapedDict(path)
         now = time.time()
