@@ -15,20 +15,12 @@ from __future__ import annotations
 
 import json
 import logging
+import logging.handlers
 import os
 import sys
 from typing import Any
 
 ARCH = "LlamaForCausalLM"
-
-
-class _Count(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
 
 
 def main(mode: str) -> None:
@@ -37,7 +29,8 @@ def main(mode: str) -> None:
     import vllm_neuron.plugin as plugin
 
     plugin._start_cpu_probe_ahead = lambda: None  # type: ignore[attr-defined] # no probe
-    handler = _Count()
+    handler = logging.handlers.BufferingHandler(capacity=10_000)  # keeps what it is given
+    handler.setLevel(logging.WARNING)
     logging.getLogger("vllm_neuron").addHandler(handler)
     out: dict[str, Any] = {}
     if mode in ("off", "gpu-build"):
@@ -77,10 +70,10 @@ def main(mode: str) -> None:
             raise RuntimeError("an import that fails in this process")
         return 42
 
-    handler.messages.clear()
+    handler.buffer.clear()
     out["fallback"] = registry._run_in_subprocess(fails_here_only)
     out["fallback_processes"] = len(started) - out["processes_started"]
-    out["warnings"] = list(handler.messages)
+    out["warnings"] = [r.getMessage() for r in handler.buffer]
     print("INSPECTION " + json.dumps(out), flush=True)
 
 
