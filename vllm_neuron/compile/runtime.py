@@ -97,23 +97,27 @@ class CompileRuntime:
         """
         self._wrappers.append(wrapper)
 
-    def start_compile_worker_if_cold(self, pool: WorkerPool = POOL) -> bool:
+    def start_compile_worker_if_cold(self, pool: WorkerPool = POOL, *,
+                                     tier_was_empty: bool | None = None) -> bool:  # fmt: skip
         """Start compile workers now (up to two of this process's share), before the engine
         traces its model, when this process is likely to compile its own graphs in workers
         (head_start.py: the host toolchain, deferred compiles, a cache that compiles, a
-        local tier that holds no entry at all; `compiles_in_background`), so their start-up
-        overlaps the model's loading. True when any was started."""
+        local tier that holds no entry at all - `tier_was_empty`, when the caller looked
+        earlier, else looked at now; `compiles_in_background`), so their start-up overlaps
+        the model's loading. True when any was started."""
         cache = self.cache
         if cache.disabled or cache.precompiled_only or not cache.defer_compiles:
             return False
         if cold_start_without("early-workers"):  # the A/B benchmark's other side
             return False
-        if holds_entries(cache.local_dir) or not self.compiles_in_background:
+        if tier_was_empty is None:
+            tier_was_empty = not holds_entries(cache.local_dir)
+        if not tier_was_empty or not self.compiles_in_background:
             return False
         return start_worker_early(self.toolchain, workers=cache.compile_share, pool=pool)
 
-    def start_for_deployment(self, deployment: str | None, rank: int,
-                             pool: WorkerPool = POOL) -> str | None:  # fmt: skip
+    def start_for_deployment(self, deployment: str | None, rank: int, pool: WorkerPool = POOL,
+                             *, tier_was_empty: bool | None = None) -> str | None:  # fmt: skip
         """What this rank begins before the engine traces its model, once its device is set
         up (head_start.py): on a node whose local tier holds no entry, the graphs the remote
         records for this rank of `deployment` (tiers/deployments.py; not under trust mode
@@ -121,9 +125,16 @@ class CompileRuntime:
         loads, and no compile worker starts - they will be
         fetched, not compiled; without such a record, compile workers start early
         (`start_compile_worker_if_cold`). What it began, for the log: ``"fetch N"``,
-        ``"workers"``, or None."""
+        ``"workers"``, or None.
+
+        `tier_was_empty`: whether the local tier held no entry when the caller looked, before
+        this start's ranks could write there (looked at now when None). The ranks of one
+        engine share the node's tier: a rank that looked once another had begun fetching
+        would find that rank's entries and take a new node for a warm one."""
         cache = self.cache
-        if cache.disabled or holds_entries(cache.local_dir):
+        if tier_was_empty is None:
+            tier_was_empty = not holds_entries(cache.local_dir)
+        if cache.disabled or not tier_was_empty:
             return None
         keys = None
         if deployment is not None and not cache.trust.requires:
@@ -136,7 +147,8 @@ class CompileRuntime:
         if keys:
             cache.prefetch(keys)
             return f"fetch {len(keys)}"
-        return "workers" if self.start_compile_worker_if_cold(pool) else None
+        began = self.start_compile_worker_if_cold(pool, tier_was_empty=tier_was_empty)
+        return "workers" if began else None
 
     def may_record_deployment(self) -> bool:
         """Whether this process, its start-up over, may tell the remote about its

@@ -51,21 +51,40 @@ class _HostWorker(ArtifactWorkerHooks, _base or object):  # type: ignore[misc]
         super().__init__(*args, **kwargs)
 
     def init_device(self) -> None:
+        # Looked at before the device is set up: setting it up joins this rank to the others
+        # (their process group's rendezvous), so no rank of this engine has begun fetching
+        # into the node's shared local tier yet - a rank that looked afterwards could find
+        # another's fetched entries there and take this new node for a warm one.
+        tier_was_empty = _local_tier_holds_no_entry()
         super().init_device()
         # Read once, before vLLM changes its configuration any further (an auto-fitted
         # maximum length...): the record written after warm-up is the one looked up here.
-        self.vllm_neuron_deployment = _begin_before_the_model_loads(self.vllm_config, self.rank)
+        self.vllm_neuron_deployment = _begin_before_the_model_loads(
+            self.vllm_config, self.rank, tier_was_empty)
 
 
 _HostWorker.__name__ = _HostWorker.__qualname__ = "NeuronHostWorker"
 NeuronHostWorker: Any = _HostWorker if _base is not None else _stock_worker()
 
 
-def _begin_before_the_model_loads(vllm_config: Any, rank: int) -> tuple[str | None, int]:
-    """On a node whose local tier holds no entry: fetch this rank's graphs in the
-    background when the remote records them for this deployment, else start the compile
-    workers early (`CompileRuntime.start_for_deployment`). The deployment and this rank's
-    place in it."""
+def _local_tier_holds_no_entry() -> bool | None:
+    """Whether the local tier holds no entry now; None when its setting is malformed (the
+    runtime's own start says so, naming it)."""
+    from vllm_neuron.compile.tiers.location import get_neuron_compile_cache_dir, holds_entries
+    from vllm_neuron.envs import ConfigError, compile_cache_settings
+
+    try:
+        return not holds_entries(get_neuron_compile_cache_dir(compile_cache_settings()))
+    except ConfigError:
+        return None
+
+
+def _begin_before_the_model_loads(vllm_config: Any, rank: int, tier_was_empty: bool | None
+                                  ) -> tuple[str | None, int]:  # fmt: skip
+    """On a node whose local tier held no entry before this rank set up its device
+    (`tier_was_empty`): fetch this rank's graphs in the background when the remote records
+    them for this deployment, else start the compile workers early
+    (`CompileRuntime.start_for_deployment`). The deployment and this rank's place in it."""
     # Lazy: the runtime's assembly reads every setting, once this process is a worker.
     from vllm_neuron.assembly import get_runtime
     from vllm_neuron.envs import ConfigError
@@ -75,7 +94,8 @@ def _begin_before_the_model_loads(vllm_config: Any, rank: int) -> tuple[str | No
     deployment, rank = deployment_of(vllm_config), rank_in_deployment(vllm_config, rank)
     logger.info("vllm_neuron: deployment %s, rank %d", deployment or "unknown", rank)
     try:
-        began = get_runtime().start_for_deployment(deployment, rank)
+        began = get_runtime().start_for_deployment(deployment, rank,
+                                                   tier_was_empty=tier_was_empty)
     except ConfigError:
         return deployment, rank  # a malformed setting: the first compile says it, naming it
     except Exception as exc:  # noqa: BLE001 - an early start is a head start, never a need

@@ -197,6 +197,39 @@ def test_a_new_node_of_a_known_deployment_fetches_its_graphs_and_starts_no_worke
     assert holds_entries(node.cache.local_dir)
 
 
+def test_each_rank_of_a_new_node_fetches_though_another_rank_fetched_first(tmp_path, compile_fn):
+    """The ranks of one engine share the node's local tier. A rank that looks once another
+    rank's fetch has landed there finds entries; what it was told the tier held before any
+    rank could write (the worker looks before its device's rendezvous: plugin/worker.py)
+    decides, so it fetches its own graphs too - one only it uses included."""
+    remote_dir = str(tmp_path / "remote")
+    seed = TwoTierCache(str(tmp_path / "seed"), remote=remote_dir)
+    own = "a" * 32  # rank 1's alone
+    for key in [*KEYS, own]:
+        seed.get_or_compile(key, compile_fn(key))
+    remember_keys(open_store(remote_dir), DEPLOYMENT, 0, KEYS)
+    remember_keys(open_store(remote_dir), DEPLOYMENT, 1, [*KEYS[:2], own])
+    node = str(tmp_path / "node")
+    ranks = [CompileRuntime(TwoTierCache(node, remote=remote_dir, compile_workers=2),
+                            HostToolchain()) for _ in range(2)]  # fmt: skip
+    pool = WorkerPool(idle_seconds=3600.0)
+    assert ranks[0].start_for_deployment(DEPLOYMENT, 0, pool, tier_was_empty=True) == "fetch 3"
+    deadline = time.monotonic() + 60
+    while not holds_entries(node) and time.monotonic() < deadline:
+        ranks[0].cache._prefetcher._wake.wait(0.05)
+    assert holds_entries(node)  # rank 0's fetch landed before rank 1 looks
+    # Looked at now, rank 1 would take the node for a warm one and begin nothing.
+    assert ranks[1].start_for_deployment(DEPLOYMENT, 1, pool) is None
+    assert ranks[1].start_for_deployment(DEPLOYMENT, 1, pool, tier_was_empty=True) == "fetch 3"
+    assert pool.started == []
+    deadline = time.monotonic() + 60
+    while ranks[1].cache._prefetcher.pending and time.monotonic() < deadline:
+        ranks[1].cache._prefetcher._wake.wait(0.05)
+    assert ranks[1].cache.get_or_compile(own, _never).source == "local"
+    # Told the tier held entries before the start (a warm node): nothing begun.
+    assert ranks[1].start_for_deployment(DEPLOYMENT, 1, pool, tier_was_empty=False) is None
+
+
 def _never(out: str) -> dict:
     raise AssertionError("compiled a graph the remote had")
 
