@@ -5,8 +5,9 @@ The ranks of one engine share the node's local tier, and setting a rank's device
 to the others (their process group's rendezvous): no rank begins fetching before every rank
 has begun setting up. A rank that looked after its set-up could find another rank's fetched
 entries and take a new node for a warm one (begin nothing: the flaky TP=2 "new node" start).
-Here vLLM's set-up is replaced by one that lands another rank's entry in the tier, and what
-the worker hands on as "the tier was empty" is read back. No server, no process group.
+Here vLLM's set-up is first shown to join the ranks (its call that does is replaced by one
+that says so), then replaced by one that lands another rank's entry in the tier, and what the
+worker hands on as "the tier was empty" is read back. No server, no process group.
 """
 
 from __future__ import annotations
@@ -32,6 +33,28 @@ from vllm_neuron.plugin import worker
 tier = Path(get_neuron_compile_cache_dir())
 handed_on = []
 
+# The premise: vLLM's own set-up of a CPU worker's device joins the ranks (its distributed
+# environment: the gloo group's rendezvous). A vLLM that moved that out of init_device would
+# let a rank fetch before another looked.
+import types
+from vllm.v1.worker import cpu_worker
+
+class Joined(Exception):
+    pass
+
+def join(*args, **kwargs):
+    raise Joined
+
+cpu_worker.init_worker_distributed_environment = join
+bare = object.__new__(CPUWorker)
+bare.vllm_config = types.SimpleNamespace(speculative_config=None)
+bare.distributed_init_method, bare.rank, bare.local_rank = "tcp://127.0.0.1:9", 0, 0
+try:
+    CPUWorker.init_device(bare)
+    joins = False
+except Joined:
+    joins = True
+
 def set_up_device(self):  # meanwhile another rank's fetch lands in the node's tier
     (tier / ("a" * 32)).mkdir(parents=True, exist_ok=True)
 
@@ -44,7 +67,8 @@ worker._begin_before_the_model_loads = begin
 rank = object.__new__(worker.NeuronHostWorker)
 rank.vllm_config, rank.rank, rank.model_runner = None, 1, None  # snapshots off: unused
 rank.init_device()
-print("HANDED", json.dumps({"empty": handed_on, "now": sorted(p.name for p in tier.iterdir())}))
+now = sorted(p.name for p in tier.iterdir())
+print("HANDED", json.dumps({"joins": joins, "empty": handed_on, "now": now}))
 """
 
 
@@ -61,9 +85,10 @@ def handed_on(vllm_python: Path, cache_root: Path) -> dict[str, object]:
 
 def test_the_tier_is_looked_at_before_the_ranks_meet(vllm_python: Path, tmp_path: Path) -> None:
     # A new node: empty when looked at, though another rank's entry is there by the begin.
-    assert handed_on(vllm_python, tmp_path / "new") == {"empty": [True], "now": ["a" * 32]}
+    assert handed_on(vllm_python, tmp_path / "new") == {
+        "joins": True, "empty": [True], "now": ["a" * 32]}
     # A node whose tier held an entry before the start: a warm one.
     held = tmp_path / "warm" / "neuron" / "compile_cache" / ("b" * 32)
     held.mkdir(parents=True)
     assert handed_on(vllm_python, tmp_path / "warm") == {
-        "empty": [False], "now": ["a" * 32, "b" * 32]}
+        "joins": True, "empty": [False], "now": ["a" * 32, "b" * 32]}

@@ -39,10 +39,10 @@ class _HostWorker(ArtifactWorkerHooks, _base or object):  # type: ignore[misc]
     piece is one graph on every tensor-parallel rank (`vocab_embedding.py`), unless
     VLLM_NEURON_RANK_INDEPENDENT_EMBEDDING=0; and, once its device is set up (its
     tensor-parallel group known, so its share of the node's compile slots is), on a node whose
-    local tier is empty it starts its compile workers (when it has any: a share of more than
-    one slot, `CompileRuntime.compiles_in_background`), whose start-up then runs while the
-    model loads - unless the remote records this rank's graphs of this deployment: they are
-    fetched meanwhile instead (compile/head_start.py).
+    local tier was empty before that set-up it starts its compile workers (when it has any:
+    a share of more than one slot, `CompileRuntime.compiles_in_background`), whose start-up
+    then runs while the model loads - unless the remote records this rank's graphs of this
+    deployment: they are fetched meanwhile instead (compile/head_start.py).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -68,14 +68,17 @@ NeuronHostWorker: Any = _HostWorker if _base is not None else _stock_worker()
 
 
 def _local_tier_holds_no_entry() -> bool | None:
-    """Whether the local tier holds no entry now; None when its setting is malformed (the
-    runtime's own start says so, naming it)."""
+    """Whether the configured local tier holds no entry now - the directory the first
+    process's CPU probe decided on (head_start.py), also when this process will write to a
+    stand-in beside a read-only one; None when that could not be told (a malformed setting:
+    the runtime's own start says so, naming it), and the runtime then looks itself."""
     from vllm_neuron.compile.tiers.location import get_neuron_compile_cache_dir, holds_entries
-    from vllm_neuron.envs import ConfigError, compile_cache_settings
+    from vllm_neuron.envs import compile_cache_settings
 
     try:
         return not holds_entries(get_neuron_compile_cache_dir(compile_cache_settings()))
-    except ConfigError:
+    except Exception as exc:  # noqa: BLE001 - a head start's guess, never a need
+        logger.debug("vllm_neuron: the local tier was not looked at early: %s", exc)
         return None
 
 
