@@ -132,9 +132,11 @@ class CompileRuntime:
         engine share the node's tier: a rank that looked once another had begun fetching
         would find that rank's entries and take a new node for a warm one."""
         cache = self.cache
+        if cache.disabled:
+            return None
         if tier_was_empty is None:
             tier_was_empty = not holds_entries(cache.local_dir)
-        if cache.disabled or not tier_was_empty:
+        if not tier_was_empty:
             return None
         keys = None
         if deployment is not None and not cache.trust.requires:
